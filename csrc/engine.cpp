@@ -1,0 +1,461 @@
+#include "engine.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "copy.h"
+#include "crc32c.h"
+#include "io_util.h"
+
+namespace dcpds {
+
+// ---------------------------------------------------------------------------------------------
+// Read path: one batch per read_into call. The caller and up to read_threads-1 pool workers
+// claim tasks from it with an atomic cursor; the caller returns once every claimed task is over.
+
+struct ReadTask {
+  char* dst;
+  uint64_t off;
+  uint64_t len;
+};
+
+struct ReadBatch {
+  int fd = -1;
+  std::string path;
+  std::vector<ReadTask> tasks;
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::atomic<uint64_t>* bytes_read = nullptr;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  int active = 0;
+  bool finished = false;  // set by the caller; late workers must not touch fd or dst after it
+  int err = 0;
+  bool short_read = false;
+  uint64_t err_off = 0, err_len = 0, err_got = 0;
+
+  void run() {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      if (finished) return;
+      ++active;
+    }
+    while (!failed.load(std::memory_order_acquire)) {
+      size_t i = next.fetch_add(1, std::memory_order_relaxed);
+      if (i >= tasks.size()) break;
+      const ReadTask& t = tasks[i];
+      size_t got = 0;
+      int e = pread_full(fd, t.dst, static_cast<size_t>(t.len), t.off, &got);
+      bytes_read->fetch_add(got, std::memory_order_relaxed);
+      if (e != 0 || got < t.len) record_error(e, t, got);
+    }
+    {
+      std::lock_guard<std::mutex> g(mu);
+      --active;
+    }
+    cv.notify_all();
+  }
+
+  void record_error(int e, const ReadTask& t, size_t got) {
+    std::lock_guard<std::mutex> g(mu);
+    if (!failed.load(std::memory_order_relaxed)) {
+      err = e;
+      short_read = e == 0;
+      err_off = t.off;
+      err_len = t.len;
+      err_got = got;
+    }
+    failed.store(true, std::memory_order_release);
+  }
+
+  void wait_all() {
+    std::unique_lock<std::mutex> lk(mu);
+    cv.wait(lk, [&] {
+      return active == 0 && (failed.load(std::memory_order_acquire) || next.load() >= tasks.size());
+    });
+    finished = true;
+  }
+};
+
+namespace {
+
+struct FdCloser {
+  int fd;
+  ~FdCloser() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+std::string internal_error(const std::string& path, const char* what) {
+  return path + ": internal error in the write engine: " + what;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+
+Engine::Engine(const EngineConfig& cfg) : cfg_(cfg) {
+  if (cfg.cache_bytes <= 0) throw std::invalid_argument("cache_bytes must be positive, got " + std::to_string(cfg.cache_bytes));
+  if (cfg.chunk_bytes <= 0) throw std::invalid_argument("chunk_bytes must be positive, got " + std::to_string(cfg.chunk_bytes));
+  if (cfg.alignment <= 0 || (cfg.alignment & (cfg.alignment - 1)) != 0)
+    throw std::invalid_argument("alignment must be a power of two, got " + std::to_string(cfg.alignment));
+  if (cfg.copy_threads < 1) throw std::invalid_argument("copy_threads must be at least 1, got " + std::to_string(cfg.copy_threads));
+  if (cfg.flush_threads < 1) throw std::invalid_argument("flush_threads must be at least 1, got " + std::to_string(cfg.flush_threads));
+  if (cfg.read_threads < 1) throw std::invalid_argument("read_threads must be at least 1, got " + std::to_string(cfg.read_threads));
+  if (!(cfg.cache_wait_timeout_s >= 0))  // also rejects NaN
+    throw std::invalid_argument("cache_wait_timeout_s must be >= 0, got " + std::to_string(cfg.cache_wait_timeout_s));
+
+  // Effective chunk: at most a quarter of the cache so copy and flush overlap, aligned, and
+  // never larger than the cache itself (a tiny cache is one slot).
+  const uint64_t cache = static_cast<uint64_t>(cfg.cache_bytes);
+  const uint64_t align = static_cast<uint64_t>(cfg.alignment);
+  uint64_t chunk = std::min<uint64_t>(static_cast<uint64_t>(cfg.chunk_bytes), cache / 4);
+  chunk = std::max<uint64_t>(align, chunk);
+  chunk -= chunk % align;
+  if (chunk > cache) chunk = cache;
+  cache_ = std::make_unique<HostCache>(cache, chunk, align);
+
+  try {
+    for (int i = 0; i < cfg.copy_threads; ++i) copy_threads_.emplace_back([this] { copy_loop(); });
+    for (int i = 0; i < cfg.flush_threads; ++i) flush_threads_.emplace_back([this] { flush_loop(); });
+    for (int i = 0; i < cfg.read_threads; ++i) read_threads_.emplace_back([this] { read_loop(); });
+  } catch (...) {
+    stop_threads();
+    throw;
+  }
+}
+
+Engine::~Engine() { shutdown(); }
+
+std::shared_ptr<WriteJob> Engine::submit_write(std::string path, std::string header, uint64_t file_size,
+                                               const std::vector<WriteItem>& items, bool sync, int device) {
+  if (is_shut_down()) throw std::runtime_error("engine is shut down");
+  check_copy_device(device);
+  auto job = std::make_shared<WriteJob>(std::move(path), std::move(header), file_size, items, chunk_bytes(), sync, device);
+  {
+    std::lock_guard<std::mutex> g(copy_mu_);
+    if (stop_copy_) throw std::runtime_error("engine is shut down");
+    for (size_t k = 0; k < job->chunks_.size(); ++k) copy_q_.push_back(ChunkRef{job, k});
+    jobs_submitted_.fetch_add(1, std::memory_order_relaxed);
+  }
+  copy_cv_.notify_all();
+  return job;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Copy workers: FIFO over chunks of all jobs; block for a slot (backpressure), fill it.
+
+void Engine::copy_loop() {
+  for (;;) {
+    ChunkRef ref;
+    {
+      std::unique_lock<std::mutex> lk(copy_mu_);
+      copy_cv_.wait(lk, [&] { return !copy_q_.empty() || stop_copy_; });
+      if (copy_q_.empty()) return;  // stopping and drained
+      ref = std::move(copy_q_.front());
+      copy_q_.pop_front();
+    }
+    WriteJob& job = *ref.job;
+    stage_chunk(job, job.chunks_[ref.index]);
+    job.chunk_staged();
+    {
+      std::lock_guard<std::mutex> g(flush_mu_);
+      flush_q_.push_back(std::move(ref));
+    }
+    flush_cv_.notify_one();
+  }
+}
+
+void Engine::stage_chunk(WriteJob& job, Chunk& c) {
+  try {
+    if (job.failed() || c.span == 0) return;  // failed jobs skip their remaining chunks
+    bool waited = false;
+    const int slot = cache_->acquire(cfg_.cache_wait_timeout_s, &waited);
+    if (waited) backpressure_waits_.fetch_add(1, std::memory_order_relaxed);
+    if (slot < 0) {
+      char secs[64];
+      std::snprintf(secs, sizeof secs, "%g", cfg_.cache_wait_timeout_s);
+      job.fail(job.path() + ": host cache full for " + std::string(secs) + " s: no free slot among " +
+               std::to_string(cache_->slots_total()) + " for the chunk at offset " + std::to_string(c.file_off) +
+               "; flushes are stalled or much slower than copies (raise cache_wait_timeout_s or the cache size)");
+      return;
+    }
+    c.slot = slot;
+    char* base = cache_->slot_ptr(slot);
+    uint64_t pos = c.file_off;
+    for (size_t i = c.piece_begin; i < c.piece_end; ++i) {
+      const Piece& p = job.pieces_[i];
+      if (p.file_off > pos) std::memset(base + (pos - c.file_off), 0, p.file_off - pos);
+      copy_bytes(base + (p.file_off - c.file_off), p.src, p.len, job.device_);
+      pos = p.file_off + p.len;
+    }
+    bytes_staged_.fetch_add(c.data_bytes, std::memory_order_relaxed);
+    chunks_staged_.fetch_add(1, std::memory_order_relaxed);
+  } catch (const std::exception& e) {
+    job.fail(internal_error(job.path(), e.what()));
+  } catch (...) {
+    job.fail(internal_error(job.path(), "unknown exception"));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Flush workers: write the slot, checksum its pieces, give the slot back, finish the job.
+
+void Engine::flush_loop() {
+  for (;;) {
+    ChunkRef ref;
+    {
+      std::unique_lock<std::mutex> lk(flush_mu_);
+      flush_cv_.wait(lk, [&] { return !flush_q_.empty() || stop_flush_; });
+      if (flush_q_.empty()) return;
+      ref = std::move(flush_q_.front());
+      flush_q_.pop_front();
+    }
+    WriteJob& job = *ref.job;
+    Chunk& c = job.chunks_[ref.index];
+    flush_chunk(job, c);
+    if (c.slot >= 0) {
+      cache_->release(c.slot);
+      c.slot = -1;
+    }
+    if (job.chunk_flushed()) finalize(job);
+  }
+}
+
+bool Engine::ensure_open(WriteJob& job) {
+  std::lock_guard<std::mutex> g(job.open_mu_);
+  if (!job.open_attempted_) {
+    job.open_attempted_ = true;
+    int fd;
+    do {
+      fd = ::open(job.path().c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    } while (fd < 0 && errno == EINTR);
+    if (fd < 0) {
+      job.fail(job.path() + ": open for writing failed: " + errno_text(errno));
+      return false;
+    }
+    job.fd_ = fd;
+    // The header goes first, before any data chunk of this job.
+    if (!job.header_.empty() && !job.failed()) {
+      std::string err = pwrite_full(fd, job.header_.data(), job.header_.size(), 0);
+      if (!err.empty()) job.fail(job.path() + ": writing the header: " + err);
+    }
+  }
+  return job.fd_ >= 0 && !job.failed();
+}
+
+void Engine::flush_chunk(WriteJob& job, Chunk& c) {
+  try {
+    if (job.failed() || c.span == 0 || c.slot < 0) return;
+    if (!ensure_open(job)) return;
+    const char* base = cache_->slot_ptr(c.slot);
+    const FaultKind fault = faults_.active_for(job.path(), bytes_flushed_.load(std::memory_order_relaxed));
+    std::string err = pwrite_full(job.fd_, base, static_cast<size_t>(c.span), c.file_off, fault);
+    if (!err.empty()) {
+      job.fail(job.path() + ": " + err);
+      return;
+    }
+    // Checksum each piece while its bytes are still in the CPU caches.
+    for (size_t i = c.piece_begin; i < c.piece_end; ++i) {
+      const Piece& p = job.pieces_[i];
+      job.crcs_[p.crc_index] = crc32c(base + (p.file_off - c.file_off), static_cast<size_t>(p.len));
+    }
+    bytes_flushed_.fetch_add(c.data_bytes, std::memory_order_relaxed);
+    chunks_flushed_.fetch_add(1, std::memory_order_relaxed);
+  } catch (const std::exception& e) {
+    job.fail(internal_error(job.path(), e.what()));
+  } catch (...) {
+    job.fail(internal_error(job.path(), "unknown exception"));
+  }
+}
+
+void Engine::finalize(WriteJob& job) {
+  try {
+    // ensure_open also covers jobs whose every chunk was empty (header-only files).
+    if (!job.failed() && ensure_open(job)) {
+      int rc;
+      do {
+        rc = ::ftruncate(job.fd_, static_cast<off_t>(job.file_size()));
+      } while (rc != 0 && errno == EINTR);
+      if (rc != 0) {
+        job.fail(job.path() + ": ftruncate to " + std::to_string(job.file_size()) + " bytes failed: " + errno_text(errno));
+      } else if (job.sync_) {
+        const FaultKind fault = faults_.active_for(job.path(), bytes_flushed_.load(std::memory_order_relaxed));
+        if (fault == FaultKind::kFsyncEio) {
+          job.fail(job.path() + ": fsync of " + std::to_string(job.file_size()) + " bytes failed: " + errno_text(EIO));
+        } else if (::fsync(job.fd_) != 0) {
+          job.fail(job.path() + ": fsync of " + std::to_string(job.file_size()) + " bytes failed: " + errno_text(errno));
+        }
+      }
+    }
+  } catch (const std::exception& e) {
+    job.fail(internal_error(job.path(), e.what()));
+  } catch (...) {
+    job.fail(internal_error(job.path(), "unknown exception"));
+  }
+  {
+    std::lock_guard<std::mutex> g(job.open_mu_);
+    if (job.fd_ >= 0) {
+      // No retry on EINTR: Linux always releases the descriptor.
+      if (::close(job.fd_) != 0 && !job.failed())
+        job.fail(job.path() + ": close failed: " + errno_text(errno));
+      job.fd_ = -1;
+    }
+  }
+  jobs_done_.fetch_add(1, std::memory_order_relaxed);
+  if (job.failed()) jobs_failed_.fetch_add(1, std::memory_order_relaxed);
+  job.mark_done();
+}
+
+// ---------------------------------------------------------------------------------------------
+
+void Engine::read_loop() {
+  for (;;) {
+    std::shared_ptr<ReadBatch> b;
+    {
+      std::unique_lock<std::mutex> lk(read_mu_);
+      read_cv_.wait(lk, [&] { return !read_q_.empty() || stop_read_; });
+      if (read_q_.empty()) return;
+      b = std::move(read_q_.front());
+      read_q_.pop_front();
+    }
+    b->run();
+  }
+}
+
+void Engine::read_into(const std::string& path, const std::vector<ReadRange>& ranges) {
+  for (size_t i = 0; i < ranges.size(); ++i)
+    if (ranges[i].nbytes > 0 && ranges[i].dst == 0)
+      throw std::invalid_argument("range " + std::to_string(i) + ": dst_ptr is null for " +
+                                  std::to_string(ranges[i].nbytes) + " bytes");
+  int fd;
+  do {
+    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  } while (fd < 0 && errno == EINTR);
+  if (fd < 0) {
+    int e = errno;
+    throw IoError(e, path + ": open for reading failed: " + errno_text(e));
+  }
+  FdCloser closer{fd};
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int e = errno;
+    throw IoError(e, path + ": fstat failed: " + errno_text(e));
+  }
+  const uint64_t fsize = static_cast<uint64_t>(st.st_size);
+
+  auto batch = std::make_shared<ReadBatch>();
+  batch->fd = fd;
+  batch->path = path;
+  batch->bytes_read = &bytes_read_;
+  // Cut big ranges into chunk-sized tasks so one large tensor is read by several threads.
+  const uint64_t piece = chunk_bytes();
+  // Only regular files have a meaningful size; anything else finds out through pread.
+  const bool sized = S_ISREG(st.st_mode);
+  for (const ReadRange& r : ranges) {
+    if (sized && (r.file_offset > fsize || r.nbytes > fsize - r.file_offset))
+      throw ShortReadError(path + ": short read at offset " + std::to_string(r.file_offset) + ": wanted " +
+                           std::to_string(r.nbytes) + " bytes, file has " + std::to_string(fsize));
+    for (uint64_t done = 0; done < r.nbytes; done += piece)
+      batch->tasks.push_back(ReadTask{reinterpret_cast<char*>(static_cast<uintptr_t>(r.dst + done)), r.file_offset + done,
+                                      std::min(piece, r.nbytes - done)});
+  }
+  if (batch->tasks.empty()) return;
+
+  const size_t helpers = std::min<size_t>(static_cast<size_t>(cfg_.read_threads), batch->tasks.size()) - 1;
+  if (helpers > 0) {
+    std::lock_guard<std::mutex> g(read_mu_);
+    if (!stop_read_) {
+      for (size_t i = 0; i < helpers; ++i) read_q_.push_back(batch);
+    }
+  }
+  if (helpers > 0) read_cv_.notify_all();
+  batch->run();  // the caller works too; after shutdown it does everything alone
+  batch->wait_all();
+
+  if (batch->failed.load()) {
+    if (batch->short_read)
+      throw ShortReadError(path + ": short read at offset " + std::to_string(batch->err_off + batch->err_got) +
+                           ": wanted " + std::to_string(batch->err_len - batch->err_got) + " bytes, file has " +
+                           std::to_string(fsize));
+    throw IoError(batch->err, path + ": pread of " + std::to_string(batch->err_len) + " bytes at offset " +
+                                  std::to_string(batch->err_off) + " failed: " + errno_text(batch->err));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+void Engine::set_fault(const std::string& kind, uint64_t after_bytes, const std::string& path_substring) {
+  faults_.set(parse_fault_kind(kind), after_bytes, path_substring, bytes_flushed_.load());
+}
+
+void Engine::stop_threads() {
+  // Copy workers first: they drain their queue (blocking on slots that flush workers free),
+  // then flush workers drain theirs, so every submitted job ends done.
+  {
+    std::lock_guard<std::mutex> g(copy_mu_);
+    stop_copy_ = true;
+  }
+  copy_cv_.notify_all();
+  for (auto& t : copy_threads_) t.join();
+  {
+    std::lock_guard<std::mutex> g(flush_mu_);
+    stop_flush_ = true;
+  }
+  flush_cv_.notify_all();
+  for (auto& t : flush_threads_) t.join();
+  {
+    std::lock_guard<std::mutex> g(read_mu_);
+    stop_read_ = true;
+  }
+  read_cv_.notify_all();
+  for (auto& t : read_threads_) t.join();
+  copy_threads_.clear();
+  flush_threads_.clear();
+  read_threads_.clear();
+  std::lock_guard<std::mutex> g(read_mu_);
+  read_q_.clear();
+}
+
+void Engine::shutdown() {
+  std::lock_guard<std::mutex> g(shutdown_mu_);
+  if (joined_) return;
+  shut_down_.store(true, std::memory_order_release);
+  stop_threads();
+  joined_ = true;
+}
+
+EngineStats Engine::stats() const {
+  EngineStats s{};
+  s.cache_bytes = cache_->bytes();
+  s.chunk_bytes = cache_->slot_bytes();
+  s.alignment = cache_->alignment();
+  s.cache_address = reinterpret_cast<uintptr_t>(cache_->base());
+  s.cache_allocations = cache_->allocations();
+  s.slots_total = static_cast<uint64_t>(cache_->slots_total());
+  s.slots_free = static_cast<uint64_t>(cache_->slots_free());
+  s.peak_slots_used = static_cast<uint64_t>(cache_->peak_used());
+  s.bytes_staged = bytes_staged_.load();
+  s.bytes_flushed = bytes_flushed_.load();
+  s.bytes_read = bytes_read_.load();
+  s.chunks_staged = chunks_staged_.load();
+  s.chunks_flushed = chunks_flushed_.load();
+  s.jobs_submitted = jobs_submitted_.load();
+  s.jobs_done = jobs_done_.load();
+  s.jobs_failed = jobs_failed_.load();
+  s.backpressure_waits = backpressure_waits_.load();
+  s.copy_threads = static_cast<uint64_t>(cfg_.copy_threads);
+  s.flush_threads = static_cast<uint64_t>(cfg_.flush_threads);
+  s.read_threads = static_cast<uint64_t>(cfg_.read_threads);
+  s.hw_crc32c = crc32c_hardware_available() ? 1 : 0;
+  return s;
+}
+
+}  // namespace dcpds

@@ -1,0 +1,30 @@
+// Fault injection for tests: makes the flush path fail in a chosen way. Off by default.
+#pragma once
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+namespace dcpds {
+
+enum class FaultKind { kNone, kEio, kEnospc, kShortWrite, kFsyncEio };
+
+// Parses "none", "eio", "enospc", "short_write", "fsync_eio"; throws std::invalid_argument.
+FaultKind parse_fault_kind(const std::string& name);
+
+class FaultState {
+ public:
+  // Arms `kind` for files whose path contains path_substring, once flushed_total has grown by
+  // after_bytes past its value now. Stays armed until kind == kNone is set.
+  void set(FaultKind kind, uint64_t after_bytes, std::string path_substring, uint64_t flushed_total);
+  // The fault that applies to a write or fsync of `path` now (kNone almost always).
+  FaultKind active_for(const std::string& path, uint64_t flushed_total) const;
+
+ private:
+  mutable std::mutex mu_;
+  FaultKind kind_ = FaultKind::kNone;
+  uint64_t trigger_at_ = 0;
+  std::string substring_;
+};
+
+}  // namespace dcpds

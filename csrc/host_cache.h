@@ -1,0 +1,64 @@
+// One aligned host buffer, allocated once, carved into equal slots that copy workers borrow and
+// flush workers return in any order. Acquire blocks when all slots are out (backpressure).
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <new>
+#include <string>
+#include <vector>
+
+namespace dcpds {
+
+// std::bad_alloc carrying a message (pybind11 maps it to MemoryError with that text).
+class HostAllocError : public std::bad_alloc {
+ public:
+  explicit HostAllocError(std::string msg) : msg_(std::move(msg)) {}
+  const char* what() const noexcept override { return msg_.c_str(); }
+
+ private:
+  std::string msg_;
+};
+
+class HostCache {
+ public:
+  // Allocates `cache_bytes` aligned to `alignment` (a power of two) and splits it into
+  // cache_bytes / slot_bytes slots. Throws HostAllocError if the allocation fails.
+  HostCache(uint64_t cache_bytes, uint64_t slot_bytes, uint64_t alignment);
+  ~HostCache();
+  HostCache(const HostCache&) = delete;
+  HostCache& operator=(const HostCache&) = delete;
+
+  // Borrows a free slot, waiting up to timeout_s seconds (negative: forever). Returns the slot
+  // index, or -1 on timeout. *waited is set when no slot was free on entry.
+  int acquire(double timeout_s, bool* waited);
+  // Returns a slot; any slot may be returned at any time, in any order.
+  void release(int slot);
+
+  char* slot_ptr(int slot) const { return base_ + static_cast<uint64_t>(slot) * slot_bytes_; }
+  char* base() const { return base_; }
+  uint64_t bytes() const { return bytes_; }
+  uint64_t slot_bytes() const { return slot_bytes_; }
+  uint64_t alignment() const { return alignment_; }
+  int slots_total() const { return slots_total_; }
+  int slots_free() const;
+  int peak_used() const;
+  // The buffer is never reallocated; reported so tests can check the promise.
+  uint64_t allocations() const { return 1; }
+
+ private:
+  char* base_ = nullptr;
+  uint64_t bytes_;
+  uint64_t slot_bytes_;
+  uint64_t alignment_;
+  int slots_total_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<int> free_;  // LIFO: the most recently written slot is the warmest in CPU caches
+  int peak_used_ = 0;
+};
+
+}  // namespace dcpds

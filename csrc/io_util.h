@@ -1,0 +1,25 @@
+// Small POSIX I/O helpers: full-length pwrite/pread loops and errno text for error messages.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "fault.h"
+
+namespace dcpds {
+
+// "No space left on device (errno 28)"; thread-safe (strerror_r).
+std::string errno_text(int err);
+
+// Writes all n bytes of buf at file offset off, retrying partial writes and EINTR.
+// Returns "" on success, otherwise a message like
+// "pwrite of 1048576 bytes at offset 4096 failed: No space left on device (errno 28)".
+// `fault` simulates the failure of that name (kEio, kEnospc, kShortWrite); others are ignored.
+std::string pwrite_full(int fd, const void* buf, size_t n, uint64_t off, FaultKind fault = FaultKind::kNone);
+
+// Reads up to n bytes at off into buf, retrying partial reads and EINTR, stopping at EOF.
+// Returns 0 and sets *got (< n only at end of file), or returns the errno of a failed pread.
+int pread_full(int fd, void* buf, size_t n, uint64_t off, size_t* got);
+
+}  // namespace dcpds

@@ -1,0 +1,179 @@
+#include "write_job.h"
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+#include <stdexcept>
+#include <unistd.h>
+
+namespace dcpds {
+namespace {
+
+std::string item_text(size_t i, const WriteItem& it) {
+  return "item " + std::to_string(i) + " (src_ptr=" + std::to_string(it.src) + ", nbytes=" +
+         std::to_string(it.nbytes) + ", file_offset=" + std::to_string(it.offset) + ")";
+}
+
+constexpr uint64_t kMaxOffset = static_cast<uint64_t>(std::numeric_limits<int64_t>::max());
+
+}  // namespace
+
+WriteJob::WriteJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
+                   uint64_t grid, bool sync, int device)
+    : path_(std::move(path)), header_(std::move(header)), file_size_(file_size), grid_(grid), sync_(sync),
+      device_(device) {
+  if (grid_ == 0) throw std::invalid_argument("chunk grid must be positive");
+  const uint64_t data_start = header_.size();
+  if (file_size_ > kMaxOffset) throw std::invalid_argument("file_size " + std::to_string(file_size_) + " is too large");
+  if (file_size_ < data_start)
+    throw std::invalid_argument("file_size " + std::to_string(file_size_) + " is smaller than the header (" +
+                                std::to_string(data_start) + " bytes)");
+
+  // Validate each item against the file bounds, and count its grid pieces.
+  const size_t n = items.size();
+  crc_begin_.resize(n + 1);
+  size_t npieces = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const WriteItem& it = items[i];
+    crc_begin_[i] = npieces;
+    if (it.nbytes > kMaxOffset || it.offset > kMaxOffset)
+      throw std::invalid_argument(item_text(i, it) + ": value out of range");
+    if (it.offset < data_start)
+      throw std::invalid_argument(item_text(i, it) + ": file_offset is inside the header (header is " +
+                                  std::to_string(data_start) + " bytes)");
+    if (it.offset + it.nbytes > file_size_)
+      throw std::invalid_argument(item_text(i, it) + ": ends at " + std::to_string(it.offset + it.nbytes) +
+                                  ", past file_size " + std::to_string(file_size_));
+    if (it.nbytes == 0) continue;
+    if (it.src == 0) throw std::invalid_argument(item_text(i, it) + ": src_ptr is null");
+    if (it.src + it.nbytes < it.src) throw std::invalid_argument(item_text(i, it) + ": source range wraps around");
+    const uint64_t first = (it.offset - data_start) / grid_;
+    const uint64_t last = (it.offset + it.nbytes - 1 - data_start) / grid_;
+    npieces += static_cast<size_t>(last - first + 1);
+    nbytes_ += it.nbytes;
+  }
+  crc_begin_[n] = npieces;
+
+  // Sort non-empty items by offset (the caller may give them in any order) and reject overlaps.
+  std::vector<uint32_t> order;
+  order.reserve(n);
+  if (n > std::numeric_limits<uint32_t>::max()) throw std::invalid_argument("too many items");
+  for (size_t i = 0; i < n; ++i)
+    if (items[i].nbytes) order.push_back(static_cast<uint32_t>(i));
+  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) { return items[a].offset < items[b].offset; });
+  for (size_t k = 1; k < order.size(); ++k) {
+    const WriteItem& prev = items[order[k - 1]];
+    const WriteItem& cur = items[order[k]];
+    if (prev.offset + prev.nbytes > cur.offset)
+      throw std::invalid_argument(item_text(order[k], cur) + " overlaps " + item_text(order[k - 1], prev));
+  }
+
+  // Cut on the grid: cell k covers [data_start + k*grid, data_start + (k+1)*grid).
+  pieces_.reserve(npieces);
+  crcs_.assign(npieces, 0);
+  uint64_t cur_cell = std::numeric_limits<uint64_t>::max();
+  for (uint32_t idx : order) {
+    const WriteItem& it = items[idx];
+    uint64_t pos = it.offset;
+    const uint64_t end = it.offset + it.nbytes;
+    size_t crc_index = crc_begin_[idx];
+    while (pos < end) {
+      const uint64_t cell = (pos - data_start) / grid_;
+      const uint64_t stop = std::min(end, data_start + (cell + 1) * grid_);
+      if (cell != cur_cell) {
+        Chunk c;
+        c.file_off = pos;
+        c.piece_begin = pieces_.size();
+        c.piece_end = pieces_.size();
+        chunks_.push_back(c);
+        cur_cell = cell;
+      }
+      Chunk& c = chunks_.back();
+      const auto src = static_cast<uintptr_t>(it.src + (pos - it.offset));
+      pieces_.push_back(Piece{reinterpret_cast<const char*>(src), stop - pos, pos, crc_index++});
+      c.piece_end = pieces_.size();
+      c.span = stop - c.file_off;
+      c.data_bytes += stop - pos;
+      pos = stop;
+    }
+  }
+  // A job without data still has to create the file, write the header and set the size:
+  // one empty chunk carries it through the pipeline.
+  if (chunks_.empty()) chunks_.push_back(Chunk{});
+}
+
+WriteJob::~WriteJob() {
+  if (fd_ >= 0) ::close(fd_);  // only reachable if a job is dropped unfinished (engine failure)
+}
+
+bool WriteJob::wait_for(const bool& flag, double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto ready = [&] { return flag; };
+  if (timeout_s < 0 || timeout_s > 1e9) {
+    cv_.wait(lk, ready);
+    return true;
+  }
+  auto d = std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s));
+  return cv_.wait_for(lk, d, ready);
+}
+
+bool WriteJob::wait_staged(double timeout_s) { return wait_for(staged_, timeout_s); }
+bool WriteJob::wait_done(double timeout_s) { return wait_for(done_, timeout_s); }
+
+bool WriteJob::is_staged() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return staged_;
+}
+
+bool WriteJob::is_done() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return done_;
+}
+
+std::optional<std::string> WriteJob::error() const {
+  std::lock_guard<std::mutex> g(mu_);
+  if (error_.empty()) return std::nullopt;
+  return error_;
+}
+
+std::vector<std::vector<uint32_t>> WriteJob::checksums() const {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (!done_) throw std::runtime_error(path_ + ": checksums are not available before the write is done");
+    if (!error_.empty()) throw std::runtime_error(path_ + ": write failed, no checksums: " + error_);
+  }
+  const size_t n = crc_begin_.size() - 1;
+  std::vector<std::vector<uint32_t>> out(n);
+  for (size_t i = 0; i < n; ++i) out[i].assign(crcs_.begin() + crc_begin_[i], crcs_.begin() + crc_begin_[i + 1]);
+  return out;
+}
+
+void WriteJob::fail(const std::string& msg) {
+  std::lock_guard<std::mutex> g(mu_);
+  if (error_.empty()) error_ = msg.empty() ? path_ + ": unknown error" : msg;
+  failed_.store(true, std::memory_order_release);
+}
+
+void WriteJob::chunk_staged() {
+  if (chunks_staged_.fetch_add(1, std::memory_order_acq_rel) + 1 != chunks_.size()) return;
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    staged_ = true;
+  }
+  cv_.notify_all();
+}
+
+bool WriteJob::chunk_flushed() {
+  return chunks_flushed_.fetch_add(1, std::memory_order_acq_rel) + 1 == chunks_.size();
+}
+
+void WriteJob::mark_done() {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    staged_ = true;
+    done_ = true;
+  }
+  cv_.notify_all();
+}
+
+}  // namespace dcpds

@@ -1,0 +1,112 @@
+// One data file to write: the caller's layout (header + items at given offsets) cut into chunks
+// on a fixed grid, plus the job's progress, error and per-piece checksums.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace dcpds {
+
+class Engine;
+
+// One item as given by the caller: bytes [src, src + nbytes) go to file offset `offset`.
+struct WriteItem {
+  uint64_t src;
+  uint64_t nbytes;
+  uint64_t offset;
+};
+
+// The part of one item that falls inside one grid chunk; it gets its own CRC32C.
+struct Piece {
+  const char* src;
+  uint64_t len;
+  uint64_t file_off;
+  size_t crc_index;  // into WriteJob::crcs_
+};
+
+// A run of pieces inside one grid cell, written with a single pwrite from one cache slot.
+// The write covers [file_off, file_off + span): from the first piece to the end of the last;
+// gaps between pieces are zero-filled (the same bytes ftruncate would leave there).
+struct Chunk {
+  uint64_t file_off = 0;
+  uint64_t span = 0;
+  uint64_t data_bytes = 0;  // sum of piece lengths
+  size_t piece_begin = 0;
+  size_t piece_end = 0;
+  int slot = -1;  // set by the copy worker, cleared by the flush worker
+};
+
+class WriteJob {
+ public:
+  // Validates the layout and cuts it on a grid of `grid` bytes starting at header.size().
+  // Throws std::invalid_argument naming the offending item.
+  WriteJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
+           uint64_t grid, bool sync, int device);
+  WriteJob(const WriteJob&) = delete;
+  WriteJob& operator=(const WriteJob&) = delete;
+  ~WriteJob();
+
+  const std::string& path() const { return path_; }
+  uint64_t nbytes() const { return nbytes_; }
+  size_t nchunks() const { return chunks_.size(); }
+  uint64_t piece_size() const { return grid_; }
+  uint64_t file_size() const { return file_size_; }
+
+  // Wait for the state; timeout_s < 0 waits forever. True once reached (a failed job reaches both).
+  bool wait_staged(double timeout_s);
+  bool wait_done(double timeout_s);
+  bool is_staged() const;
+  bool is_done() const;
+  std::optional<std::string> error() const;
+  bool failed() const { return failed_.load(std::memory_order_acquire); }
+
+  // CRC32C of each piece, per item in the order given. Throws std::runtime_error unless the
+  // job is done without error.
+  std::vector<std::vector<uint32_t>> checksums() const;
+
+ private:
+  friend class Engine;
+
+  // Records the first error; later chunks of the job are skipped.
+  void fail(const std::string& msg);
+  void chunk_staged();       // marks the job staged after its last chunk
+  bool chunk_flushed();      // true for the caller that flushed the last chunk
+  void mark_done();
+  bool wait_for(const bool& flag, double timeout_s);
+
+  const std::string path_;
+  const std::string header_;
+  const uint64_t file_size_;
+  const uint64_t grid_;
+  const bool sync_;
+  const int device_;
+  uint64_t nbytes_ = 0;
+
+  std::vector<Chunk> chunks_;
+  std::vector<Piece> pieces_;
+  std::vector<uint32_t> crcs_;        // each element written by exactly one flush worker
+  std::vector<size_t> crc_begin_;     // item i (given order) owns crcs_[crc_begin_[i], crc_begin_[i+1])
+
+  std::atomic<size_t> chunks_staged_{0};
+  std::atomic<size_t> chunks_flushed_{0};
+  std::atomic<bool> failed_{false};
+
+  // The file is opened and the header written once, by the first flush of the job.
+  std::mutex open_mu_;
+  bool open_attempted_ = false;
+  int fd_ = -1;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool staged_ = false;
+  bool done_ = false;
+  std::string error_;
+};
+
+}  // namespace dcpds

@@ -1,0 +1,48 @@
+"""dcp_datastates: lazy asynchronous multi-level checkpointing (DataStates-LLM) for PyTorch DCP.
+
+    import torch.distributed.checkpoint as dcp
+    from dcp_datastates import DataStatesWriter, DataStatesReader, protect_optimizer
+
+    protect_optimizer(optimizer)
+    resp = dcp.async_save(state, storage_writer=DataStatesWriter("ckpt/step-100"))
+    dcp.load(state, storage_reader=DataStatesReader("ckpt/step-100"))
+"""
+
+from .commit import is_committed, latest_checkpoint
+from .config import DataStatesConfig, parse_size
+from .errors import (
+    CheckpointFormatError,
+    CheckpointMismatchError,
+    CheckpointWriteError,
+    ChecksumMismatchError,
+    DataStatesError,
+    IncompleteCheckpointError,
+)
+from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
+from .reader import DataStatesReader
+from .runtime import engine_stats, shutdown_engine
+from .staging import protect_optimizer, wait_staged
+from .writer import DataStatesWriter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DataStatesWriter",
+    "DataStatesReader",
+    "DataStatesSavePlanner",
+    "DataStatesLoadPlanner",
+    "DataStatesConfig",
+    "parse_size",
+    "protect_optimizer",
+    "wait_staged",
+    "latest_checkpoint",
+    "is_committed",
+    "engine_stats",
+    "shutdown_engine",
+    "DataStatesError",
+    "IncompleteCheckpointError",
+    "CheckpointFormatError",
+    "ChecksumMismatchError",
+    "CheckpointMismatchError",
+    "CheckpointWriteError",
+]

@@ -1,0 +1,241 @@
+"""DataStatesConfig: every option of the engine and of the writer/reader, in one dataclass.
+
+Accepts the spellings of the DataStates-LLM seeds: a Nanotron-style ``datastates:`` block
+(``host_cache_size`` in GB when a bare number, ``parser_threads``, ``pin_host_cache``), a
+DeepSpeed-style ``datastates_ckpt`` section, and sizes written as strings ("16GB", "512MiB").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+__all__ = ["DataStatesConfig", "parse_size"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any, *, bare_unit: int = 1, name: str = "size") -> int:
+    """Parse a byte size: an int, a float, or a string such as "16GB", "512MiB", "1.5G".
+
+    ``bare_unit`` is the multiplier applied to a bare number (the seeds give ``host_cache_size``
+    in GB, so the config passes ``1 << 30`` there; integers in keyword options are bytes).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: expected a size, got a boolean {value!r}")
+    if isinstance(value, (int, float)):
+        nbytes = int(value * bare_unit)
+    elif isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(
+                f"{name}: cannot parse size {value!r}; expected a number with an optional unit "
+                f"such as '16GB', '512MiB' or '1.5G'"
+            )
+        unit = _UNITS[m.group(2).lower()] if m.group(2) else bare_unit
+        nbytes = int(float(m.group(1)) * unit)
+    else:
+        raise ValueError(f"{name}: expected a size (int or string like '16GB'), got {type(value).__name__}")
+    if nbytes < 0:
+        raise ValueError(f"{name}: size must not be negative, got {value!r}")
+    return nbytes
+
+
+def _default_cache_size() -> int:
+    """A quarter of physical memory, at most 8 GiB, at least 256 MiB."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 8 << 30
+    return max(256 << 20, min(8 << 30, total // 4))
+
+
+# Option spellings from the seeds and from DCP's FileSystemWriter, mapped to our field names.
+_ALIASES = {
+    "parser_threads": "copy_threads",
+    "thread_count": "flush_threads",
+    "io_threads": "flush_threads",
+    "verify_checksums": "verify",
+    "cache_size": "host_cache_size",
+}
+# Keys that belong to the surrounding framework's config and mean nothing to us.
+_IGNORED = {"checkpointing_engine", "single_file_per_rank", "per_thread_copy_ahead"}
+# Fields that hold byte sizes; host_cache_size and gpu_cache_size are GB when bare (seeds).
+_GB_SIZES = {"host_cache_size", "gpu_cache_size"}
+_BYTE_SIZES = {"chunk_size"}
+
+
+@dataclass
+class DataStatesConfig:
+    """All options, with their defaults. Sizes are bytes once parsed.
+
+    Attributes:
+        host_cache_size: bytes of host memory the engine preallocates once and reuses for every
+            checkpoint (the seeds' ``host_cache_size``; a bare number in a config file or dict is
+            GB). Default: a quarter of RAM, between 256 MiB and 8 GiB. A checkpoint larger than
+            the cache streams through it.
+        pin_host_cache: page-lock the cache with ``cudaHostRegister`` when CUDA is present.
+        gpu_cache_size: optional device-side snapshot tier (bytes, 0 = off).
+        chunk_size: unit of copy, flush and checksum (bytes). Clamped to a quarter of the cache.
+        copy_threads: threads copying tensors into the cache (seeds: ``parser_threads``).
+        flush_threads: threads writing chunks to storage (DCP: ``thread_count``).
+        read_threads: threads reading files on load.
+        sync_files: fsync data files and the commit marker (DCP ``FileSystemWriter`` meaning).
+        overwrite: allow saving into a folder that already holds a committed checkpoint.
+        verify: verify item checksums on load.
+        cache_wait_timeout: seconds a copy may wait for cache space before the save fails.
+        storage_options: passed to fsspec for remote URLs.
+    """
+
+    host_cache_size: int = field(default_factory=_default_cache_size)
+    pin_host_cache: bool = True
+    gpu_cache_size: int = 0
+    chunk_size: int = 16 << 20
+    copy_threads: int = 2
+    flush_threads: int = 2
+    read_threads: int = 4
+    sync_files: bool = True
+    overwrite: bool = True
+    verify: bool = True
+    cache_wait_timeout: float = 600.0
+    storage_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.host_cache_size = parse_size(self.host_cache_size, name="host_cache_size")
+        self.gpu_cache_size = parse_size(self.gpu_cache_size, name="gpu_cache_size")
+        self.chunk_size = parse_size(self.chunk_size, name="chunk_size")
+        if self.host_cache_size < 4096:
+            raise ValueError(f"host_cache_size: must be at least 4096 bytes, got {self.host_cache_size}")
+        if self.chunk_size < 4096:
+            raise ValueError(f"chunk_size: must be at least 4096 bytes, got {self.chunk_size}")
+        for name in ("copy_threads", "flush_threads", "read_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if not (self.cache_wait_timeout > 0):
+            raise ValueError(f"cache_wait_timeout: expected seconds > 0, got {self.cache_wait_timeout!r}")
+        for name in ("pin_host_cache", "sync_files", "overwrite", "verify"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
+
+    # ----------------------------------------------------------------- construction helpers
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, bare_sizes_in_gb: bool = True) -> "DataStatesConfig":
+        """Build from a mapping: flat options, or a ``datastates:`` / ``datastates_ckpt`` block
+        (the other keys of such a document, e.g. the rest of a DeepSpeed config, are ignored).
+
+        ``host_cache_size``/``gpu_cache_size`` given as bare numbers are GB, as in the seeds.
+        """
+        if not isinstance(data, Mapping):
+            raise ValueError(f"DataStatesConfig.from_dict: expected a mapping, got {type(data).__name__}")
+        for block in ("datastates", "datastates_ckpt"):
+            if block in data:
+                inner = data[block]
+                if not isinstance(inner, Mapping):
+                    raise ValueError(f"'{block}' must be a mapping of options, got {type(inner).__name__}")
+                return cls.from_dict(inner, bare_sizes_in_gb=bare_sizes_in_gb)
+        return cls(**_normalize(data, bare_sizes_in_gb=bare_sizes_in_gb))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "DataStatesConfig":
+        """Load a YAML or JSON file (by extension; JSON with ``//`` comments is accepted, as in
+        the DeepSpeed tutorial)."""
+        p = Path(path)
+        text = p.read_text()
+        try:
+            if p.suffix.lower() == ".json":
+                data = json.loads(_strip_json_comments(text))
+            else:
+                import yaml
+
+                data = yaml.safe_load(text)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the file name
+            raise ValueError(f"{p}: cannot parse config: {exc}") from exc
+        if data is None:
+            data = {}
+        try:
+            return cls.from_dict(data)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{p}: {exc}") from exc
+
+    @classmethod
+    def resolve(cls, config: "DataStatesConfig | Mapping | str | os.PathLike | None", options: Mapping[str, Any]) -> "DataStatesConfig":
+        """What the writer/reader constructors accept: a config, a dict, a file path, or None,
+        then keyword options on top (keyword sizes that are bare ints are bytes)."""
+        if config is None:
+            base = cls()
+        elif isinstance(config, DataStatesConfig):
+            base = config
+        elif isinstance(config, Mapping):
+            base = cls.from_dict(config)
+        elif isinstance(config, (str, os.PathLike)):
+            base = cls.from_file(config)
+        else:
+            raise ValueError(f"config: expected DataStatesConfig, dict or file path, got {type(config).__name__}")
+        if not options:
+            return base
+        return dataclasses.replace(base, **_normalize(options, bare_sizes_in_gb=False))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _normalize(data: Mapping[str, Any], *, bare_sizes_in_gb: bool) -> dict:
+    known = {f.name for f in fields(DataStatesConfig)}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        name = _ALIASES.get(key, key)
+        if key in _IGNORED:
+            continue
+        if name not in known:
+            raise ValueError(
+                f"unknown DataStates option {key!r}; known options: {', '.join(sorted(known | set(_ALIASES)))}"
+            )
+        if name in _GB_SIZES and not isinstance(value, str):
+            value = parse_size(value, bare_unit=(1 << 30) if bare_sizes_in_gb else 1, name=name)
+        elif name in _GB_SIZES or name in _BYTE_SIZES:
+            value = parse_size(value, name=name)
+        out[name] = value
+    return out
+
+
+def _strip_json_comments(text: str) -> str:
+    """Drop ``//`` line comments that sit outside strings."""
+    out_lines = []
+    for line in text.splitlines():
+        in_str = False
+        escaped = False
+        cut = len(line)
+        for i, ch in enumerate(line):
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_str = not in_str
+            elif not in_str and line.startswith("//", i):
+                cut = i
+                break
+        out_lines.append(line[:cut])
+    return "\n".join(out_lines)

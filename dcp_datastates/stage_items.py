@@ -1,0 +1,113 @@
+"""Turns a state dict into the rank-local list of items to write, the way DCP's planners see it.
+
+Used by ``DataStatesWriter.stage()`` (on the training thread, so it must cost time proportional
+to the number of tensors, never to their bytes) and by ``write_data`` for items a planner asks for
+that were not staged (``dcp.save`` without staging). Keys are ``(fqn, offsets)`` exactly as in
+the planner's ``WriteItem.index``, so the two always agree.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import _create_write_items
+from torch.distributed.checkpoint.utils import find_tensor_shard
+
+from .layout import FileEntry, dtype_to_name
+
+__all__ = ["ItemKey", "SourceItem", "collect_items", "item_key", "source_for_resolved"]
+
+log = logging.getLogger("dcp_datastates")
+
+ItemKey = tuple  # (fqn, offsets tuple or None)
+
+
+@dataclass
+class SourceItem:
+    """One item with the memory its bytes come from. ``keepalive`` holds the tensor or buffer
+    that owns that memory until the engine has copied it."""
+
+    key: ItemKey
+    entry: FileEntry
+    ptr: int
+    keepalive: Any
+
+
+def item_key(index) -> ItemKey:
+    return (index.fqn, None if index.offset is None else tuple(index.offset))
+
+
+def _tensor_source(key: ItemKey, name: str, tensor: torch.Tensor) -> SourceItem:
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        # The lazy device path belongs to the engine's CUDA backend; without it, copy now.
+        t = t.to("cpu")
+    if not t.is_contiguous():
+        t = t.contiguous()  # views: one copy here, on the training thread (rare in state dicts)
+    nbytes = t.numel() * t.element_size()
+    entry = FileEntry(name=name, kind="tensor", dtype=dtype_to_name(t.dtype), shape=tuple(t.shape), nbytes=nbytes)
+    return SourceItem(key=key, entry=entry, ptr=t.data_ptr() if nbytes else 0, keepalive=t)
+
+
+def _bytes_source(key: ItemKey, name: str, data: bytes) -> SourceItem:
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+    entry = FileEntry(name=name, kind="bytes", dtype="uint8", shape=(len(data),), nbytes=len(data))
+    return SourceItem(key=key, entry=entry, ptr=buf.data_ptr() if data else 0, keepalive=buf)
+
+
+def serialize_object(obj: Any) -> bytes:
+    """The bytes DCP's planners produce for a non-tensor value (``torch.save``), made now so
+    later changes to the object never reach the checkpoint."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unique_name(fqn: str, offsets: tuple | None, taken: set[str]) -> str:
+    name = fqn
+    if name in taken or name == "__metadata__":
+        name = f"{fqn}@{','.join(map(str, offsets or ()))}"
+    taken.add(name)
+    return name
+
+
+def collect_items(state_dict: dict) -> tuple[list[SourceItem], dict, dict]:
+    """Flatten like ``DefaultSavePlanner`` and return (items, flat state dict, mappings).
+
+    Plain tensors take a fast path; DTensor and ShardedTensor go through DCP's own
+    ``_create_write_items`` so their chunk offsets are exactly DCP's.
+    """
+    flat, mappings = flatten_state_dict(state_dict)
+    items: list[SourceItem] = []
+    taken: set[str] = set()
+    for fqn, obj in flat.items():
+        if type(obj) is torch.Tensor or (isinstance(obj, torch.nn.Parameter) and type(obj.data) is torch.Tensor):
+            key = (fqn, (0,) * obj.dim())
+            items.append(_tensor_source(key, _unique_name(fqn, None, taken), obj))
+        elif isinstance(obj, torch.Tensor):
+            for wi in _create_write_items(fqn, obj):
+                key = item_key(wi.index)
+                local = find_tensor_shard(obj, wi.index)
+                items.append(_tensor_source(key, _unique_name(fqn, key[1], taken), local))
+        else:
+            key = (fqn, None)
+            items.append(_bytes_source(key, _unique_name(fqn, None, taken), serialize_object(obj)))
+    return items, flat, mappings
+
+
+def source_for_resolved(item: WriteItem, data: Any, taken: set[str]) -> SourceItem:
+    """A SourceItem for what ``planner.resolve_data(item)`` returned (the unstaged path)."""
+    key = item_key(item.index)
+    name = _unique_name(item.index.fqn, key[1], taken)
+    if item.type == WriteItemType.BYTE_IO:
+        raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+        return _bytes_source(key, name, raw)
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"planner.resolve_data returned {type(data).__name__} for tensor item {item.index.fqn!r}")
+    return _tensor_source(key, name, data)

@@ -1,0 +1,270 @@
+"""DataStatesWriter: a DCP StorageWriter that is also an AsyncStager (lazy staging).
+
+``stage()`` runs on the training thread: it lays out this rank's data file from the local state
+dict alone, hands the engine one job (pointers, sizes, offsets) and returns a Future at once. The
+engine's copy workers fill the host cache while training goes on; its flush workers write each
+chunk as soon as it is in the cache. DCP's planning, ``write_data`` and ``finish`` then run on
+DCP's background thread: ``write_data`` waits for the job to be durable and reports each item's
+location; the coordinator's ``finish`` commits ``.metadata`` atomically.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from . import commit
+from .config import DataStatesConfig
+from .errors import CheckpointWriteError
+from .layout import data_file_name, plan_file
+from .metadata import ItemLocation
+from .runtime import get_engine
+from .stage_items import ItemKey, SourceItem, collect_items, item_key, source_for_resolved
+from .staging import tracker
+
+__all__ = ["DataStatesWriter"]
+
+log = logging.getLogger("dcp_datastates")
+
+# Waits for staging and resolves the Futures handed to DCP; never runs Python on engine threads.
+_watchers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dcp-datastates-staging")
+
+
+@dataclass(eq=False)
+class _FileJob:
+    """One data file in flight: the engine job and where each item landed."""
+
+    name: str
+    job: Any
+    keys: list[ItemKey]
+    locations: dict[ItemKey, ItemLocation]
+    keepalive: list[Any] | None
+    data_start: int
+    piece_size: int
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        return self.job.wait_staged(timeout)
+
+
+@dataclass(eq=False)
+class _StagedSave:
+    """Everything stage() started for one checkpoint path on this rank."""
+
+    path: str
+    files: list[_FileJob] = field(default_factory=list)
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        return all(f.wait_staged(timeout) for f in self.files)
+
+
+def _async_save_arguments() -> dict:
+    """The arguments of the ``dcp.async_save`` call that is running ``stage()`` right now.
+
+    DCP calls ``stage()`` before it retargets the writer with ``checkpoint_id`` (that happens in
+    the background thread, after staging), yet flushing must start during staging. So we read the
+    pending call's arguments from its frame. Returns {} when not called from ``async_save``.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "async_save" and frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
+            return dict(frame.f_locals)
+        frame = frame.f_back
+    return {}
+
+
+def _rank_of(process_group=None, no_dist: bool = False) -> int:
+    if no_dist or not (dist.is_available() and dist.is_initialized()):
+        return 0
+    return dist.get_rank(process_group)
+
+
+class DataStatesWriter(StorageWriter, AsyncStager):
+    """Storage writer for ``dcp.save`` / ``dcp.async_save`` with lazy asynchronous staging.
+
+    Args:
+        path: checkpoint folder (``checkpoint_id`` passed to DCP retargets it).
+        config: a ``DataStatesConfig``, a dict, or a YAML/JSON file path.
+        **options: any ``DataStatesConfig`` field (``host_cache_size=``, ``sync_files=``,
+            ``overwrite=``, ``thread_count=`` ...), on top of ``config``.
+    """
+
+    # Staging is asynchronous: DCP must not call synchronize_staging() inside async_save.
+    _synchronize_after_execute = False
+
+    def __init__(self, path: str | os.PathLike | None = None, *, config=None, **options: Any) -> None:
+        super().__init__()
+        self.config = DataStatesConfig.resolve(config, options)
+        self.path = None if path is None else os.fspath(path)
+        self.save_id = uuid.uuid4().hex
+        self.is_coordinator = False
+        self.rank = 0
+        self._staged: dict[str, _StagedSave] = {}
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ pickling (process mode)
+    def __getstate__(self):
+        raise TypeError(
+            "DataStatesWriter cannot be sent to another process: its staging lives in this process's "
+            "host cache. Use dcp.async_save with AsyncCheckpointerType.THREAD (the default)."
+        )
+
+    # ------------------------------------------------------------------------------ AsyncStager
+    def stage(self, state_dict: dict) -> Future:
+        """Enqueue this rank's copies and return a Future of the staged state dict at once."""
+        call = _async_save_arguments()
+        checkpoint_type = call.get("async_checkpointer_type")
+        if checkpoint_type is not None and getattr(checkpoint_type, "name", "") == "PROCESS":
+            raise ValueError(
+                "DataStatesWriter supports dcp.async_save with AsyncCheckpointerType.THREAD only: "
+                "lazy staging keeps the bytes in this process's host cache, which a separate "
+                "checkpoint process cannot read."
+            )
+        target = call.get("checkpoint_id") or self.path
+        future: Future = Future()
+        if target is None:
+            future.set_exception(ValueError("DataStatesWriter: no checkpoint path (pass path= or checkpoint_id=)"))
+            return future
+        target = os.fspath(target)
+        try:
+            items, flat, mappings = collect_items(state_dict)
+            rank = _rank_of(call.get("process_group"), bool(call.get("no_dist", False)))
+            commit.prepare_folder(target, overwrite=self.config.overwrite)
+            staged = _StagedSave(path=target)
+            staged.files.append(self._submit(target, data_file_name(rank, 0), items))
+        except Exception as exc:  # noqa: BLE001 - surfaces from the futures, as DCP users expect
+            future.set_exception(exc)
+            return future
+        with self._lock:
+            self._staged[target] = staged
+        tracker().add(staged)
+        # The staged dict: same structure, live tensors (the engine owns their bytes now), and the
+        # non-tensor values already serialized into the job.
+        staged_dict = unflatten_state_dict(flat, mappings)
+        _watchers.submit(self._finish_staging, staged, staged_dict, future)
+        return future
+
+    @staticmethod
+    def _finish_staging(staged: _StagedSave, staged_dict: dict, future: Future) -> None:
+        try:
+            staged.wait_staged(None)
+        finally:
+            for f in staged.files:
+                f.keepalive = None  # the engine copied them: release the source tensors
+            tracker().discard(staged)
+        errors = [f.job.error() for f in staged.files if f.job.error()]
+        if errors:
+            future.set_exception(CheckpointWriteError("; ".join(errors)))
+        else:
+            future.set_result(staged_dict)
+
+    def synchronize_staging(self) -> None:
+        """Wait until every checkpoint staged by this writer is in the host cache."""
+        for staged in list(self._staged.values()):
+            staged.wait_staged(None)
+
+    def close(self) -> None:
+        """Nothing to release per writer: the engine is process-wide."""
+
+    # ---------------------------------------------------------------------------- engine submit
+    def _submit(self, folder: str, name: str, items: list[SourceItem]) -> _FileJob:
+        engine = get_engine(self.config)
+        layout = plan_file([it.entry for it in items])
+        spans = [(it.ptr, it.entry.nbytes, off) for it, off in zip(items, layout.offsets)]
+        job = engine.submit_write(os.path.join(folder, name), layout.header, layout.file_size, spans, self.config.sync_files)
+        piece = job.piece_size()
+        locations = {
+            it.key: ItemLocation(name, off, it.entry.nbytes, it.entry.dtype, it.entry.shape, (), layout.data_start, piece)
+            for it, off in zip(items, layout.offsets)
+        }
+        return _FileJob(name, job, [it.key for it in items], locations, [it.keepalive for it in items], layout.data_start, piece)
+
+    # ---------------------------------------------------------------------------- StorageWriter
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        if checkpoint_id is not None:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self.path
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = int(kwargs.get("rank", _rank_of()))
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self.path is None:
+            raise ValueError("DataStatesWriter: no checkpoint path (pass path= or checkpoint_id=)")
+        with self._lock:
+            staged = self.path in self._staged
+        if not staged:  # dcp.save: nothing staged, so the folder was not prepared yet
+            commit.prepare_folder(self.path, overwrite=self.config.overwrite)
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
+        with self._lock:
+            staged = self._staged.pop(self.path, None) or _StagedSave(path=self.path)
+        known: dict[ItemKey, _FileJob] = {k: f for f in staged.files for k in f.keys}
+        late = [item for item in plan.items if item_key(item.index) not in known]
+        if late:
+            # Items no stage() call prepared (dcp.save, or a planner that lays items out
+            # differently): resolve them now and write them to one more file.
+            taken: set[str] = set()
+            sources = [source_for_resolved(item, planner.resolve_data(item), taken) for item in late]
+            extra = self._submit(self.path, data_file_name(self.rank, len(staged.files)), sources)
+            staged.files.append(extra)
+            known.update({k: extra for k in extra.keys})
+        errors = []
+        for f in staged.files:
+            f.job.wait_done(None)
+            f.keepalive = None
+            if f.job.error():
+                errors.append(f.job.error())
+        if errors:
+            raise CheckpointWriteError(f"saving checkpoint {self.path} failed: " + "; ".join(errors))
+        checksums = {id(f): dict(zip(f.keys, f.job.checksums())) for f in staged.files}
+        out = []
+        for item in plan.items:
+            key = item_key(item.index)
+            f = known[key]
+            loc = f.locations[key]
+            final = ItemLocation(
+                loc.file, loc.offset, loc.length, loc.dtype, loc.shape, tuple(checksums[id(f)][key]), loc.data_start, loc.piece_size
+            )
+            out.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=final))
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(out)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        locations: dict[MetadataIndex, ItemLocation] = {}
+        for rank_results in results:
+            for r in rank_results:
+                locations[r.index] = r.storage_data
+        commit.write_commit(self.path, metadata, locations, sync=self.config.sync_files)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        s = os.fspath(checkpoint_id)
+        return "://" not in s or s.startswith("file://")

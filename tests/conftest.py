@@ -1,0 +1,82 @@
+import os
+
+import pytest
+import torch
+
+# Small, fixed engine for the whole test session: the engine is process-wide and keeps the
+# configuration it was created with.
+os.environ.setdefault("DCP_DATASTATES_TEST", "1")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def tensors_equal_bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.numel() == 0:
+        return True
+    ac, bc = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
+    return bool(torch.equal(ac.view(-1).view(torch.uint8), bc.view(-1).view(torch.uint8)))
+
+
+def assert_state_equal(expected, actual, path="state"):
+    if isinstance(expected, torch.Tensor):
+        assert isinstance(actual, torch.Tensor), f"{path}: expected a tensor, got {type(actual).__name__}"
+        assert tensors_equal_bitwise(expected, actual), f"{path}: tensors differ ({expected.dtype} {tuple(expected.shape)})"
+    elif isinstance(expected, dict):
+        assert isinstance(actual, dict) and set(expected) == set(actual), f"{path}: keys differ"
+        for k in expected:
+            assert_state_equal(expected[k], actual[k], f"{path}.{k}")
+    elif isinstance(expected, (list, tuple)):
+        assert len(expected) == len(actual), f"{path}: lengths differ"
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            assert_state_equal(e, a, f"{path}[{i}]")
+    else:
+        assert expected == actual or (expected != expected and actual != actual), f"{path}: {expected!r} != {actual!r}"
+
+
+def clone_state(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone_state(v) for v in obj]
+    return obj
+
+
+def zeros_like_state(obj):
+    """A destination for dcp.load: same structure, tensors zeroed (non-tensor values kept)."""
+    if isinstance(obj, torch.Tensor):
+        return torch.zeros_like(obj) if obj.dtype != torch.bool else torch.zeros_like(obj, dtype=torch.bool)
+    if isinstance(obj, dict):
+        return {k: zeros_like_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [zeros_like_state(v) for v in obj]
+    return None
+
+
+class raises_through_dcp:
+    """Like pytest.raises for errors raised inside DCP, which wraps them in CheckpointException
+    (a BaseException); asserts the message (cause included) matches ``pattern``."""
+
+    def __init__(self, pattern: str):
+        self.pattern = pattern
+        self.value = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, value, tb):
+        import re
+
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        assert value is not None, f"no exception raised (expected one matching {self.pattern!r})"
+        assert isinstance(value, (Exception, CheckpointException)), f"unexpected {typ.__name__}: {value}"
+        assert re.search(self.pattern, str(value)), f"{self.pattern!r} not in: {value}"
+        self.value = value
+        return True

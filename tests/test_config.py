@@ -1,0 +1,75 @@
+import json
+
+import pytest
+
+from dcp_datastates import DataStatesConfig, DataStatesWriter, parse_size
+
+
+def test_parse_size_units():
+    assert parse_size("16GB") == 16 * 1000**3
+    assert parse_size("512MiB") == 512 << 20
+    assert parse_size("1.5G") == int(1.5 * 1000**3)
+    assert parse_size(4096) == 4096
+    assert parse_size(16, bare_unit=1 << 30) == 16 << 30
+    assert parse_size("16", bare_unit=1 << 30) == 16 << 30
+
+
+@pytest.mark.parametrize("bad", ["lots", "12 parsecs", "-3GB", True, [1]])
+def test_parse_size_rejects(bad):
+    with pytest.raises(ValueError, match="size"):
+        parse_size(bad)
+
+
+def test_defaults_are_documented_values():
+    c = DataStatesConfig()
+    assert 256 << 20 <= c.host_cache_size <= 8 << 30
+    assert c.pin_host_cache is True and c.sync_files is True and c.verify is True and c.overwrite is True
+    assert c.gpu_cache_size == 0
+
+
+def test_nanotron_yaml_block(tmp_path):
+    p = tmp_path / "nanotron.yaml"
+    p.write_text("checkpointing_engine: datastates\ndatastates:\n  host_cache_size: 16\n  parser_threads: 3\n  pin_host_cache: false\n")
+    c = DataStatesConfig.from_file(p)
+    assert c.host_cache_size == 16 << 30  # bare number = GB, as in the seeds
+    assert c.copy_threads == 3
+    assert c.pin_host_cache is False
+
+
+def test_deepspeed_json_section_with_comments(tmp_path):
+    p = tmp_path / "ds_config.json"
+    p.write_text('{\n  // other DeepSpeed options\n  "train_batch_size": 8,\n  "datastates_ckpt": {"host_cache_size": 2}\n}\n')
+    c = DataStatesConfig.from_file(p)
+    assert c.host_cache_size == 2 << 30
+
+
+def test_size_strings_and_aliases():
+    c = DataStatesConfig.from_dict({"host_cache_size": "512MiB", "thread_count": 3, "chunk_size": "8MiB"})
+    assert c.host_cache_size == 512 << 20 and c.flush_threads == 3 and c.chunk_size == 8 << 20
+
+
+def test_unknown_option_is_named():
+    with pytest.raises(ValueError, match="unknown DataStates option 'host_cache'"):
+        DataStatesConfig.from_dict({"host_cache": 3})
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ValueError, match="flush_threads"):
+        DataStatesConfig(flush_threads=0)
+    with pytest.raises(ValueError, match="host_cache_size"):
+        DataStatesConfig(host_cache_size="tiny")
+
+
+def test_bad_file_names_the_file(tmp_path):
+    p = tmp_path / "broken.json"
+    p.write_text("{not json")
+    with pytest.raises(ValueError, match="broken.json"):
+        DataStatesConfig.from_file(p)
+
+
+def test_writer_keyword_options_are_bytes_and_override_config(tmp_path):
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"datastates": {"host_cache_size": 1, "sync_files": True}}))
+    w = DataStatesWriter(tmp_path / "ck", config=str(cfg), sync_files=False, host_cache_size=64 << 20)
+    assert w.config.sync_files is False
+    assert w.config.host_cache_size == 64 << 20

@@ -1,0 +1,640 @@
+"""Tests of the C++ engine (dcp_datastates._engine) on its own: bytes on disk, checksums, cache
+reuse and backpressure, reads, fault injection, argument checks and shutdown."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import dcp_datastates._engine as E
+
+KiB = 1 << 10
+MiB = 1 << 20
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+
+
+def _crc_table() -> list[int]:
+    table = []
+    for b in range(256):
+        c = b
+        for _ in range(8):
+            c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+        table.append(c)
+    return table
+
+
+_TABLE = _crc_table()
+
+
+def py_crc32c(data: bytes, seed: int = 0) -> int:
+    """Independent reference implementation (byte-wise table)."""
+    c = seed ^ 0xFFFFFFFF
+    for b in data:
+        c = (c >> 8) ^ _TABLE[(c ^ b) & 0xFF]
+    return c ^ 0xFFFFFFFF
+
+
+def rand_array(rng: np.random.Generator, n: int) -> np.ndarray:
+    return rng.integers(0, 256, size=n, dtype=np.uint8)
+
+
+def ptr(a: np.ndarray) -> int:
+    return a.ctypes.data if a.nbytes else 0
+
+
+class Layout:
+    """A header followed by arrays at chosen offsets; `expected` is the file the engine must write."""
+
+    def __init__(self, header: bytes, arrays: list[np.ndarray], gaps: list[int] | None = None, tail: int = 0):
+        self.header = header
+        self.arrays = arrays
+        self.offsets = []
+        pos = len(header)
+        for i, a in enumerate(arrays):
+            pos += gaps[i] if gaps else 0
+            self.offsets.append(pos)
+            pos += a.nbytes
+        self.file_size = pos + tail
+        buf = bytearray(self.file_size)
+        buf[: len(header)] = header
+        for a, off in zip(arrays, self.offsets):
+            buf[off : off + a.nbytes] = a.tobytes()
+        self.expected = bytes(buf)
+
+    def items(self) -> list[tuple[int, int, int]]:
+        return [(ptr(a), a.nbytes, off) for a, off in zip(self.arrays, self.offsets)]
+
+    def piece_ranges(self, i: int, grid: int) -> list[tuple[int, int]]:
+        start, end = self.offsets[i], self.offsets[i] + self.arrays[i].nbytes
+        ds = len(self.header)
+        out = []
+        pos = start
+        while pos < end:
+            stop = min(end, ds + ((pos - ds) // grid + 1) * grid)
+            out.append((pos, stop - pos))
+            pos = stop
+        return out
+
+
+def check_file(path, layout: Layout) -> bytes:
+    with open(path, "rb") as f:
+        data = f.read()
+    assert len(data) == layout.file_size
+    assert data == layout.expected
+    return data
+
+
+def check_checksums(job, layout: Layout, data: bytes, order: list[int] | None = None) -> None:
+    """job.checksums()[k] belongs to the k-th item as given (layout index order[k])."""
+    crcs = job.checksums()
+    order = order if order is not None else list(range(len(layout.arrays)))
+    assert len(crcs) == len(order)
+    grid = job.piece_size()
+    for k, i in enumerate(order):
+        want = [E.crc32c(data[o : o + n]) for o, n in layout.piece_ranges(i, grid)]
+        assert crcs[k] == want, f"item {i}"
+
+
+def wait(job, timeout: float = 20.0) -> None:
+    assert job.wait_done(timeout), f"{job.path} not done after {timeout}s"
+
+
+# --------------------------------------------------------------------------------------------
+# CRC32C
+
+
+def test_crc32c_known_vectors():
+    assert E.crc32c(b"123456789") == 0xE3069283
+    assert E.crc32c(b"") == 0
+    assert E.crc32c(b"", 1234) == 1234
+    # RFC 3720 (iSCSI) test vectors
+    assert E.crc32c(bytes(32)) == 0x8A9136AA
+    assert E.crc32c(b"\xff" * 32) == 0x62A8AB43
+    assert E.crc32c(bytes(range(32))) == 0x46DD794E
+    assert E.crc32c(bytes(range(31, -1, -1))) == 0x113FDB5C
+    assert E._crc32c_software(b"123456789") == 0xE3069283
+    assert isinstance(E.hw_crc32c(), bool)
+
+
+def test_crc32c_chaining_and_buffers():
+    rng = np.random.default_rng(1)
+    data = rand_array(rng, 100_000).tobytes()
+    whole = E.crc32c(data)
+    for cut in (0, 1, 7, 8, 4095, 50_001, len(data)):
+        assert E.crc32c(data[cut:], E.crc32c(data[:cut])) == whole
+    assert E.crc32c(bytearray(data)) == whole
+    assert E.crc32c(memoryview(data)) == whole
+    assert E.crc32c(np.frombuffer(data, dtype=np.uint8)) == whole
+    with pytest.raises(BufferError):
+        E.crc32c(memoryview(data)[::2])
+    with pytest.raises(ValueError):
+        E.crc32c(b"x", -1)
+    with pytest.raises(ValueError):
+        E.crc32c(b"x", 1 << 32)
+
+
+def test_crc32c_matches_reference_all_lengths_and_alignments():
+    rng = np.random.default_rng(2)
+    base = rand_array(rng, 200_000).tobytes()
+    # small: against the pure-Python reference, every length and misalignment
+    for n in range(0, 70):
+        for shift in range(0, 9):
+            piece = base[shift : shift + n]
+            assert E.crc32c(piece) == py_crc32c(piece)
+    # large (covers the 3-stream hardware path and its tails): hardware vs software
+    for n in (24 * KiB - 1, 24 * KiB, 24 * KiB + 9, 49_153, 131_072, 199_990):
+        for shift in (0, 3, 8):
+            piece = base[shift : shift + n]
+            assert E.crc32c(piece) == E._crc32c_software(piece)
+            assert E.crc32c(piece, 0xDEADBEEF) == E._crc32c_software(piece, 0xDEADBEEF)
+    assert E.crc32c(base[:5000]) == py_crc32c(base[:5000])
+
+
+def test_engine_crc32c_on_pointer():
+    rng = np.random.default_rng(3)
+    a = rand_array(rng, 3 * MiB + 5)
+    eng = E.Engine(1 * MiB)
+    try:
+        assert eng.crc32c(ptr(a), a.nbytes) == E.crc32c(a.tobytes())
+        assert eng.crc32c(ptr(a) + 10, 1000, 77) == E.crc32c(a[10:1010].tobytes(), 77)
+        assert eng.crc32c(0, 0) == 0
+        with pytest.raises(ValueError):
+            eng.crc32c(0, 10)
+    finally:
+        eng.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# construction
+
+
+def test_constructor_validation_and_chunk_size():
+    with pytest.raises(ValueError, match="cache_bytes"):
+        E.Engine(0)
+    with pytest.raises(ValueError, match="alignment"):
+        E.Engine(1 * MiB, alignment=3000)
+    for kw in ("copy_threads", "flush_threads", "read_threads"):
+        with pytest.raises(ValueError, match=kw):
+            E.Engine(1 * MiB, **{kw: 0})
+    with pytest.raises(MemoryError, match=str(1 << 50)):  # 1 PiB: more than any address space
+        E.Engine(1 << 50)
+
+    eng = E.Engine(1 * MiB, copy_threads=1, flush_threads=1, read_threads=1)
+    s = eng.stats()
+    assert s["chunk_bytes"] == 256 * KiB  # a quarter of the cache
+    assert s["slots_total"] == 4 and s["slots_free"] == 4
+    assert s["cache_address"] % 4096 == 0
+    assert s["cache_allocations"] == 1
+    assert (s["copy_threads"], s["flush_threads"], s["read_threads"]) == (1, 1, 1)
+    assert s["hw_crc32c"] == int(E.hw_crc32c())
+    eng.shutdown()
+
+    eng = E.Engine(10 * MiB, chunk_bytes=100_000, copy_threads=1, flush_threads=1, read_threads=1)
+    assert eng.stats()["chunk_bytes"] == 98_304  # rounded down to the alignment
+    assert eng.stats()["slots_total"] == (10 * MiB) // 98_304
+    eng.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# writing
+
+
+def test_round_trip_many_tiny_and_big_items(tmp_path):
+    rng = np.random.default_rng(10)
+    sizes = [int(s) for s in rng.integers(1, 64, size=3000)] + [3 * MiB + 17, 1 * MiB, 5, 2 * MiB - 3]
+    random.Random(0).shuffle(sizes)
+    arrays = [rand_array(rng, n) for n in sizes]
+    layout = Layout(b"HDR" + bytes(range(200)), arrays)
+    eng = E.Engine(4 * MiB, chunk_bytes=512 * KiB)
+    try:
+        # Items in a scrambled order: checksums come back in the order given.
+        order = list(range(len(arrays)))
+        random.Random(1).shuffle(order)
+        all_items = layout.items()
+        items = [all_items[i] for i in order]
+        path = tmp_path / "__0_0.safetensors"
+        job = eng.submit_write(str(path), layout.header, layout.file_size, items)
+        assert job.path == str(path)
+        assert job.nbytes == sum(sizes)
+        data_len = layout.file_size - len(layout.header)
+        assert job.nchunks == -(-data_len // (512 * KiB))
+        assert job.piece_size() == 512 * KiB
+        wait(job)
+        assert job.error() is None and job.is_done() and job.is_staged()
+        data = check_file(path, layout)
+        check_checksums(job, layout, data, order)
+        s = eng.stats()
+        assert s["bytes_flushed"] == s["bytes_staged"] == sum(sizes)
+        assert s["jobs_done"] == s["jobs_submitted"] == 1 and s["jobs_failed"] == 0
+        assert s["chunks_flushed"] == job.nchunks
+    finally:
+        eng.shutdown()
+
+
+def test_job_much_larger_than_cache_reuses_one_cache(tmp_path):
+    rng = np.random.default_rng(11)
+    eng = E.Engine(1 * MiB, copy_threads=2, flush_threads=1)
+    try:
+        s0 = eng.stats()
+        assert s0["chunk_bytes"] == 256 * KiB and s0["slots_total"] == 4
+        for rep in range(3):
+            sizes = [4 * MiB + 123, 100, 3 * MiB, 777, 1 * MiB + 1]
+            arrays = [rand_array(rng, n) for n in sizes]
+            layout = Layout(os.urandom(4096), arrays)
+            assert layout.file_size - 4096 >= 8 * MiB
+            path = tmp_path / f"big{rep}.bin"
+            job = eng.submit_write(str(path), layout.header, layout.file_size, layout.items(), sync=False)
+            wait(job)
+            assert job.error() is None
+            data = check_file(path, layout)
+            check_checksums(job, layout, data)
+            s = eng.stats()
+            assert s["cache_allocations"] == 1
+            assert s["cache_address"] == s0["cache_address"]
+            assert s["slots_free"] == s["slots_total"] == 4
+            assert 1 <= s["peak_slots_used"] <= 4
+        assert eng.stats()["backpressure_waits"] > 0
+    finally:
+        eng.shutdown()
+
+
+def test_piece_checksums_follow_the_grid(tmp_path):
+    """An item crossing grid cells has one CRC per piece; zero-length items have none."""
+    rng = np.random.default_rng(12)
+    grid = 4096
+    sizes = [10, 5000, 0, 4096, 3 * 4096 + 1, 1, 0, 9000]
+    arrays = [rand_array(rng, n) for n in sizes]
+    layout = Layout(b"x" * 100, arrays)  # data_start 100: the grid is not page aligned
+    eng = E.Engine(64 * KiB, chunk_bytes=grid)
+    try:
+        path = tmp_path / "grid.bin"
+        job = eng.submit_write(str(path), layout.header, layout.file_size, layout.items())
+        wait(job)
+        assert job.error() is None
+        data = check_file(path, layout)
+        crcs = job.checksums()
+        assert crcs[2] == [] and crcs[6] == []
+        assert len(crcs[1]) == 2 and len(crcs[4]) == 4
+        check_checksums(job, layout, data)
+        # a reader can verify a piece of a big item without reading the whole item
+        off, n = layout.piece_ranges(4, grid)[2]
+        assert crcs[4][2] == E.crc32c(data[off : off + n])
+    finally:
+        eng.shutdown()
+
+
+def test_gaps_zero_items_header_only_and_tail(tmp_path):
+    rng = np.random.default_rng(13)
+    eng = E.Engine(256 * KiB, chunk_bytes=64 * KiB)
+    try:
+        arrays = [rand_array(rng, n) for n in (100, 0, 70_000, 3)]
+        layout = Layout(b"head", arrays, gaps=[5, 0, 9999, 1], tail=0)
+        path = tmp_path / "gaps.bin"
+        job = eng.submit_write(str(path), layout.header, layout.file_size, layout.items())
+        wait(job)
+        assert job.error() is None
+        data = check_file(path, layout)
+        check_checksums(job, layout, data)
+
+        # header only, with zeros up to file_size; and a zero-length item at the very end
+        path2 = tmp_path / "header_only.bin"
+        z = np.zeros(0, dtype=np.uint8)
+        job2 = eng.submit_write(str(path2), b"H" * 50, 80, [(0, 0, 80)])
+        wait(job2)
+        assert job2.error() is None and job2.checksums() == [[]]
+        assert path2.read_bytes() == b"H" * 50 + bytes(30)
+        assert z.nbytes == 0
+
+        path3 = tmp_path / "empty.bin"
+        job3 = eng.submit_write(str(path3), b"", 0, [])
+        wait(job3)
+        assert job3.error() is None and path3.read_bytes() == b"" and job3.checksums() == []
+
+        # an existing longer file is truncated
+        path4 = tmp_path / "old.bin"
+        path4.write_bytes(b"z" * 100_000)
+        a = rand_array(rng, 10)
+        job4 = eng.submit_write(str(path4), b"hh", 12, [(ptr(a), 10, 2)])
+        wait(job4)
+        assert path4.read_bytes() == b"hh" + a.tobytes()
+    finally:
+        eng.shutdown()
+
+
+def test_several_jobs_in_flight(tmp_path):
+    rng = np.random.default_rng(14)
+    eng = E.Engine(1 * MiB, chunk_bytes=128 * KiB)
+    try:
+        jobs = []
+        for j in range(8):
+            sizes = [int(s) for s in rng.integers(1, 300 * KiB, size=12)]
+            layout = Layout(f"header-{j}".encode() * 10, [rand_array(rng, n) for n in sizes])
+            path = tmp_path / f"__{j}_0.safetensors"
+            jobs.append((path, layout, eng.submit_write(str(path), layout.header, layout.file_size, layout.items())))
+        for path, layout, job in jobs:
+            assert job.wait_staged(20)
+            wait(job)
+            assert job.error() is None
+            check_checksums(job, layout, check_file(path, layout))
+        s = eng.stats()
+        assert s["jobs_submitted"] == s["jobs_done"] == 8
+        assert s["slots_free"] == s["slots_total"]
+    finally:
+        eng.shutdown()
+
+
+def test_submit_is_fast_for_many_items(tmp_path):
+    rng = np.random.default_rng(15)
+    n = 20_000
+    src = rand_array(rng, n * 16)
+    base = ptr(src)
+    header = b"h" * 4096
+    items = [(base + 16 * i, 16, 4096 + 16 * i) for i in range(n)]
+    eng = E.Engine(8 * MiB)
+    try:
+        t0 = time.perf_counter()
+        job = eng.submit_write(str(tmp_path / "many.bin"), header, 4096 + 16 * n, items, sync=False)
+        dt = time.perf_counter() - t0
+        wait(job)
+        assert job.error() is None
+        assert (tmp_path / "many.bin").read_bytes() == header + src.tobytes()
+        assert len(job.checksums()) == n
+        assert dt < 0.1, f"submit of {n} items took {dt * 1e3:.1f} ms"
+    finally:
+        eng.shutdown()
+
+
+def test_torch_tensor_sources(tmp_path):
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(1000, generator=g), torch.arange(77, dtype=torch.int64), torch.zeros(0)]
+    header = b"T" * 64
+    items, pos, expected = [], len(header), bytearray(header)
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        items.append((t.data_ptr() if n else 0, n, pos))
+        expected += t.numpy().tobytes()
+        pos += n
+    eng = E.Engine(1 * MiB)
+    try:
+        path = tmp_path / "t.bin"
+        job = eng.submit_write(str(path), header, pos, items)
+        wait(job)
+        assert job.error() is None
+        assert path.read_bytes() == bytes(expected)
+    finally:
+        eng.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# argument checks
+
+
+def test_invalid_submit_arguments(tmp_path):
+    eng = E.Engine(1 * MiB)
+    a = np.zeros(100, dtype=np.uint8)
+    p, path = ptr(a), str(tmp_path / "x.bin")
+    try:
+        cases = [
+            ([(p, 10, 5)], 200, "item 0.*inside the header"),
+            ([(p, 10, 20), (p, 10, 25)], 200, "item 1.*overlaps item 0"),
+            ([(p, 10, 20), (p, 50, 100), (p, 10, 15)], 200, r"item 0 \(.*file_offset=20\) overlaps item 2 \(.*file_offset=15\)"),
+            ([(p, 10, 195)], 200, "item 0.*ends at 205, past file_size 200"),
+            ([(0, 10, 20)], 200, "item 0.*src_ptr is null"),
+            ([(p, -1, 20)], 200, "item 0: nbytes must be >= 0"),
+            ([(p, 10)], 200, "item 0 must be a tuple"),
+            ([(p, "x", 20)], 200, "item 0: nbytes must be an int"),
+            ([], 3, "file_size 3 is smaller than the header"),
+            ([], -1, "file_size must be >= 0"),
+        ]
+        for items, size, pattern in cases:
+            with pytest.raises(ValueError, match=pattern):
+                eng.submit_write(path, b"0123456789", size, items)
+        with pytest.raises(ValueError, match="device 0"):
+            eng.submit_write(path, b"", 10, [(p, 10, 0)], device=0)
+        with pytest.raises(ValueError, match="unknown fault kind"):
+            eng.set_fault("bogus")
+        assert eng.stats()["jobs_submitted"] == 0
+        assert not os.path.exists(path)
+    finally:
+        eng.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+
+
+def test_read_into_round_trip_parallel(tmp_path):
+    rng = np.random.default_rng(20)
+    blob = rand_array(rng, 6 * MiB + 321).tobytes()
+    path = tmp_path / "blob.bin"
+    path.write_bytes(blob)
+    eng = E.Engine(1 * MiB, read_threads=4)  # 256 KiB pieces: the big range is split ~25 ways
+    try:
+        big = np.empty(6 * MiB, dtype=np.uint8)
+        small = [np.empty(n, dtype=np.uint8) for n in (1, 100, 4096, 0)]
+        offs = [0, 77, 5 * MiB + 3, 10]
+        ranges = [(ptr(big), 321, big.nbytes)] + [(ptr(b), o, b.nbytes) for b, o in zip(small, offs)]
+        eng.read_into(str(path), ranges)
+        assert big.tobytes() == blob[321:]
+        for b, o in zip(small, offs):
+            assert b.tobytes() == blob[o : o + b.nbytes]
+        assert eng.stats()["bytes_read"] == big.nbytes + sum(b.nbytes for b in small)
+        eng.read_into(str(path), [])  # nothing to do
+    finally:
+        eng.shutdown()
+
+
+def test_read_into_errors(tmp_path):
+    path = tmp_path / "short.bin"
+    path.write_bytes(b"a" * 1000)
+    buf = np.empty(2000, dtype=np.uint8)
+    eng = E.Engine(1 * MiB)
+    try:
+        with pytest.raises(ValueError) as ei:
+            eng.read_into(str(path), [(ptr(buf), 900, 200)])
+        assert str(ei.value) == f"{path}: short read at offset 900: wanted 200 bytes, file has 1000"
+        with pytest.raises(ValueError, match="short read at offset 5000"):
+            eng.read_into(str(path), [(ptr(buf), 5000, 1)])
+
+        missing = tmp_path / "missing.bin"
+        with pytest.raises(FileNotFoundError) as ei:
+            eng.read_into(str(missing), [(ptr(buf), 0, 10)])
+        assert ei.value.errno == errno.ENOENT
+        assert str(missing) in str(ei.value)
+
+        with pytest.raises(OSError) as ei:  # a directory opens, but pread fails with EISDIR
+            eng.read_into(str(tmp_path), [(ptr(buf), 0, 10)])
+        assert ei.value.errno == errno.EISDIR
+        assert str(tmp_path) in str(ei.value) and "offset 0" in str(ei.value) and "10 bytes" in str(ei.value)
+
+        with pytest.raises(ValueError, match="range 0: dst_ptr is null"):
+            eng.read_into(str(path), [(0, 0, 10)])
+        with pytest.raises(ValueError, match="range 1: nbytes must be >= 0"):
+            eng.read_into(str(path), [(ptr(buf), 0, 1), (ptr(buf), 0, -5)])
+    finally:
+        eng.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# faults
+
+
+@pytest.mark.parametrize(
+    "kind, cause",
+    [
+        ("eio", "pwrite of .* bytes at offset .* failed.*Input/output error \\(errno 5\\)"),
+        ("enospc", "pwrite of .* bytes at offset .* failed.*No space left on device \\(errno 28\\)"),
+        ("short_write", "short write"),
+        ("fsync_eio", "fsync .*failed: Input/output error \\(errno 5\\)"),
+    ],
+)
+def test_fault_kinds_fail_the_job_not_the_engine(tmp_path, kind, cause):
+    rng = np.random.default_rng(30)
+    eng = E.Engine(512 * KiB, chunk_bytes=64 * KiB)
+    try:
+        layout = Layout(b"H" * 10, [rand_array(rng, n) for n in (300 * KiB, 5, 200 * KiB)])
+        eng.set_fault(kind)
+        path = tmp_path / f"__{kind}.safetensors"
+        job = eng.submit_write(str(path), layout.header, layout.file_size, layout.items())  # raises nothing
+        assert job.wait_staged(20)
+        wait(job)
+        err = job.error()
+        assert err is not None and err.startswith(str(path) + ": ")
+        assert re.search(cause, err), err
+        with pytest.raises(RuntimeError, match="failed"):
+            job.checksums()
+        s = eng.stats()
+        assert s["jobs_failed"] == 1 and s["jobs_done"] == 1
+        assert s["slots_free"] == s["slots_total"]
+
+        eng.set_fault("none")
+        path2 = tmp_path / "ok.bin"
+        job2 = eng.submit_write(str(path2), layout.header, layout.file_size, layout.items())
+        wait(job2)
+        assert job2.error() is None
+        check_checksums(job2, layout, check_file(path2, layout))
+    finally:
+        eng.shutdown()
+
+
+def test_fault_filters_by_path_and_after_bytes(tmp_path):
+    rng = np.random.default_rng(31)
+    eng = E.Engine(512 * KiB, chunk_bytes=64 * KiB)
+    try:
+        layout = Layout(b"", [rand_array(rng, 1 * MiB)])
+        eng.set_fault("eio", path_substring="BADFILE")
+        good = eng.submit_write(str(tmp_path / "good.bin"), b"", layout.file_size, layout.items())
+        bad = eng.submit_write(str(tmp_path / "BADFILE.bin"), b"", layout.file_size, layout.items())
+        wait(good)
+        wait(bad)
+        assert good.error() is None
+        check_file(tmp_path / "good.bin", layout)
+        assert bad.error().startswith(str(tmp_path / "BADFILE.bin") + ": pwrite of 65536 bytes at offset ")
+
+        eng.set_fault("enospc", after_bytes=int(1.5 * MiB))
+        first = eng.submit_write(str(tmp_path / "first.bin"), b"", layout.file_size, layout.items())
+        wait(first)
+        assert first.error() is None  # only 1 MiB flushed since set_fault
+        second = eng.submit_write(str(tmp_path / "second.bin"), b"", layout.file_size, layout.items())
+        wait(second)
+        assert "No space left on device" in second.error()
+        # the first chunks of the second file went through before the fault armed
+        assert "offset 0 " not in second.error()
+        eng.set_fault("none")
+        assert eng.stats()["slots_free"] == eng.stats()["slots_total"]
+    finally:
+        eng.shutdown()
+
+
+def test_open_failure_is_reported_on_the_job(tmp_path):
+    eng = E.Engine(256 * KiB)
+    try:
+        a = np.ones(10, dtype=np.uint8)
+        path = tmp_path / "no_such_dir" / "f.bin"
+        job = eng.submit_write(str(path), b"", 10, [(ptr(a), 10, 0)])
+        wait(job)
+        assert job.error() == f"{path}: open for writing failed: No such file or directory (errno 2)"
+    finally:
+        eng.shutdown()
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs mkfifo")
+def test_cache_wait_timeout_when_flushes_stall(tmp_path):
+    """A FIFO without a reader blocks the flush worker in open(): no slot is ever released, so the
+    copy worker gives up after cache_wait_timeout_s and the job fails instead of hanging."""
+    fifo = tmp_path / "stalled.fifo"
+    os.mkfifo(fifo)
+    rng = np.random.default_rng(40)
+    eng = E.Engine(16 * KiB, chunk_bytes=4096, copy_threads=1, flush_threads=1, cache_wait_timeout_s=0.2)
+    try:
+        a = rand_array(rng, 8 * 4096)
+        job = eng.submit_write(str(fifo), b"", a.nbytes, [(ptr(a), a.nbytes, 0)])
+        assert job.wait_staged(10)
+        assert "host cache full for 0.2 s" in job.error()
+        assert str(fifo) in job.error()
+        assert not job.wait_done(0.05)  # the flush worker is still stuck in open()
+        fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # unblock it
+        try:
+            wait(job)
+        finally:
+            os.close(fd)
+        s = eng.stats()
+        assert s["slots_free"] == s["slots_total"] and s["backpressure_waits"] >= 1
+
+        ok = tmp_path / "after.bin"
+        job2 = eng.submit_write(str(ok), b"", a.nbytes, [(ptr(a), a.nbytes, 0)])
+        wait(job2)
+        assert job2.error() is None and ok.read_bytes() == a.tobytes()
+    finally:
+        eng.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# shutdown
+
+
+def test_shutdown_drains_and_is_idempotent(tmp_path):
+    rng = np.random.default_rng(50)
+    eng = E.Engine(256 * KiB, flush_threads=1)
+    layout = Layout(b"hdr", [rand_array(rng, n) for n in (3 * MiB, 17, 1 * MiB)])
+    path = tmp_path / "drain.bin"
+    job = eng.submit_write(str(path), layout.header, layout.file_size, layout.items())
+    eng.shutdown()  # returns only after the pending job is written
+    assert job.is_done() and job.error() is None
+    check_checksums(job, layout, check_file(path, layout))
+    assert eng.is_shut_down
+    eng.shutdown()
+    with pytest.raises(RuntimeError, match="engine is shut down"):
+        eng.submit_write(str(tmp_path / "late.bin"), b"", 0, [])
+    # reads still work (on the calling thread) and stats stay readable
+    buf = np.empty(layout.file_size, dtype=np.uint8)
+    eng.read_into(str(path), [(ptr(buf), 0, buf.nbytes)])
+    assert buf.tobytes() == layout.expected
+    assert eng.stats()["jobs_done"] == 1
+
+
+def test_concurrent_shutdown_calls_and_job_outlives_engine(tmp_path):
+    rng = np.random.default_rng(51)
+    eng = E.Engine(256 * KiB)
+    a = rand_array(rng, 2 * MiB)
+    job = eng.submit_write(str(tmp_path / "c.bin"), b"", a.nbytes, [(ptr(a), a.nbytes, 0)])
+    threads = [threading.Thread(target=eng.shutdown) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert job.is_done()
+    del eng  # the job keeps its own state
+    assert job.error() is None and len(job.checksums()[0]) == 32  # 2 MiB on a 64 KiB grid
+    assert (tmp_path / "c.bin").read_bytes() == a.tobytes()

@@ -1,0 +1,131 @@
+"""Lazy staging semantics: what the checkpoint holds when training keeps changing the tensors."""
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import assert_state_equal, clone_state, zeros_like_state
+from dcp_datastates import (
+    DataStatesReader,
+    DataStatesWriter,
+    engine_stats,
+    protect_optimizer,
+    shutdown_engine,
+    wait_staged,
+)
+
+
+def make_model_and_optimizer():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def train_step(model, opt, seed):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(32, 64, generator=g), torch.randn(32, 8, generator=g)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    opt.zero_grad()
+    loss.backward()
+
+
+def full_state(model, opt):
+    return {"model": model.state_dict(), "optim": opt.state_dict()}
+
+
+@pytest.mark.parametrize("explicit_wait", [False, True])
+def test_step_after_async_save_does_not_leak(tmp_path, explicit_wait):
+    model, opt = make_model_and_optimizer()
+    handle = protect_optimizer(opt)
+    try:
+        for s in range(3):  # populate Adam state
+            train_step(model, opt, s)
+            opt.step()
+        state = full_state(model, opt)
+        snapshot = clone_state(state)
+        resp = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c"))
+        train_step(model, opt, 99)  # forward/backward overlap the copies
+        if explicit_wait:
+            assert wait_staged(timeout=60)
+        opt.step()  # waits for staging through the pre-hook, then mutates params and Adam state
+        opt.step()
+        resp.upload_completion.result()
+        after = clone_state(full_state(model, opt))
+        assert not torch.equal(after["model"]["0.weight"], snapshot["model"]["0.weight"])
+        dest = zeros_like_state(full_state(model, opt))
+        dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+        assert_state_equal(snapshot["model"], dest["model"])
+        assert_state_equal(snapshot["optim"]["state"], dest["optim"]["state"])
+    finally:
+        handle.remove()
+
+
+def test_in_place_mutation_after_staging_never_reaches_checkpoint(tmp_path):
+    state = {f"t{i}": torch.randn(256, 256) for i in range(8)}
+    snapshot = clone_state(state)
+    resp = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c"))
+    resp.staging_completion.result()
+    for t in state.values():
+        t.mul_(-3.0).add_(1.0)
+    resp.upload_completion.result()
+    dest = zeros_like_state(snapshot)
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert_state_equal(snapshot, dest)
+
+
+def test_non_tensor_values_are_captured_at_stage_time(tmp_path):
+    extra = {"step": 5, "history": [1, 2, 3]}
+    state = {"w": torch.ones(4), "extra": extra}
+    resp = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c"))
+    extra["step"] = 6
+    extra["history"].append(4)
+    resp.upload_completion.result()
+    dest = {"w": torch.zeros(4), "extra": {"step": None, "history": None}}
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert dest["extra"] == {"step": 5, "history": [1, 2, 3]}
+
+
+def test_protect_optimizer_handle_removes_hook():
+    _, opt = make_model_and_optimizer()
+    before = len(opt._optimizer_step_pre_hooks)
+    h = protect_optimizer(opt)
+    assert len(opt._optimizer_step_pre_hooks) == before + 1
+    h.remove()
+    assert len(opt._optimizer_step_pre_hooks) == before
+    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
+        protect_optimizer(object())
+
+
+@pytest.fixture
+def small_engine():
+    shutdown_engine()
+    yield 1 << 20
+    shutdown_engine()
+
+
+def test_checkpoint_8x_larger_than_cache_and_cache_is_reused(tmp_path, small_engine):
+    cache = small_engine
+    state = {f"t{i}": torch.randn(64 * 1024) for i in range(32)}  # 8 MiB through a 1 MiB cache
+    state["tiny"] = [torch.randn(3) for _ in range(50)]
+    addresses = set()
+    for k in range(3):
+        snapshot = clone_state(state)
+        w = DataStatesWriter(tmp_path / f"c{k}", host_cache_size=cache, chunk_size=256 << 10)
+        resp = dcp.async_save(state, storage_writer=w)
+        resp.upload_completion.result(timeout=120)
+        st = engine_stats()
+        addresses.add(st["cache_address"])
+        assert st["cache_bytes"] == cache
+        assert st["cache_allocations"] == 1
+        assert st["slots_free"] == st["slots_total"]
+        dest = zeros_like_state(state)
+        dcp.load(dest, storage_reader=DataStatesReader(tmp_path / f"c{k}"))
+        assert_state_equal(snapshot, dest)
+        for t in state.values():
+            if isinstance(t, torch.Tensor):
+                t.add_(1.0)
+    st = engine_stats()
+    assert len(addresses) == 1
+    assert st["backpressure_waits"] > 0
+    assert st["bytes_staged"] >= 3 * 8 * (1 << 20)
+    assert st["jobs_done"] >= 3 and st["jobs_failed"] == 0

@@ -1,0 +1,237 @@
+"""Save with DataStatesWriter, load with DataStatesReader: bytes back equal bytes saved."""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+
+from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
+from dcp_datastates import (
+    ChecksumMismatchError,
+    CheckpointWriteError,
+    DataStatesReader,
+    DataStatesWriter,
+    IncompleteCheckpointError,
+)
+
+
+def every_dtype_state():
+    g = torch.Generator().manual_seed(1)
+    s = {}
+    for dt in (torch.float32, torch.float16, torch.float64, torch.bfloat16):
+        s[f"f_{dt}"] = torch.randn(7, 5, generator=g).to(dt)
+    for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+        s[name] = torch.randn(33, generator=g).to(getattr(torch, name))
+    s["float8_e8m0fnu"] = torch.randint(0, 255, (9,), dtype=torch.uint8, generator=g).view(torch.float8_e8m0fnu)
+    for dt in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        info = torch.iinfo(dt)
+        s[f"i_{dt}"] = torch.randint(info.min, info.max, (11,), dtype=dt, generator=g)
+    for dt in (torch.uint16, torch.uint32, torch.uint64):
+        s[f"u_{dt}"] = torch.randint(0, 1 << 15, (6,), dtype=torch.int64, generator=g).to(dt)
+    s["bool"] = torch.rand(13, generator=g) > 0.5
+    s["complex64"] = torch.randn(4, dtype=torch.complex64, generator=g)
+    s["complex128"] = torch.randn(4, dtype=torch.complex128, generator=g)
+    s["special"] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, 0.0, 1e-45])
+    s["scalar"] = torch.tensor(3.25)
+    s["empty"] = torch.empty(0, 4)
+    s["empty_int"] = torch.empty(3, 0, dtype=torch.int32)
+    return s
+
+
+def nested_state():
+    base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    return {
+        "model": {"w": torch.randn(16, 8), "layers": [{"b": torch.randn(3)}, {"b": torch.randn(5)}]},
+        "view_t": base.t(),  # non-contiguous view
+        "view_slice": base[1:3, ::2],
+        "shared_a": base,
+        "shared_b": base.view(6, 4),  # shares storage with shared_a
+        "step": 42,
+        "lr": 3.5e-4,
+        "name": "run-7",
+        "milestones": [10, 20, 30],
+        "extra": {"seed": 1234, "tags": ["a", "b"]},
+    }
+
+
+def roundtrip(tmp_path, state, save):
+    path = tmp_path / "ckpt"
+    expected = clone_state(state)
+    if save == "sync":
+        dcp.save(state, storage_writer=DataStatesWriter(path))
+    else:
+        resp = dcp.async_save(state, storage_writer=DataStatesWriter(path))
+        resp.staging_completion.result()
+        resp.upload_completion.result()
+    dest = zeros_like_state(state)
+    dcp.load(dest, storage_reader=DataStatesReader(path))
+    return expected, dest, path
+
+
+@pytest.mark.parametrize("save", ["sync", "async"])
+def test_every_dtype_bitwise(tmp_path, save):
+    state = every_dtype_state()
+    expected, dest, _ = roundtrip(tmp_path, state, save)
+    assert_state_equal(expected, dest)
+
+
+@pytest.mark.parametrize("save", ["sync", "async"])
+def test_nested_views_and_objects(tmp_path, save):
+    state = nested_state()
+    expected, dest, _ = roundtrip(tmp_path, state, save)
+    # non-tensor values come back through the load planner
+    for k in ("step", "lr", "name", "milestones"):
+        assert dest[k] == expected[k]
+    assert dest["extra"] == expected["extra"]
+    assert_state_equal(expected["model"], dest["model"])
+    for k in ("view_t", "view_slice", "shared_a", "shared_b"):
+        assert torch.equal(dest[k], expected[k]), k
+
+
+def test_async_returns_response_and_commits(tmp_path):
+    state = {"w": torch.randn(1000)}
+    resp = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c"))
+    assert type(resp).__name__ == "AsyncSaveResponse"
+    assert resp.staging_completion.result(timeout=60) is None
+    resp.upload_completion.result(timeout=60)
+    assert (tmp_path / "c" / ".metadata").is_file()
+    assert not [p for p in os.listdir(tmp_path / "c") if ".tmp" in p]
+
+
+def test_data_file_is_valid_safetensors(tmp_path):
+    state = every_dtype_state()
+    _, _, path = roundtrip(tmp_path, state, "async")
+    files = sorted(p for p in os.listdir(path) if p.endswith(".safetensors"))
+    assert files == ["__0_0.safetensors"]
+    with safe_open(str(path / files[0]), "pt") as f:
+        names = set(f.keys())
+        for k, v in state.items():
+            assert k in names
+            got = f.get_tensor(k)
+            if v.dtype == torch.complex128:  # not a safetensors dtype: raw bytes, real dtype in our metadata
+                assert got.dtype == torch.uint8 and got.numel() == v.numel() * v.element_size()
+                assert torch.equal(got, v.contiguous().view(-1).view(torch.uint8))
+                continue
+            assert got.dtype == v.dtype and tuple(got.shape) == tuple(v.shape), k
+            assert torch.equal(got.view(-1).view(torch.uint8) if got.numel() else got, v.reshape(-1).view(torch.uint8) if v.numel() else got), k
+
+
+def test_metadata_is_json_not_pickle(tmp_path):
+    _, _, path = roundtrip(tmp_path, nested_state(), "sync")
+    raw = (path / ".metadata").read_bytes()
+    doc = json.loads(raw)
+    assert doc["format"] == "dcp_datastates" and doc["version"] == 1
+    assert "model.w" in doc["items"]
+    chunk = doc["items"]["model.w"]["chunks"][0]
+    assert chunk["file"] == "__0_0.safetensors" and chunk["length"] == 16 * 8 * 4 and chunk["crc32c"]
+
+
+def test_moved_folder_still_loads(tmp_path):
+    state = nested_state()
+    expected, _, path = roundtrip(tmp_path, state, "async")
+    moved = tmp_path / "elsewhere" / "copy"
+    shutil.copytree(path, moved)
+    shutil.rmtree(path)
+    dest = zeros_like_state(state)
+    dcp.load(dest, storage_reader=DataStatesReader(moved))
+    assert_state_equal(expected["model"], dest["model"])
+
+
+def test_writer_and_reader_reused_with_checkpoint_id(tmp_path):
+    writer, reader = DataStatesWriter(), DataStatesReader()
+    snapshots = []
+    for step in range(3):
+        state = {"w": torch.full((64,), float(step)), "step": step}
+        snapshots.append(clone_state(state))
+        if step % 2:
+            dcp.save(state, checkpoint_id=tmp_path / f"step-{step}", storage_writer=writer)
+        else:
+            resp = dcp.async_save(state, checkpoint_id=tmp_path / f"step-{step}", storage_writer=writer)
+            resp.upload_completion.result()
+    for step in range(3):
+        dest = {"w": torch.zeros(64), "step": None}
+        dcp.load(dest, checkpoint_id=tmp_path / f"step-{step}", storage_reader=reader)
+        assert torch.equal(dest["w"], snapshots[step]["w"]) and dest["step"] == step
+    # each async save went straight to its own folder (no stray files in the writer's last path)
+    for step in range(3):
+        assert sorted(os.listdir(tmp_path / f"step-{step}")) == [".metadata", "__0_0.safetensors"]
+
+
+def test_overwrite_false_refuses_committed_folder(tmp_path):
+    dcp.save({"w": torch.ones(3)}, storage_writer=DataStatesWriter(tmp_path / "c"))
+    with raises_through_dcp("CheckpointWriteError.*already holds a committed checkpoint and overwrite=False"):
+        dcp.save({"w": torch.ones(3)}, storage_writer=DataStatesWriter(tmp_path / "c", overwrite=False))
+    resp = dcp.async_save({"w": torch.ones(3)}, storage_writer=DataStatesWriter(tmp_path / "c", overwrite=False))
+    with pytest.raises(CheckpointWriteError, match="overwrite=False"):
+        resp.upload_completion.result()
+    # the committed checkpoint is untouched
+    dest = {"w": torch.zeros(3)}
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert torch.equal(dest["w"], torch.ones(3))
+
+
+def test_resave_overwrites(tmp_path):
+    for value in (1.0, 2.0):
+        dcp.save({"w": torch.full((5,), value)}, storage_writer=DataStatesWriter(tmp_path / "c"))
+    dest = {"w": torch.zeros(5)}
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert torch.equal(dest["w"], torch.full((5,), 2.0))
+
+
+def test_process_mode_fails_at_once(tmp_path):
+    from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+    with pytest.raises(ValueError, match="AsyncCheckpointerType.THREAD"):
+        dcp.async_save(
+            {"w": torch.ones(2)},
+            storage_writer=DataStatesWriter(tmp_path / "c"),
+            async_checkpointer_type=AsyncCheckpointerType.PROCESS,
+        )
+
+
+def test_incomplete_checkpoint_is_reported(tmp_path):
+    dcp.save({"w": torch.ones(3)}, storage_writer=DataStatesWriter(tmp_path / "c"))
+    os.unlink(tmp_path / "c" / ".metadata")
+    with raises_through_dcp(f"incomplete checkpoint {tmp_path / 'c'}: there is no .metadata commit marker"):
+        dcp.load({"w": torch.zeros(3)}, storage_reader=DataStatesReader(tmp_path / "c"))
+    with pytest.raises(IncompleteCheckpointError, match="no .metadata commit marker"):
+        DataStatesReader(tmp_path / "c").read_metadata()
+    with pytest.raises(FileNotFoundError, match="folder does not exist"):
+        DataStatesReader(tmp_path / "nothing-here").read_metadata()
+
+
+def test_flipped_byte_is_detected(tmp_path):
+    state = {"w": torch.randn(4096), "v": torch.randn(10)}
+    dcp.save(state, storage_writer=DataStatesWriter(tmp_path / "c"))
+    doc = json.loads((tmp_path / "c" / ".metadata").read_bytes())
+    off = doc["items"]["w"]["chunks"][0]["offset"] + 1234
+    f = tmp_path / "c" / "__0_0.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[off] ^= 0x10
+    f.write_bytes(bytes(raw))
+    with raises_through_dcp(r"ChecksumMismatchError.*checksum mismatch in __0_0.safetensors, item 'w' .*bytes \["):
+        dcp.load({"w": torch.zeros(4096), "v": torch.zeros(10)}, storage_reader=DataStatesReader(tmp_path / "c"))
+    # verification can be turned off: the flipped value loads, the others are intact
+    dest = {"w": torch.zeros(4096), "v": torch.zeros(10)}
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c", verify=False))
+    assert torch.equal(dest["v"], state["v"]) and not torch.equal(dest["w"], state["w"])
+
+
+def test_sync_files_off_still_roundtrips(tmp_path):
+    state = {"w": torch.randn(100)}
+    dcp.save(state, storage_writer=DataStatesWriter(tmp_path / "c", sync_files=False))
+    dest = {"w": torch.zeros(100)}
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert torch.equal(dest["w"], state["w"])
+
+
+def test_load_casts_into_other_dtype(tmp_path):
+    state = {"w": torch.randn(50)}
+    dcp.save(state, storage_writer=DataStatesWriter(tmp_path / "c"))
+    dest = {"w": torch.zeros(50, dtype=torch.float64)}
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert torch.equal(dest["w"], state["w"].double())
