@@ -9,6 +9,7 @@ CRC32C recorded at save time unless ``verify=False``.
 
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 from collections import defaultdict
@@ -161,7 +162,7 @@ class DataStatesReader(StorageReader):
             if self.config.verify and p.loc.crc32c:
                 self._verify(p)
             if p.dst is None:
-                planner.load_bytes(p.req, io.BytesIO(p.buf.numpy().tobytes()))
+                planner.load_bytes(p.req, io.BytesIO(ctypes.string_at(p.buf.data_ptr(), p.loc.length) if p.loc.length else b""))
                 continue
             if not p.direct:
                 src = p.buf.view(name_to_dtype(p.loc.dtype)).reshape(p.loc.shape)
