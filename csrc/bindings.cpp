@@ -154,6 +154,9 @@ PYBIND11_MODULE(_engine, m) {
           py::arg("timeout") = py::none(), "True once the file is written and closed (or the job failed)")
       .def("is_staged", &WriteJob::is_staged)
       .def("is_done", &WriteJob::is_done)
+      .def("all_enqueued", &WriteJob::all_enqueued,
+           "True once every chunk's copy is issued (for a device job: queued on the copy stream)")
+      .def_property_readonly("device", &WriteJob::device, "-1 for host sources, else the CUDA device")
       .def("error", &WriteJob::error, "None, or the message of the first error")
       .def("checksums", &WriteJob::checksums, "CRC32C per grid piece, per item in the order given")
       .def("piece_size", &WriteJob::piece_size, "the checksum grid size (the engine's chunk size)")
@@ -164,7 +167,7 @@ PYBIND11_MODULE(_engine, m) {
 
   py::class_<Engine>(m, "Engine", "Process-wide write/read engine with one preallocated host cache.")
       .def(py::init([](int64_t cache_bytes, int64_t chunk_bytes, int copy_threads, int flush_threads,
-                       int read_threads, int64_t alignment, double cache_wait_timeout_s) {
+                       int read_threads, int64_t alignment, double cache_wait_timeout_s, bool pin) {
              dcpds::EngineConfig cfg;
              cfg.cache_bytes = cache_bytes;
              cfg.chunk_bytes = chunk_bytes;
@@ -173,16 +176,20 @@ PYBIND11_MODULE(_engine, m) {
              cfg.read_threads = read_threads;
              cfg.alignment = alignment;
              cfg.cache_wait_timeout_s = cache_wait_timeout_s;
-             py::gil_scoped_release nogil;  // a large allocation can take a while
+             cfg.pin = pin;
+             py::gil_scoped_release nogil;  // a large allocation (and pinning it) can take a while
              return std::make_unique<Engine>(cfg);
            }),
            py::arg("cache_bytes"), py::arg("chunk_bytes") = int64_t(64) << 20, py::arg("copy_threads") = 2,
            py::arg("flush_threads") = 2, py::arg("read_threads") = 4, py::arg("alignment") = 4096,
-           py::arg("cache_wait_timeout_s") = 600.0)
+           py::arg("cache_wait_timeout_s") = 600.0, py::arg("pin") = true,
+           "Allocates the host cache and starts the threads. Loads the CUDA runtime named by\n"
+           "$DCP_DATASTATES_CUDART (\"none\": CPU mode), else the libcudart PyTorch loaded, else\n"
+           "libcudart.so(.13/.12); with it and pin=True the cache is page-locked once.")
       .def(
           "submit_write",
           [](Engine& e, const std::string& path, py::bytes header, int64_t file_size, py::handle items, bool sync,
-             int device) {
+             int device, uint64_t stream) {
             if (e.is_shut_down()) throw std::runtime_error("engine is shut down");
             if (file_size < 0) throw py::value_error("file_size must be >= 0, got " + std::to_string(file_size));
             static const char* const names[3] = {"src_ptr", "nbytes", "file_offset"};
@@ -192,12 +199,21 @@ PYBIND11_MODULE(_engine, m) {
             std::string head = header;
             // No GIL release: submitting only enqueues (microseconds), and handing the GIL to
             // another thread here would cost the training thread up to a switch interval.
-            return e.submit_write(path, std::move(head), static_cast<uint64_t>(file_size), parsed, sync, device);
+            return e.submit_write(path, std::move(head), static_cast<uint64_t>(file_size), parsed, sync, device, stream);
           },
           py::arg("path"), py::arg("header"), py::arg("file_size"), py::arg("items"), py::arg("sync") = true,
-          py::arg("device") = -1,
+          py::arg("device") = -1, py::arg("stream") = 0,
           "Queue one file: header at offset 0, items (src_ptr, nbytes, file_offset). Returns a WriteJob at once;\n"
-          "errors are reported by WriteJob.error(). The source memory must stay valid until the job is staged.")
+          "errors are reported by WriteJob.error(). The source memory must stay valid until the job is staged.\n"
+          "device >= 0: the src pointers are on that CUDA device and stream is the caller's current CUDA stream\n"
+          "there (int handle, 0 = legacy default): the copies run after the work queued on it so far.")
+      .def("device_wait", &Engine::device_wait, py::arg("job"), py::arg("stream"),
+           "For a device job whose copies are all queued: make `stream` wait on the GPU for them and return\n"
+           "True without blocking (True too when the job is staged). False: wait on the host instead.")
+      .def_property_readonly("cuda_runtime", &Engine::cuda_runtime_path, "path of the CUDA runtime in use; '' in CPU mode")
+      .def_property_readonly("cuda_devices", &Engine::cuda_device_count, "CUDA devices the runtime sees; 0 in CPU mode")
+      .def_property_readonly("cuda_status", &Engine::cuda_status,
+                             "CPU mode: why there is no CUDA; CUDA mode: why the cache is not pinned ('' if it is)")
       .def(
           "read_into",
           [](Engine& e, const std::string& path, py::handle ranges) {
@@ -248,6 +264,11 @@ PYBIND11_MODULE(_engine, m) {
              d["flush_threads"] = s.flush_threads;
              d["read_threads"] = s.read_threads;
              d["hw_crc32c"] = s.hw_crc32c;
+             d["cuda"] = s.cuda;
+             d["pinned"] = s.pinned;
+             d["d2h_bytes"] = s.d2h_bytes;
+             d["device_waits"] = s.device_waits;
+             d["host_waits"] = s.host_waits;
              return d;
            })
       .def("set_fault", &Engine::set_fault, py::arg("kind"), py::arg("after_bytes") = 0,

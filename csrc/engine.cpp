@@ -122,6 +122,26 @@ Engine::Engine(const EngineConfig& cfg) : cfg_(cfg) {
   if (chunk > cache) chunk = cache;
   cache_ = std::make_unique<HostCache>(cache, chunk, align);
 
+  if (const CudaApi* cuda = load_cuda_runtime(&cuda_status_)) {
+    int n = 0;
+    const cudaError err = cuda->GetDeviceCount(&n);
+    if (err != kCudaSuccess || n <= 0) {
+      cuda_status_ = cuda->path + " sees no CUDA device" + (err != kCudaSuccess ? ": " + cuda->error_text(err) : "");
+    } else {
+      cuda_path_ = cuda->path;
+      cuda_devices_ = n;
+      cuda_status_.clear();
+      stager_ = std::make_unique<DeviceStager>(*cuda, n, [this](ChunkRef&& ref, bool copied) {
+        device_chunk_ready(std::move(ref), copied);
+      });
+      // Once, for the engine's lifetime: every checkpoint reuses the pinned cache.
+      if (cfg.pin) {
+        cuda_status_ = cache_->pin(*cuda);
+        pinned_.store(cache_->pinned(), std::memory_order_release);
+      }
+    }
+  }
+
   try {
     for (int i = 0; i < cfg.copy_threads; ++i) copy_threads_.emplace_back([this] { copy_loop(); });
     for (int i = 0; i < cfg.flush_threads; ++i) flush_threads_.emplace_back([this] { flush_loop(); });
@@ -135,13 +155,15 @@ Engine::Engine(const EngineConfig& cfg) : cfg_(cfg) {
 Engine::~Engine() { shutdown(); }
 
 std::shared_ptr<WriteJob> Engine::submit_write(std::string path, std::string header, uint64_t file_size,
-                                               const std::vector<WriteItem>& items, bool sync, int device) {
+                                               const std::vector<WriteItem>& items, bool sync, int device,
+                                               uint64_t stream) {
   if (is_shut_down()) throw std::runtime_error("engine is shut down");
-  check_copy_device(device);
+  check_copy_device(device, cuda_devices_, cuda_status_);
   auto job = std::make_shared<WriteJob>(std::move(path), std::move(header), file_size, items, chunk_bytes(), sync, device);
   {
     std::lock_guard<std::mutex> g(copy_mu_);
     if (stop_copy_) throw std::runtime_error("engine is shut down");
+    if (device != kHostDevice) stager_->begin_job(*job, stream);  // the ordering point
     for (size_t k = 0; k < job->chunks_.size(); ++k) copy_q_.push_back(ChunkRef{job, k});
     jobs_submitted_.fetch_add(1, std::memory_order_relaxed);
   }
@@ -163,39 +185,50 @@ void Engine::copy_loop() {
       copy_q_.pop_front();
     }
     WriteJob& job = *ref.job;
-    stage_chunk(job, job.chunks_[ref.index]);
-    job.chunk_staged();
-    {
-      std::lock_guard<std::mutex> g(flush_mu_);
-      flush_q_.push_back(std::move(ref));
+    if (job.device_ != kHostDevice) {
+      stage_device_chunk(std::move(ref));  // handed on by the device's completion thread
+      continue;
     }
-    flush_cv_.notify_one();
+    stage_chunk(job, job.chunks_[ref.index]);
+    job.chunk_enqueued();
+    job.chunk_staged();
+    push_flush(std::move(ref));
   }
+}
+
+void Engine::push_flush(ChunkRef&& ref) {
+  {
+    std::lock_guard<std::mutex> g(flush_mu_);
+    flush_q_.push_back(std::move(ref));
+  }
+  flush_cv_.notify_one();
+}
+
+// Borrows a cache slot for chunk c (backpressure); -1 after failing the job on timeout.
+int Engine::acquire_slot(WriteJob& job, const Chunk& c) {
+  bool waited = false;
+  const int slot = cache_->acquire(cfg_.cache_wait_timeout_s, &waited);
+  if (waited) backpressure_waits_.fetch_add(1, std::memory_order_relaxed);
+  if (slot < 0) {
+    char secs[64];
+    std::snprintf(secs, sizeof secs, "%g", cfg_.cache_wait_timeout_s);
+    job.fail(job.path() + ": host cache full for " + std::string(secs) + " s: no free slot among " +
+             std::to_string(cache_->slots_total()) + " for the chunk at offset " + std::to_string(c.file_off) +
+             "; flushes are stalled or much slower than copies (raise cache_wait_timeout_s or the cache size)");
+  }
+  return slot;
 }
 
 void Engine::stage_chunk(WriteJob& job, Chunk& c) {
   try {
     if (job.failed() || c.span == 0) return;  // failed jobs skip their remaining chunks
-    bool waited = false;
-    const int slot = cache_->acquire(cfg_.cache_wait_timeout_s, &waited);
-    if (waited) backpressure_waits_.fetch_add(1, std::memory_order_relaxed);
-    if (slot < 0) {
-      char secs[64];
-      std::snprintf(secs, sizeof secs, "%g", cfg_.cache_wait_timeout_s);
-      job.fail(job.path() + ": host cache full for " + std::string(secs) + " s: no free slot among " +
-               std::to_string(cache_->slots_total()) + " for the chunk at offset " + std::to_string(c.file_off) +
-               "; flushes are stalled or much slower than copies (raise cache_wait_timeout_s or the cache size)");
-      return;
-    }
+    const int slot = acquire_slot(job, c);
+    if (slot < 0) return;
     c.slot = slot;
-    char* base = cache_->slot_ptr(slot);
-    uint64_t pos = c.file_off;
-    for (size_t i = c.piece_begin; i < c.piece_end; ++i) {
-      const Piece& p = job.pieces_[i];
-      if (p.file_off > pos) std::memset(base + (pos - c.file_off), 0, p.file_off - pos);
-      copy_bytes(base + (p.file_off - c.file_off), p.src, p.len, job.device_);
-      pos = p.file_off + p.len;
-    }
+    place_pieces(cache_->slot_ptr(slot), c, job.pieces_, [](char* dst, const Piece& p) {
+      copy_bytes(dst, p.src, static_cast<size_t>(p.len));
+      return true;
+    });
     bytes_staged_.fetch_add(c.data_bytes, std::memory_order_relaxed);
     chunks_staged_.fetch_add(1, std::memory_order_relaxed);
   } catch (const std::exception& e) {
@@ -203,6 +236,53 @@ void Engine::stage_chunk(WriteJob& job, Chunk& c) {
   } catch (...) {
     job.fail(internal_error(job.path(), "unknown exception"));
   }
+}
+
+// A copy worker's share of a device chunk: the slot (waiting for one on the host when the cache
+// is full), then the stager queues the D2H copies and the chunk's event on the copy stream.
+void Engine::stage_device_chunk(ChunkRef ref) {
+  WriteJob& job = *ref.job;
+  Chunk& c = job.chunks_[ref.index];
+  char* dst = nullptr;
+  if (!job.failed() && c.span != 0) {
+    const int slot = acquire_slot(job, c);
+    if (slot >= 0) {
+      c.slot = slot;
+      dst = cache_->slot_ptr(slot);
+    }
+  }
+  try {
+    stager_->enqueue(std::move(ref), dst);
+  } catch (const std::exception& e) {  // bad_alloc of a queue node: nothing else throws there
+    job.fail(internal_error(job.path(), e.what()));
+  }
+}
+
+// On a device's completion thread, once the chunk's copies are complete (the job is marked
+// staged already when this was its last chunk).
+void Engine::device_chunk_ready(ChunkRef&& ref, bool copied) {
+  if (copied) {
+    const Chunk& c = ref.job->chunks_[ref.index];
+    bytes_staged_.fetch_add(c.data_bytes, std::memory_order_relaxed);
+    d2h_bytes_.fetch_add(c.data_bytes, std::memory_order_relaxed);
+    chunks_staged_.fetch_add(1, std::memory_order_relaxed);
+  }
+  push_flush(std::move(ref));
+}
+
+bool Engine::device_wait(WriteJob& job, uint64_t stream) {
+  if (!stager_ || job.device_ == kHostDevice) return false;
+  switch (stager_->device_wait(job, stream)) {
+    case DeviceStager::Wait::kDevice:
+      device_waits_.fetch_add(1, std::memory_order_relaxed);
+      return true;
+    case DeviceStager::Wait::kNotNeeded:
+      return true;
+    case DeviceStager::Wait::kHost:
+      break;
+  }
+  host_waits_.fetch_add(1, std::memory_order_relaxed);
+  return false;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -405,6 +485,9 @@ void Engine::stop_threads() {
   }
   copy_cv_.notify_all();
   for (auto& t : copy_threads_) t.join();
+  // Copy workers are gone, so no chunk reaches the stager any more: its completion threads
+  // drain (every device chunk on to the flush queue) before the flush workers stop.
+  if (stager_) stager_->stop();
   {
     std::lock_guard<std::mutex> g(flush_mu_);
     stop_flush_ = true;
@@ -420,8 +503,13 @@ void Engine::stop_threads() {
   copy_threads_.clear();
   flush_threads_.clear();
   read_threads_.clear();
-  std::lock_guard<std::mutex> g(read_mu_);
-  read_q_.clear();
+  {
+    std::lock_guard<std::mutex> g(read_mu_);
+    read_q_.clear();
+  }
+  // Every copy into the cache is complete: the registration can go.
+  pinned_.store(false, std::memory_order_release);
+  cache_->unpin();
 }
 
 void Engine::shutdown() {
@@ -455,6 +543,11 @@ EngineStats Engine::stats() const {
   s.flush_threads = static_cast<uint64_t>(cfg_.flush_threads);
   s.read_threads = static_cast<uint64_t>(cfg_.read_threads);
   s.hw_crc32c = crc32c_hardware_available() ? 1 : 0;
+  s.cuda = stager_ ? 1 : 0;
+  s.pinned = pinned_.load(std::memory_order_acquire) ? 1 : 0;
+  s.d2h_bytes = d2h_bytes_.load();
+  s.device_waits = device_waits_.load();
+  s.host_waits = host_waits_.load();
   return s;
 }
 

@@ -13,6 +13,8 @@
 #include <thread>
 #include <vector>
 
+#include "copy.h"
+#include "cuda_runtime.h"
 #include "fault.h"
 #include "host_cache.h"
 #include "write_job.h"
@@ -27,6 +29,7 @@ struct EngineConfig {
   int read_threads = 4;
   int64_t alignment = 4096;
   double cache_wait_timeout_s = 600.0;
+  bool pin = true;  // cudaHostRegister the cache when a CUDA runtime is loaded
 };
 
 // A failed system call on the read path (bindings raise OSError / FileNotFoundError).
@@ -58,6 +61,7 @@ struct EngineStats {
   uint64_t bytes_staged, bytes_flushed, bytes_read, chunks_staged, chunks_flushed;
   uint64_t jobs_submitted, jobs_done, jobs_failed, backpressure_waits;
   uint64_t copy_threads, flush_threads, read_threads, hw_crc32c;
+  uint64_t cuda, pinned, d2h_bytes, device_waits, host_waits;
 };
 
 struct ReadBatch;
@@ -65,15 +69,35 @@ struct ReadBatch;
 class Engine {
  public:
   // Throws std::invalid_argument for bad settings, HostAllocError if the cache cannot be allocated.
+  // Loads the CUDA runtime (load_cuda_runtime: $DCP_DATASTATES_CUDART, PyTorch's, the usual
+  // names); without one, or without a device, the engine runs in CPU mode. With one and
+  // cfg.pin, the cache is page-locked here once (a failure leaves it unpinned, see cuda_status).
   explicit Engine(const EngineConfig& cfg);
   ~Engine();  // shutdown()
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;
 
   // Queues one file; returns at once (never waits for slots). Throws std::invalid_argument for a
-  // bad layout, std::runtime_error("engine is shut down") after shutdown().
+  // bad layout or device, std::runtime_error("engine is shut down") after shutdown().
+  // device >= 0: every src is a pointer into CUDA device `device`, and `stream` is the caller's
+  // current stream there (0: the legacy default stream). An event recorded on it now orders the
+  // copies after the work that produced the sources; a CUDA error doing so throws
+  // std::runtime_error naming the path.
   std::shared_ptr<WriteJob> submit_write(std::string path, std::string header, uint64_t file_size,
-                                         const std::vector<WriteItem>& items, bool sync = true, int device = -1);
+                                         const std::vector<WriteItem>& items, bool sync = true, int device = -1,
+                                         uint64_t stream = 0);
+
+  // For a device job: if all its copies are queued, makes `stream` wait on the GPU for the last
+  // of them and returns true (nothing blocks); true as well when the job is staged already.
+  // False otherwise (and for host jobs): the caller must wait on the host (job.wait_staged).
+  bool device_wait(WriteJob& job, uint64_t stream);
+
+  bool cuda_mode() const { return stager_ != nullptr; }
+  const std::string& cuda_runtime_path() const { return cuda_path_; }  // "" in CPU mode
+  int cuda_device_count() const { return cuda_devices_; }
+  // CPU mode: why there is no CUDA. CUDA mode: why the cache is not pinned ("" when it is, or
+  // when pinning was not asked for).
+  const std::string& cuda_status() const { return cuda_status_; }
 
   // Blocking parallel pread of every range. Throws IoError or ShortReadError.
   void read_into(const std::string& path, const std::vector<ReadRange>& ranges);
@@ -88,15 +112,14 @@ class Engine {
   EngineStats stats() const;
 
  private:
-  struct ChunkRef {
-    std::shared_ptr<WriteJob> job;
-    size_t index;
-  };
-
   void copy_loop();
   void flush_loop();
   void read_loop();
+  int acquire_slot(WriteJob& job, const Chunk& c);
   void stage_chunk(WriteJob& job, Chunk& c);
+  void stage_device_chunk(ChunkRef ref);
+  void device_chunk_ready(ChunkRef&& ref, bool copied);
+  void push_flush(ChunkRef&& ref);
   void flush_chunk(WriteJob& job, Chunk& c);
   bool ensure_open(WriteJob& job);
   void finalize(WriteJob& job);
@@ -105,6 +128,11 @@ class Engine {
   const EngineConfig cfg_;
   std::unique_ptr<HostCache> cache_;
   FaultState faults_;
+
+  std::string cuda_path_, cuda_status_;
+  int cuda_devices_ = 0;
+  std::unique_ptr<DeviceStager> stager_;  // null in CPU mode
+  std::atomic<bool> pinned_{false};
 
   std::mutex copy_mu_;
   std::condition_variable copy_cv_;
@@ -129,6 +157,7 @@ class Engine {
   std::atomic<uint64_t> bytes_staged_{0}, bytes_flushed_{0}, bytes_read_{0};
   std::atomic<uint64_t> chunks_staged_{0}, chunks_flushed_{0};
   std::atomic<uint64_t> jobs_submitted_{0}, jobs_done_{0}, jobs_failed_{0}, backpressure_waits_{0};
+  std::atomic<uint64_t> d2h_bytes_{0}, device_waits_{0}, host_waits_{0};
 };
 
 }  // namespace dcpds

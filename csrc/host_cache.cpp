@@ -27,7 +27,26 @@ HostCache::HostCache(uint64_t cache_bytes, uint64_t slot_bytes, uint64_t alignme
   for (int i = slots_total_ - 1; i >= 0; --i) free_.push_back(i);  // slot 0 handed out first
 }
 
-HostCache::~HostCache() { std::free(base_); }
+HostCache::~HostCache() {
+  unpin();
+  std::free(base_);
+}
+
+std::string HostCache::pin(const CudaApi& api) {
+  if (pinned_by_) return "";
+  // Portable: pinned for every CUDA context of the process, whichever device copies into it.
+  cudaError err = api.HostRegister(base_, static_cast<size_t>(bytes_), kCudaHostRegisterPortable);
+  if (err != kCudaSuccess)
+    return "cudaHostRegister of " + std::to_string(bytes_) + " bytes failed: " + api.error_text(err);
+  pinned_by_ = &api;
+  return "";
+}
+
+void HostCache::unpin() {
+  if (!pinned_by_) return;
+  pinned_by_->HostUnregister(base_);
+  pinned_by_ = nullptr;
+}
 
 int HostCache::acquire(double timeout_s, bool* waited) {
   std::unique_lock<std::mutex> lk(mu_);

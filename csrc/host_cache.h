@@ -10,6 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda_runtime.h"
+
 namespace dcpds {
 
 // std::bad_alloc carrying a message (pybind11 maps it to MemoryError with that text).
@@ -48,12 +50,21 @@ class HostCache {
   // The buffer is never reallocated; reported so tests can check the promise.
   uint64_t allocations() const { return 1; }
 
+  // Page-locks the whole buffer with cudaHostRegister so device-to-host copies into it run at
+  // full speed and asynchronously. Returns "" on success, else why it is not pinned (the cache
+  // works unpinned). Not thread-safe against unpin; the engine calls both from its lifecycle.
+  std::string pin(const CudaApi& api);
+  // Undoes pin (no-op when not pinned). Every copy into the buffer must be complete.
+  void unpin();
+  bool pinned() const { return pinned_by_ != nullptr; }
+
  private:
   char* base_ = nullptr;
   uint64_t bytes_;
   uint64_t slot_bytes_;
   uint64_t alignment_;
   int slots_total_;
+  const CudaApi* pinned_by_ = nullptr;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

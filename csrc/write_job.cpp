@@ -154,13 +154,14 @@ void WriteJob::fail(const std::string& msg) {
   failed_.store(true, std::memory_order_release);
 }
 
-void WriteJob::chunk_staged() {
-  if (chunks_staged_.fetch_add(1, std::memory_order_acq_rel) + 1 != chunks_.size()) return;
+bool WriteJob::chunk_staged() {
+  if (chunks_staged_.fetch_add(1, std::memory_order_acq_rel) + 1 != chunks_.size()) return false;
   {
     std::lock_guard<std::mutex> g(mu_);
     staged_ = true;
   }
   cv_.notify_all();
+  return true;
 }
 
 bool WriteJob::chunk_flushed() {

@@ -6,13 +6,17 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "cuda_runtime.h"
+
 namespace dcpds {
 
+class DeviceStager;
 class Engine;
 
 // One item as given by the caller: bytes [src, src + nbytes) go to file offset `offset`.
@@ -42,6 +46,14 @@ struct Chunk {
   int slot = -1;  // set by the copy worker, cleared by the flush worker
 };
 
+class WriteJob;
+
+// One chunk of one job, as it travels through the copy, completion and flush queues.
+struct ChunkRef {
+  std::shared_ptr<WriteJob> job;
+  size_t index;
+};
+
 class WriteJob {
  public:
   // Validates the layout and cuts it on a grid of `grid` bytes starting at header.size().
@@ -57,12 +69,17 @@ class WriteJob {
   size_t nchunks() const { return chunks_.size(); }
   uint64_t piece_size() const { return grid_; }
   uint64_t file_size() const { return file_size_; }
+  // -1: the sources are host memory; d >= 0: device pointers on CUDA device d.
+  int device() const { return device_; }
 
   // Wait for the state; timeout_s < 0 waits forever. True once reached (a failed job reaches both).
   bool wait_staged(double timeout_s);
   bool wait_done(double timeout_s);
   bool is_staged() const;
   bool is_done() const;
+  // True once every chunk's copy has been issued: done for host sources, queued on the copy
+  // stream for device sources (chunks of a failed job count once skipped).
+  bool all_enqueued() const { return chunks_enqueued_.load(std::memory_order_acquire) == chunks_.size(); }
   std::optional<std::string> error() const;
   bool failed() const { return failed_.load(std::memory_order_acquire); }
 
@@ -71,11 +88,13 @@ class WriteJob {
   std::vector<std::vector<uint32_t>> checksums() const;
 
  private:
+  friend class DeviceStager;
   friend class Engine;
 
   // Records the first error; later chunks of the job are skipped.
   void fail(const std::string& msg);
-  void chunk_staged();       // marks the job staged after its last chunk
+  bool chunk_staged();       // marks the job staged after its last chunk; true for that call
+  void chunk_enqueued() { chunks_enqueued_.fetch_add(1, std::memory_order_acq_rel); }
   bool chunk_flushed();      // true for the caller that flushed the last chunk
   void mark_done();
   bool wait_for(const bool& flag, double timeout_s);
@@ -93,6 +112,7 @@ class WriteJob {
   std::vector<uint32_t> crcs_;        // each element written by exactly one flush worker
   std::vector<size_t> crc_begin_;     // item i (given order) owns crcs_[crc_begin_[i], crc_begin_[i+1])
 
+  std::atomic<size_t> chunks_enqueued_{0};
   std::atomic<size_t> chunks_staged_{0};
   std::atomic<size_t> chunks_flushed_{0};
   std::atomic<bool> failed_{false};
@@ -107,6 +127,14 @@ class WriteJob {
   bool staged_ = false;
   bool done_ = false;
   std::string error_;
+
+  // Device jobs (DeviceStager). entry_event_ is recorded on the caller's stream at submit and
+  // handed back once the copy stream waits on it (guarded by the device's enqueue mutex).
+  // last_event_ follows the job's last copy on the copy stream, for device_wait; it is given
+  // back once the job is staged.
+  CudaEvent entry_event_ = nullptr;
+  std::mutex cuda_mu_;  // guards last_event_
+  CudaEvent last_event_ = nullptr;
 };
 
 }  // namespace dcpds

@@ -2,29 +2,56 @@
 
 - Before any rank writes new data into a folder, it removes an existing ``.metadata`` (and syncs
   the folder), so a crash midway never leaves an old marker describing new, partial data.
+  Leftover temporary markers of an interrupted commit are removed at the same time.
 - The coordinator writes the marker only after every rank's data is durable: a temporary name,
-  fsync, rename over ``.metadata``, fsync of the folder.
+  fsync, rename over ``.metadata``, fsync of the folder and of its parent (so the folder's own
+  entry survives a power loss too).
+- A folder is a complete checkpoint when its marker decodes and every data file it lists is
+  present with the recorded size (``check_commit``); ``latest_checkpoint`` returns the newest
+  such folder under a root.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import uuid
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from .errors import CheckpointWriteError
-from .metadata import METADATA_NAME, ItemLocation, encode_metadata
+from .errors import CheckpointFormatError, CheckpointWriteError, DataStatesError, IncompleteCheckpointError
+from .metadata import METADATA_NAME, ItemLocation, decode_metadata, encode_metadata
 
-__all__ = ["prepare_folder", "write_commit", "is_committed", "latest_checkpoint"]
+__all__ = ["prepare_folder", "write_commit", "is_committed", "check_commit", "latest_checkpoint"]
+
+_TMP_PREFIX = f"{METADATA_NAME}.tmp-"
 
 
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        # Some file systems (FUSE, network mounts) cannot sync a directory: nothing to do there.
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
+            raise
     finally:
         os.close(fd)
+
+
+def _remove_stale_markers(path: str) -> None:
+    """Temporary markers left by a commit that was killed before its rename."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith(_TMP_PREFIX):
+            try:
+                os.unlink(os.path.join(path, name))
+            except OSError:
+                pass
 
 
 def prepare_folder(path: str, *, overwrite: bool) -> None:
@@ -33,8 +60,11 @@ def prepare_folder(path: str, *, overwrite: bool) -> None:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         raise CheckpointWriteError(f"cannot create checkpoint folder {path}: {exc.strerror or exc}") from exc
+    if not os.path.isdir(path):  # makedirs(exist_ok=True) accepts nothing else, but be explicit
+        raise CheckpointWriteError(f"cannot create checkpoint folder {path}: a file is in the way")
     marker = os.path.join(path, METADATA_NAME)
-    if not os.path.exists(marker):
+    _remove_stale_markers(path)
+    if not os.path.lexists(marker):
         return
     if not overwrite:
         raise CheckpointWriteError(f"{path} already holds a committed checkpoint and overwrite=False")
@@ -42,12 +72,21 @@ def prepare_folder(path: str, *, overwrite: bool) -> None:
         os.unlink(marker)
     except FileNotFoundError:  # another rank invalidated it first
         pass
-    _fsync_dir(path)
+    except OSError as exc:
+        raise CheckpointWriteError(
+            f"cannot invalidate the previous commit of {path} (removing {marker}): {exc.strerror or exc}"
+        ) from exc
+    try:
+        _fsync_dir(path)
+    except OSError as exc:
+        raise CheckpointWriteError(f"cannot sync checkpoint folder {path}: {exc.strerror or exc}") from exc
 
 
 def write_commit(path: str, md: Metadata, locations: dict[MetadataIndex, ItemLocation], *, sync: bool) -> None:
+    """Write ``.metadata`` atomically. Raises CheckpointWriteError naming the folder and the
+    cause; on failure no marker (and no temporary file) is left behind."""
     data = encode_metadata(md, locations)
-    tmp = os.path.join(path, f"{METADATA_NAME}.tmp-{os.getpid()}")
+    tmp = os.path.join(path, f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
@@ -62,35 +101,82 @@ def write_commit(path: str, md: Metadata, locations: dict[MetadataIndex, ItemLoc
         os.replace(tmp, os.path.join(path, METADATA_NAME))
         if sync:
             _fsync_dir(path)
+            _fsync_dir(os.path.dirname(os.path.abspath(path)))
     except OSError as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
-        raise CheckpointWriteError(f"committing checkpoint {path} failed: {exc}") from exc
+        raise CheckpointWriteError(
+            f"committing checkpoint {path} failed: {exc.strerror or exc}"
+            + (f": {exc.filename}" if exc.filename else "")
+        ) from exc
 
 
-def is_committed(path: str | os.PathLike) -> bool:
-    return os.path.isfile(os.path.join(os.fspath(path), METADATA_NAME))
+def check_commit(path: str | os.PathLike) -> None:
+    """Raise unless ``path`` holds a complete checkpoint: the marker decodes and every data file
+    it lists exists with the recorded size. IncompleteCheckpointError when something is missing
+    or short, CheckpointFormatError when the marker is damaged. Reads no tensor data."""
+    path = os.fspath(path)
+    marker = os.path.join(path, METADATA_NAME)
+    try:
+        with open(marker, "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        raise IncompleteCheckpointError(
+            f"incomplete checkpoint {path}: there is no {METADATA_NAME} commit marker"
+        ) from None
+    except IsADirectoryError:
+        raise CheckpointFormatError(f"{marker}: the commit marker is a folder, not a metadata file") from None
+    _, files = decode_metadata(raw, marker)
+    for name, info in files.items():
+        try:
+            size = os.stat(os.path.join(path, name)).st_size
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(f"incomplete checkpoint {path}: data file {name} is missing") from None
+        if size != info.size:
+            raise IncompleteCheckpointError(
+                f"incomplete checkpoint {path}: data file {name} is {size} bytes, the metadata expects {info.size}"
+            )
+
+
+def is_committed(path: str | os.PathLike, *, check_files: bool = False) -> bool:
+    """True when ``path`` holds a commit marker; with ``check_files``, only when ``check_commit``
+    also passes (marker decodes, data files present with the right sizes)."""
+    path = os.fspath(path)
+    if not check_files:
+        return os.path.isfile(os.path.join(path, METADATA_NAME))
+    try:
+        check_commit(path)
+    except (DataStatesError, OSError):
+        return False
+    return True
 
 
 _STEP = re.compile(r"(\d+)(?!.*\d)")
 
 
-def latest_checkpoint(root: str | os.PathLike) -> str | None:
+def latest_checkpoint(root: str | os.PathLike, *, check_files: bool = True) -> str | None:
     """The newest complete checkpoint folder directly under ``root`` (``step-100``, ``ckpt_7`` ...):
-    the highest number in the name among folders holding a commit marker; None if there is none."""
+    the highest number in the name among folders holding a valid commit; None if there is none.
+
+    Folders without a number in their name are ignored. Candidates are examined from the highest
+    number down, so only the newest ones are read. With ``check_files`` (the default) a folder
+    counts only if its marker decodes and its data files are all present with the right sizes;
+    otherwise a marker file is enough.
+    """
     root = os.fspath(root)
     try:
         names = os.listdir(root)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return None
-    best: tuple[int, str] | None = None
+    candidates: list[tuple[int, str]] = []
     for name in names:
         m = _STEP.search(name)
+        if m:
+            candidates.append((int(m.group(1)), name))
+    for _, name in sorted(candidates, reverse=True):
         full = os.path.join(root, name)
-        if m and os.path.isdir(full) and is_committed(full):
-            key = (int(m.group(1)), name)
-            if best is None or key > best:
-                best = key
-    return None if best is None else os.path.join(root, best[1])
+        if os.path.isdir(full) and is_committed(full, check_files=check_files):
+            return full
+    return None

@@ -105,6 +105,9 @@ class DataStatesConfig:
         overwrite: allow saving into a folder that already holds a committed checkpoint.
         verify: verify item checksums on load.
         cache_wait_timeout: seconds a copy may wait for cache space before the save fails.
+        dedup_replicated: write each replicated value (DTensor replicas, plain tensors and
+            non-tensor values that every rank holds) from one rank only, chosen at ``stage()``.
+            Turn off when ranks hold different plain tensors (pipeline parallelism).
         storage_options: passed to fsspec for remote URLs.
     """
 
@@ -119,6 +122,7 @@ class DataStatesConfig:
     overwrite: bool = True
     verify: bool = True
     cache_wait_timeout: float = 600.0
+    dedup_replicated: bool = True
     storage_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -135,7 +139,7 @@ class DataStatesConfig:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         if not (self.cache_wait_timeout > 0):
             raise ValueError(f"cache_wait_timeout: expected seconds > 0, got {self.cache_wait_timeout!r}")
-        for name in ("pin_host_cache", "sync_files", "overwrite", "verify"):
+        for name in ("pin_host_cache", "sync_files", "overwrite", "verify", "dedup_replicated"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
 

@@ -10,6 +10,7 @@ __all__ = [
     "ChecksumMismatchError",
     "CheckpointMismatchError",
     "CheckpointWriteError",
+    "checkpoint_error_cause",
 ]
 
 
@@ -35,3 +36,37 @@ class CheckpointMismatchError(DataStatesError):
 
 class CheckpointWriteError(DataStatesError):
     """Writing a checkpoint failed (disk full, permission, I/O error, ...)."""
+
+
+def checkpoint_error_cause(exc: BaseException) -> BaseException:
+    """The error behind what ``dcp.save`` / ``dcp.load`` raised, for code that reacts to it
+    (fall back to an older checkpoint when the newest is incomplete, say).
+
+    DCP wraps every rank's error into ``CheckpointException`` (a BaseException); this returns the
+    first failing rank's exception instead. DCP (2.13) also turns a failed ``read_metadata`` into
+    ``AssertionError("metadata is None; global metadata read failed: <message>; ...")``, losing
+    the type; from such a message an ``IncompleteCheckpointError`` (the message starts with
+    "incomplete checkpoint"), a ``CheckpointFormatError`` (it names a ``.metadata`` file) or a
+    ``FileNotFoundError`` ("no checkpoint at") is rebuilt with the original message. Anything
+    else is returned unchanged.
+    """
+    import re  # noqa: PLC0415
+
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and type(exc).__name__ == "CheckpointException":
+        for value in failures.values():
+            inner = value[0] if isinstance(value, tuple) and value else value
+            if isinstance(inner, BaseException):
+                exc = inner
+                break
+    if isinstance(exc, AssertionError):
+        m = re.search(r"global metadata read failed: (.*?)(?:; rank local metadata read failed: |\Z)", str(exc), re.S)
+        if m:
+            text = m.group(1)
+            if text.startswith("incomplete checkpoint "):
+                return IncompleteCheckpointError(text)
+            if text.startswith("no checkpoint at "):
+                return FileNotFoundError(text)
+            if re.match(r"[^\n]*\.metadata: ", text):
+                return CheckpointFormatError(text)
+    return exc

@@ -33,6 +33,11 @@ METADATA_NAME = ".metadata"
 # Upper bounds that keep a corrupted file from driving huge allocations.
 _MAX_DIMS = 64
 _MAX_NUMEL = 1 << 50
+# Byte offsets, lengths and sizes are 63-bit (they become off_t and int64 in the engine and torch).
+_MAX_INT = (1 << 63) - 1
+# Pairwise chunk-overlap checks are quadratic: done up to this many chunks of one tensor (the
+# volume check that always runs already proves full coverage when there is no overlap).
+_MAX_OVERLAP_CHECK = 256
 
 
 @dataclass(frozen=True)
@@ -140,13 +145,25 @@ class _Check:
         value = self.get(obj, key, int, where)
         if value < 0:
             raise self.fail(f"field {key!r} in {where} is negative ({value})")
+        if value > _MAX_INT:
+            raise self.fail(f"field {key!r} in {where} is out of range ({value} > 2**63 - 1)")
         return value
 
     def dims(self, obj: dict, key: str, where: str) -> tuple[int, ...]:
         value = self.get(obj, key, list, where)
-        if len(value) > _MAX_DIMS or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
-            raise self.fail(f"field {key!r} in {where} is not a list of non-negative integers")
+        if len(value) > _MAX_DIMS or not all(
+            isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_INT for v in value
+        ):
+            raise self.fail(
+                f"field {key!r} in {where} is not a list of at most {_MAX_DIMS} non-negative 63-bit integers"
+            )
         return tuple(value)
+
+    def optional_str(self, obj: dict, key: str, where: str) -> str | None:
+        value = obj.get(key)
+        if value is not None and not isinstance(value, str):
+            raise self.fail(f"field {key!r} in {where} should be a string or null, found {type(value).__name__}")
+        return value
 
 
 def _tname(typ: type | tuple) -> str:
@@ -158,10 +175,19 @@ def _tname(typ: type | tuple) -> str:
 def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileInfo]]:
     """Parse and validate a ``.metadata`` document. ``source`` names it in error messages."""
     c = _Check(source)
+    if not isinstance(raw, (bytes, bytearray, memoryview, str)):
+        raise c.fail(f"metadata must be bytes, got {type(raw).__name__}")
+    if isinstance(raw, memoryview):
+        raw = raw.tobytes()
+    if not raw:
+        raise c.fail("empty metadata file (truncated or never written)")
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise c.fail(f"not a dcp_datastates metadata file (invalid JSON: {exc})") from None
+        doc = json.loads(raw, object_pairs_hook=_no_duplicate_keys)
+    except _DuplicateKey as exc:
+        raise c.fail(f"duplicate key {exc.args[0]!r} in a JSON object (corrupted metadata)") from None
+    except (ValueError, RecursionError, MemoryError) as exc:
+        # ValueError covers JSONDecodeError, UnicodeDecodeError and over-long integer literals.
+        raise c.fail(f"not a dcp_datastates metadata file (invalid JSON: {_short(exc)})") from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise c.fail("not a dcp_datastates metadata file (missing format marker)")
     version = c.get(doc, "version", int, "the document")
@@ -173,7 +199,7 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
     files: dict[str, FileInfo] = {}
     for name, info in c.get(doc, "files", dict, "the document").items():
         where = f"files[{name!r}]"
-        if "/" in name or "\\" in name or name in ("", ".", ".."):
+        if "/" in name or "\\" in name or "\x00" in name or name in ("", ".", "..", METADATA_NAME):
             raise c.fail(f"{where}: file names must be plain names inside the checkpoint folder")
         files[name] = FileInfo(
             size=c.nonneg(info, "size", where),
@@ -182,6 +208,8 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
         )
         if files[name].piece_size == 0:
             raise c.fail(f"{where}: piece_size must be positive")
+        if files[name].data_start > files[name].size:
+            raise c.fail(f"{where}: data_start {files[name].data_start} lies past the file size {files[name].size}")
 
     def location(entry: dict, where: str, dtype: str, shape: tuple[int, ...]) -> ItemLocation:
         fname = c.get(entry, "file", str, where)
@@ -218,8 +246,15 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
         except ValueError as exc:
             raise c.fail(f"{where}: {exc}") from None
         size = c.dims(item, "size", where)
+        total = _numel(size)
+        if total > _MAX_NUMEL:
+            raise c.fail(f"{where}: absurd number of elements {total} for size {list(size)}")
+        requires_grad = item.get("requires_grad", False)
+        if not isinstance(requires_grad, bool):
+            raise c.fail(f"field 'requires_grad' in {where} should be bool, found {type(requires_grad).__name__}")
         itemsize = torch.empty((), dtype=dtype).element_size()
         chunks = []
+        covered = 0
         for i, chunk in enumerate(c.get(item, "chunks", list, where)):
             cwhere = f"{where} chunk {i}"
             offsets, sizes = c.dims(chunk, "offsets", cwhere), c.dims(chunk, "sizes", cwhere)
@@ -227,11 +262,10 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
                 raise c.fail(f"{cwhere}: rank of offsets/sizes does not match the tensor's {len(size)} dims")
             if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
                 raise c.fail(f"{cwhere}: chunk {list(offsets)}+{list(sizes)} exceeds the tensor size {list(size)}")
-            numel = 1
-            for s in sizes:
-                numel *= s
+            numel = _numel(sizes)
             if numel > _MAX_NUMEL:
                 raise c.fail(f"{cwhere}: absurd number of elements {numel}")
+            covered += numel
             loc = location(chunk, cwhere, dtype_to_name(dtype), sizes)
             if loc.length != numel * itemsize:
                 raise c.fail(
@@ -240,31 +274,84 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
                 )
             chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
             storage[MetadataIndex(fqn, offsets, i)] = loc
-        props = TensorProperties(dtype=dtype, requires_grad=bool(item.get("requires_grad", False)))
+        # DCP's save planners only commit plans whose chunks tile the tensor exactly; anything
+        # else would leave parts of a destination silently unloaded.
+        if covered != total:
+            raise c.fail(f"{where}: its chunks hold {covered} elements, the tensor of size {list(size)} has {total}")
+        if len(chunks) <= _MAX_OVERLAP_CHECK:
+            for a in range(len(chunks)):
+                for b in range(a + 1, len(chunks)):
+                    if _overlap(chunks[a], chunks[b]):
+                        raise c.fail(f"{where}: chunks {a} and {b} overlap")
+        props = TensorProperties(dtype=dtype, requires_grad=requires_grad)
         state[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
 
     planner_data = doc.get("planner_data")
     if planner_data is not None:
         if not isinstance(planner_data, dict):
             raise c.fail("planner_data must be a mapping")
-        planner_data = {k: tuple(v) for k, v in planner_data.items() if isinstance(v, list)}
+        for k, v in planner_data.items():
+            if not isinstance(v, list) or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in v):
+                raise c.fail(f"planner_data[{k!r}] must be a list of strings and integers (an object path)")
+        planner_data = {k: tuple(v) for k, v in planner_data.items()}
     sm = doc.get("storage_meta")
     storage_meta = None
-    if isinstance(sm, dict):
+    if sm is not None:
+        if not isinstance(sm, dict):
+            raise c.fail(f"storage_meta must be a mapping or null, found {type(sm).__name__}")
+        modules = sm.get("modules") or []
+        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+            raise c.fail("storage_meta.modules must be a list of strings")
         storage_meta = StorageMeta(
-            checkpoint_id=sm.get("checkpoint_id"),
-            save_id=sm.get("save_id"),
-            load_id=sm.get("load_id"),
-            modules=list(sm.get("modules") or []),
+            checkpoint_id=c.optional_str(sm, "checkpoint_id", "storage_meta"),
+            save_id=c.optional_str(sm, "save_id", "storage_meta"),
+            load_id=c.optional_str(sm, "load_id", "storage_meta"),
+            modules=list(modules),
         )
     md = Metadata(
         state_dict_metadata=state,
         planner_data=planner_data,
         storage_data=storage,
         storage_meta=storage_meta,
-        version=doc.get("dcp_version"),
+        version=c.optional_str(doc, "dcp_version", "the document"),
     )
     return md, files
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _short(exc: BaseException, limit: int = 200) -> str:
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _numel(dims: tuple[int, ...]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+        if n == 0:
+            return 0
+    return n
+
+
+def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
+    if _numel(tuple(a.sizes)) == 0 or _numel(tuple(b.sizes)) == 0:
+        return False
+    return all(
+        ao < bo + bs and bo < ao + as_
+        for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes)
+    )
 
 
 def _piece_count(offset: int, length: int, info: FileInfo) -> int:

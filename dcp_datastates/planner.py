@@ -6,21 +6,83 @@ checkpoint library expects: a load that names the item whose shape or dtype does
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner
 
 from .errors import CheckpointMismatchError
 
 __all__ = ["DataStatesSavePlanner", "DataStatesLoadPlanner"]
 
 
+# dtype signature of the last successfully planned local plan, per planner cache key.
+_LOCAL_DTYPES: dict[str, tuple] = {}
+
+
+def _dtype_signature(state_dict: dict) -> tuple:
+    """What DCP's plan comparison leaves out: the dtype of every tensor."""
+    return tuple((fqn, str(v.dtype)) for fqn, v in state_dict.items() if isinstance(v, torch.Tensor))
+
+
 class DataStatesSavePlanner(DefaultSavePlanner):
-    """Save planner. Currently DCP's default planning (flattening, dedup of replicated values)."""
+    """Save planner with plan caching that also notices dtype changes.
+
+    - Flattening and dedup are DCP's; with ``DataStatesWriter`` each replicated value reaches
+      planning from one rank only (the writer's stage-time policy), so dedup has one candidate.
+    - The local plan, the global plan and the metadata are cached while names, shapes, shardings
+      and dtypes are unchanged: a steady-state checkpoint sends an empty, unusable plan instead of
+      its items. DCP's own cache comparison ignores dtypes, so a dtype change here drops the
+      cached local plan (the rank re-sends it) and re-sends that rank's global plan.
+
+    Args:
+        enable_plan_caching: default True.
+        cache_key: plans are cached per key (class-wide by default); give different keys to
+            planners of different state dicts saved alternately (e.g. model-only and full).
+    """
+
+    def __init__(self, *args, enable_plan_caching: bool = True, cache_key: str | None = None, **kwargs) -> None:
+        super().__init__(*args, enable_plan_caching=enable_plan_caching, **kwargs)
+        if cache_key is not None:
+            self._cached_plans_key = f"{self.__class__.__name__}:{cache_key}"
+        self._changed_locally = True
+
+    def create_local_plan(self) -> SavePlan:
+        key = self._cached_plans_key
+        self._pending_dtypes = _dtype_signature(self.state_dict)
+        if self._enable_plan_caching and _LOCAL_DTYPES.get(key) != self._pending_dtypes:
+            SavePlanner._cached_save_plan.pop(key, None)  # forces a usable (re-sent) plan
+        plan = super().create_local_plan()
+        self._changed_locally = plan.usable
+        return plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        deltas, metadata = super().create_global_plan(all_plans)
+        if self._enable_plan_caching:
+            # A rank that re-sent its plan gets its full global plan back: DCP's comparison of
+            # global plans ignores dtypes and would otherwise hand it a stale cached plan.
+            deltas = [g if local.usable else d for local, d, g in zip(all_plans, deltas, self.global_plan)]
+        return deltas, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        plan = super().finish_plan(new_plan)
+        if self._enable_plan_caching:
+            _LOCAL_DTYPES[self._cached_plans_key] = self._pending_dtypes
+        return plan
 
 
 class DataStatesLoadPlanner(DefaultLoadPlanner):
     """Load planner that checks keys, shapes and dtypes against the checkpoint before reading.
+
+    Every destination value is checked before a byte is read, and the first problem raises
+    ``CheckpointMismatchError`` naming the checkpoint and the item:
+
+    - a key of the state dict that the checkpoint does not hold (unless ``allow_partial_load``);
+    - a tensor in the checkpoint where the state dict holds a non-tensor value, or the reverse;
+    - a tensor whose (global) shape differs;
+    - with ``strict_dtype=True``, a tensor whose dtype differs.
+
+    Keys the checkpoint holds but the state dict does not are not an error (loading a subset).
 
     Args:
         strict_dtype: raise when a destination tensor's dtype differs from the stored dtype
@@ -31,17 +93,39 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
         super().__init__(*args, **kwargs)
         self.strict_dtype = strict_dtype
 
+    def _checkpoint_name(self) -> str:
+        # The reader records the folder it read; the save-time id is the fallback.
+        path = getattr(self.metadata.storage_data, "checkpoint_path", None)
+        if path is None and self.metadata.storage_meta is not None:
+            path = self.metadata.storage_meta.checkpoint_id
+        return f"checkpoint {path}" if path is not None else "the checkpoint"
+
     def create_local_plan(self) -> LoadPlan:
-        where = getattr(self.metadata.storage_meta, "checkpoint_id", None) or "the checkpoint"
-        missing = [k for k in self.state_dict if k not in self.metadata.state_dict_metadata]
+        where = self._checkpoint_name()
+        stored = self.metadata.state_dict_metadata
+        missing = [k for k in self.state_dict if k not in stored]
         if missing and not self.allow_partial_load:
             raise CheckpointMismatchError(
                 f"{where} has no item(s) {', '.join(map(repr, missing[:10]))}"
                 + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
+                + f" (it holds {len(stored)} items; pass allow_partial_load=True to skip missing ones)"
             )
         for fqn, value in self.state_dict.items():
-            md = self.metadata.state_dict_metadata.get(fqn)
-            if not isinstance(md, TensorStorageMetadata) or not hasattr(value, "shape"):
+            md = stored.get(fqn)
+            if md is None:
+                continue
+            is_tensor = isinstance(value, torch.Tensor)
+            if isinstance(md, TensorStorageMetadata) and not is_tensor:
+                raise CheckpointMismatchError(
+                    f"{where}: item {fqn!r} is a tensor {list(md.size)} of {md.properties.dtype} in the checkpoint, "
+                    f"the state dict holds a {type(value).__name__} there"
+                )
+            if isinstance(md, BytesStorageMetadata) and is_tensor:
+                raise CheckpointMismatchError(
+                    f"{where}: item {fqn!r} is a non-tensor value in the checkpoint, the state dict holds a "
+                    f"tensor {list(value.shape)} of {value.dtype} there"
+                )
+            if not isinstance(md, TensorStorageMetadata):
                 continue
             if tuple(value.shape) != tuple(md.size):
                 raise CheckpointMismatchError(
@@ -51,6 +135,6 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
             if self.strict_dtype and value.dtype != md.properties.dtype:
                 raise CheckpointMismatchError(
                     f"{where}: item {fqn!r} is {md.properties.dtype} in the checkpoint, "
-                    f"the state dict expects {value.dtype}"
+                    f"the state dict expects {value.dtype} (strict_dtype=True)"
                 )
         return super().create_local_plan()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import io
 import os
+import threading
 from collections import defaultdict
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -46,6 +47,40 @@ class _Pending:
     buf: torch.Tensor  # where the stored bytes land (the destination itself on the direct path)
     dst: torch.Tensor | None  # tensor destination (None for bytes items)
     direct: bool
+    read_start: int = 0  # file offset of buf[0]
+    src: torch.Tensor | None = None  # the requested sub-box, a view into buf (non-direct tensors)
+
+    @property
+    def read_end(self) -> int:
+        return self.read_start + self.buf.numel()
+
+
+# Restores into CUDA tensors: each copy runs from a pinned buffer on a side stream per device, so
+# the reading thread never blocks on it (the next reads overlap it); read_data waits once, at its end.
+_h2d_streams: dict[int, Any] = {}
+_h2d_used = threading.local()
+
+
+def _copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for a CUDA ``dst``, asynchronous: ordered after the work queued on the
+    current stream (which made ``dst``) and before the work queued on it later."""
+    current = torch.cuda.current_stream(dst.device)
+    side = _h2d_streams.get(dst.device.index)
+    if side is None:
+        side = _h2d_streams.setdefault(dst.device.index, torch.cuda.Stream(dst.device))
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        dst.copy_(src, non_blocking=True)
+    current.wait_stream(side)
+    used = _h2d_used.__dict__.setdefault("streams", {})
+    used[dst.device.index] = side
+
+
+def _finish_device_copies() -> None:
+    """Wait for the host -> device copies this thread started (their pinned sources can go)."""
+    used = _h2d_used.__dict__.pop("streams", None)
+    for side in (used or {}).values():
+        side.synchronize()
 
 
 class DataStatesReader(StorageReader):
@@ -82,15 +117,22 @@ class DataStatesReader(StorageReader):
             with open(marker, "rb") as f:
                 raw = f.read()
         except FileNotFoundError:
-            if not os.path.isdir(self.path):
+            if not os.path.exists(self.path):
                 raise FileNotFoundError(f"no checkpoint at {self.path}: the folder does not exist") from None
+            if not os.path.isdir(self.path):
+                raise NotADirectoryError(f"no checkpoint at {self.path}: it is a file, not a checkpoint folder") from None
             raise IncompleteCheckpointError(
                 f"incomplete checkpoint {self.path}: there is no {METADATA_NAME} commit marker "
                 f"(the save did not finish or is still running)"
             ) from None
+        except NotADirectoryError:
+            raise NotADirectoryError(f"no checkpoint at {self.path}: it is a file, not a checkpoint folder") from None
+        except IsADirectoryError:
+            raise CheckpointFormatError(f"{marker}: the commit marker is a folder, not a metadata file") from None
         md, files = decode_metadata(raw, marker)
         index = _StorageIndex(md.storage_data)
         index.files = files
+        index.checkpoint_path = self.path  # names this folder in planner errors (it may have moved)
         md.storage_data = index
         return md
 
@@ -113,6 +155,7 @@ class DataStatesReader(StorageReader):
             by_file[self._location(req).file].append(req)
         for name, reqs in by_file.items():
             self._read_file(name, reqs, planner)
+        _finish_device_copies()
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
         return fut
@@ -133,16 +176,22 @@ class DataStatesReader(StorageReader):
             ) from None
 
     def _check_file(self, name: str) -> str:
+        import stat  # noqa: PLC0415 - kept local to this method
+
         full = os.path.join(self.path, name)
         info = self.storage_data.files.get(name)
         try:
-            size = os.stat(full).st_size
-        except FileNotFoundError:
-            raise IncompleteCheckpointError(f"checkpoint {self.path}: data file {name} is missing") from None
-        if info is not None and size != info.size:
+            st = os.stat(full)
+        except (FileNotFoundError, NotADirectoryError):
             raise IncompleteCheckpointError(
-                f"checkpoint {self.path}: data file {name} is {size} bytes, the metadata expects {info.size} "
-                f"(truncated or replaced)"
+                f"incomplete checkpoint {self.path}: data file {name} is missing (the metadata lists it)"
+            ) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointFormatError(f"checkpoint {self.path}: data file {name} is not a regular file")
+        if info is not None and st.st_size != info.size:
+            raise IncompleteCheckpointError(
+                f"incomplete checkpoint {self.path}: data file {name} is {st.st_size} bytes, the metadata expects "
+                f"{info.size} ({'truncated' if st.st_size < info.size else 'replaced or appended to'})"
             )
         return full
 
@@ -154,8 +203,8 @@ class DataStatesReader(StorageReader):
             loc = self._location(req)
             p = self._target(req, loc, planner)
             pending.append(p)
-            if loc.length:
-                ranges.append((p.buf.data_ptr(), loc.offset, loc.length))
+            if p.buf.numel():
+                ranges.append((p.buf.data_ptr(), p.read_start, p.buf.numel()))
         if ranges:
             get_engine(self.config).read_into(full, ranges)
         for p in pending:
@@ -165,15 +214,15 @@ class DataStatesReader(StorageReader):
                 planner.load_bytes(p.req, io.BytesIO(ctypes.string_at(p.buf.data_ptr(), p.loc.length) if p.loc.length else b""))
                 continue
             if not p.direct:
-                src = p.buf.view(name_to_dtype(p.loc.dtype)).reshape(p.loc.shape)
-                for dim, (off, length) in enumerate(zip(p.req.storage_offsets, p.req.lengths)):
-                    src = src.narrow(dim, off, length)
-                p.dst.copy_(src)
+                if p.dst.is_cuda:
+                    _copy_to_device(p.dst, p.src)
+                else:
+                    p.dst.copy_(p.src)
             planner.commit_tensor(p.req, p.dst)
 
     def _target(self, req: ReadItem, loc: ItemLocation, planner: LoadPlanner) -> _Pending:
         if req.type == LoadItemType.BYTE_IO:
-            return _Pending(req, loc, torch.empty(loc.length, dtype=torch.uint8), None, False)
+            return _Pending(req, loc, torch.empty(loc.length, dtype=torch.uint8), None, False, loc.offset)
         dst = planner.resolve_tensor(req)
         whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(loc.shape)
         direct = (
@@ -185,14 +234,42 @@ class DataStatesReader(StorageReader):
         )
         if direct:
             buf = dst.view(-1).view(torch.uint8) if loc.length else torch.empty(0, dtype=torch.uint8)
-            return _Pending(req, loc, buf, dst, True)
-        return _Pending(req, loc, torch.empty(loc.length, dtype=torch.uint8), dst, False)
+            return _Pending(req, loc, buf, dst, True, loc.offset)
+        return self._span_target(req, loc, dst)
+
+    def _span_target(self, req: ReadItem, loc: ItemLocation, dst: torch.Tensor) -> _Pending:
+        """Read only the bytes between the first and last element of the requested sub-box
+        (resharding), widened to whole checksum pieces when verifying."""
+        dtype = name_to_dtype(loc.dtype)
+        esize = torch.empty((), dtype=dtype).element_size()
+        strides = [1] * len(loc.shape)
+        for d in range(len(loc.shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * loc.shape[d + 1]
+        if any(n == 0 for n in req.lengths):
+            empty = torch.empty(0, dtype=torch.uint8)
+            return _Pending(req, loc, empty, dst, False, loc.offset, torch.empty(tuple(req.lengths), dtype=dtype))
+        first = sum(o * st for o, st in zip(req.storage_offsets, strides))
+        last = sum((o + n - 1) * st for o, n, st in zip(req.storage_offsets, req.lengths, strides))
+        lo, hi = loc.offset + first * esize, loc.offset + (last + 1) * esize
+        if self.config.verify and loc.crc32c:
+            pieces = [(a, a + n) for a, n in piece_ranges(loc) if a + n > lo and a < hi]
+            lo, hi = pieces[0][0], pieces[-1][1]
+        # Pad the buffer so the sub-box's first element is aligned for its dtype.
+        pad = (-(loc.offset + first * esize - lo)) % 16
+        raw = torch.empty(pad + hi - lo, dtype=torch.uint8, pin_memory=dst.is_cuda)  # pinned: async H2D
+        buf = raw[pad:]
+        begin = loc.offset + first * esize - lo
+        flat = buf[begin : begin + (last - first + 1) * esize].view(dtype)
+        src = torch.as_strided(flat, tuple(req.lengths), tuple(strides), flat.storage_offset())
+        return _Pending(req, loc, buf, dst, False, lo, src)
 
     def _verify(self, p: _Pending) -> None:
         engine = get_engine(self.config)
         base = p.buf.data_ptr()
         for expected, (off, length) in zip(p.loc.crc32c, piece_ranges(p.loc)):
-            got = engine.crc32c(base + (off - p.loc.offset), length)
+            if off < p.read_start or off + length > p.read_end:
+                continue  # a piece this rank did not need to read
+            got = engine.crc32c(base + (off - p.read_start), length)
             if got != expected:
                 raise ChecksumMismatchError(
                     f"checkpoint {self.path}: checksum mismatch in {p.loc.file}, item "

@@ -19,6 +19,7 @@ log = logging.getLogger("dcp_datastates")
 _lock = threading.Lock()
 _engine = None
 _engine_config: DataStatesConfig | None = None
+_warned_cache_size = False  # the "larger cache requested" warning is logged once per engine
 
 
 def _load_extension():
@@ -38,10 +39,13 @@ def get_engine(config: DataStatesConfig):
     Later configs reuse the existing engine (its host cache is never reallocated); a request for a
     larger cache than the running engine has is logged once, not honoured, so memory stays bounded.
     """
-    global _engine, _engine_config
+    global _engine, _engine_config, _warned_cache_size
     with _lock:
+        if _exiting and (_engine is None or _engine.is_shut_down):
+            raise RuntimeError("dcp_datastates: the interpreter is exiting; no new checkpoint I/O can start")
         if _engine is not None and not _engine.is_shut_down:
-            if config.host_cache_size > _engine_config.host_cache_size:
+            if config.host_cache_size > _engine_config.host_cache_size and not _warned_cache_size:
+                _warned_cache_size = True
                 log.warning(
                     "dcp_datastates: engine already running with a %d-byte host cache; a config asked "
                     "for %d bytes. The existing cache is reused (call shutdown_engine() first to resize).",
@@ -57,19 +61,35 @@ def get_engine(config: DataStatesConfig):
             flush_threads=config.flush_threads,
             read_threads=config.read_threads,
             cache_wait_timeout_s=float(config.cache_wait_timeout),
+            pin=bool(config.pin_host_cache),
         )
         _engine_config = config
+        _warned_cache_size = False
         st = _engine.stats()
         log.info(
-            "dcp_datastates engine: CPU mode, host cache %d bytes (chunk %d bytes, %d copy / %d flush "
+            "dcp_datastates engine: %s, host cache %d bytes (chunk %d bytes, %d copy / %d flush "
             "threads, hardware CRC32C: %s)",
+            engine_mode(_engine),
             st["cache_bytes"],
             st["chunk_bytes"],
             st["copy_threads"],
             st["flush_threads"],
             bool(st["hw_crc32c"]),
         )
+        if st["cuda"] and config.pin_host_cache and not st["pinned"]:
+            log.warning("dcp_datastates engine: host cache not pinned (%s); copies from GPUs are slower", _engine.cuda_status)
+        elif not st["cuda"]:
+            log.debug("dcp_datastates engine: no CUDA: %s", _engine.cuda_status)
         return _engine
+
+
+def engine_mode(engine) -> str:
+    """"CPU mode" or "CUDA mode (runtime <path>, N devices, host cache pinned: yes/no)"."""
+    st = engine.stats()
+    if not st["cuda"]:
+        return "CPU mode"
+    pinned = "yes" if st["pinned"] else "no"
+    return f"CUDA mode (runtime {engine.cuda_runtime}, {engine.cuda_devices} devices, host cache pinned: {pinned})"
 
 
 def current_engine():
@@ -94,4 +114,61 @@ def shutdown_engine() -> None:
         eng.shutdown()
 
 
-atexit.register(shutdown_engine)
+# ------------------------------------------------------------------------------ interpreter exit
+# Threads that may sit in an engine wait (GIL released) while a checkpoint is in flight: DCP's
+# async_save executor (planning, write_data, finish) and the writer's staging watchers.
+_CHECKPOINT_THREAD_PREFIXES = ("AsyncCheckpointExecutor", "dcp-datastates-staging")
+_exiting = False
+
+
+def _checkpoint_threads(prefixes: tuple[str, ...] = _CHECKPOINT_THREAD_PREFIXES) -> list[threading.Thread]:
+    """Checkpoint threads that still run. Judged by the interpreter's live thread states, not by
+    ``Thread.is_alive()``: a join interrupted by Ctrl-C can mark a running thread as stopped
+    (CPython 3.11's bpo-45274 handling releases the thread's own lock)."""
+    import sys  # noqa: PLC0415
+
+    live = sys._current_frames()
+    me = threading.get_ident()
+    return [t for t in threading.enumerate() if t.ident != me and t.ident in live and t.name.startswith(prefixes)]
+
+
+def _join_checkpoint_threads(timeout: float | None, prefixes: tuple[str, ...] = _CHECKPOINT_THREAD_PREFIXES) -> bool:
+    """Wait until no checkpoint thread runs; True when none is left. Interruptible (Ctrl-C)."""
+    import time  # noqa: PLC0415
+
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        threads = _checkpoint_threads(prefixes)
+        if not threads:
+            return True
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        threads[0].join(0.05)  # returns early if that thread ends; re-checked either way
+
+
+def _shutdown_at_exit() -> None:
+    """atexit: let in-flight checkpoints commit, then stop the engine.
+
+    Python joins DCP's executor threads before atexit runs, so normally every checkpoint is
+    committed by now. When that join was interrupted (a second Ctrl-C while exiting), the
+    checkpoint threads are joined here again, then the engine drains its jobs and the threads
+    get a last chance to finish (commit, or fail cleanly), so none of them wakes up inside an
+    engine wait while the interpreter finalizes (which would abort the process). A further
+    Ctrl-C skips the remaining waits; the checkpoint is then left incomplete (no commit).
+    """
+    global _exiting
+    try:
+        # DCP's executor threads end after their one save (as Python's own exit join assumes).
+        _join_checkpoint_threads(None, _CHECKPOINT_THREAD_PREFIXES[:1])
+    finally:
+        _exiting = True  # get_engine refuses from here on: no new engine threads at exit
+        shutdown_engine()
+        if _checkpoint_threads():
+            try:
+                if not _join_checkpoint_threads(30.0):
+                    log.warning("dcp_datastates: a checkpoint thread is still running at exit: %s", _checkpoint_threads())
+            except KeyboardInterrupt:
+                pass
+
+
+atexit.register(_shutdown_at_exit)

@@ -37,6 +37,7 @@ class SourceItem:
     entry: FileEntry
     ptr: int
     keepalive: Any
+    device: int = -1  # CUDA device index ``ptr`` points into; -1 for host memory
 
 
 def item_key(index) -> ItemKey:
@@ -45,14 +46,18 @@ def item_key(index) -> ItemKey:
 
 def _tensor_source(key: ItemKey, name: str, tensor: torch.Tensor) -> SourceItem:
     t = tensor.detach()
+    device = -1
     if t.device.type != "cpu":
-        # The lazy device path belongs to the engine's CUDA backend; without it, copy now.
-        t = t.to("cpu")
+        if t.device.type == "cuda":
+            # The engine copies device memory itself (lazily, on its own stream): keep the pointer.
+            device = t.device.index if t.device.index is not None else torch.cuda.current_device()
+        else:
+            t = t.to("cpu")  # other devices: copy now
     if not t.is_contiguous():
         t = t.contiguous()  # views: one copy here, on the training thread (rare in state dicts)
     nbytes = t.numel() * t.element_size()
     entry = FileEntry(name=name, kind="tensor", dtype=dtype_to_name(t.dtype), shape=tuple(t.shape), nbytes=nbytes)
-    return SourceItem(key=key, entry=entry, ptr=t.data_ptr() if nbytes else 0, keepalive=t)
+    return SourceItem(key=key, entry=entry, ptr=t.data_ptr() if nbytes else 0, keepalive=t, device=device)
 
 
 def _bytes_source(key: ItemKey, name: str, data: bytes) -> SourceItem:

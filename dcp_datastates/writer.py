@@ -10,6 +10,7 @@ location; the coordinator's ``finish`` commits ``.metadata`` atomically.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
@@ -33,6 +34,7 @@ from .errors import CheckpointWriteError
 from .layout import data_file_name, plan_file
 from .metadata import ItemLocation
 from .runtime import get_engine
+from .ownership import RankReport, select_owned
 from .stage_items import ItemKey, SourceItem, collect_items, item_key, source_for_resolved
 from .staging import tracker
 
@@ -55,9 +57,18 @@ class _FileJob:
     keepalive: list[Any] | None
     data_start: int
     piece_size: int
+    engine: Any = None  # the engine running ``job``
 
     def wait_staged(self, timeout: float | None = None) -> bool:
         return self.job.wait_staged(timeout)
+
+    def device_wait(self, stream_of) -> bool:
+        """True when the caller need not wait on the host: the file is staged, or its copies are
+        all queued and the caller's CUDA stream (``stream_of(device)``) now waits for them."""
+        if self.job.device < 0:
+            return self.job.is_staged()
+        stream = stream_of(self.job.device)
+        return stream is not None and self.engine.device_wait(self.job, stream)
 
 
 @dataclass(eq=False)
@@ -66,9 +77,15 @@ class _StagedSave:
 
     path: str
     files: list[_FileJob] = field(default_factory=list)
+    skipped: set = field(default_factory=set)  # replicated items another rank writes
+    replicated_digest: str | None = None  # None: no stage-time dedup was applied
 
     def wait_staged(self, timeout: float | None = None) -> bool:
         return all(f.wait_staged(timeout) for f in self.files)
+
+    def device_wait(self, stream_of) -> bool:
+        """See ``_FileJob.device_wait``; False (wait on the host) when no file copies from a GPU."""
+        return any(f.job.device >= 0 for f in self.files) and all(f.device_wait(stream_of) for f in self.files)
 
 
 def _async_save_arguments() -> dict:
@@ -91,6 +108,48 @@ def _rank_of(process_group=None, no_dist: bool = False) -> int:
     if no_dist or not (dist.is_available() and dist.is_initialized()):
         return 0
     return dist.get_rank(process_group)
+
+
+def _world_of(process_group=None, no_dist: bool = False) -> int:
+    if no_dist or not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(process_group)
+
+
+def _by_device(items: list[SourceItem]) -> list[list[SourceItem]]:
+    """The items split by the device they live on (one engine job copies from one device): a
+    single list when they share one, as CPU-only states do; else host items first (small
+    non-tensor values, staged at once ahead of the device copies), then by device index."""
+    first = items[0].device if items else -1
+    if all(it.device == first for it in items):
+        return [items]
+    groups: dict[int, list[SourceItem]] = {}
+    for it in items:
+        groups.setdefault(it.device, []).append(it)
+    return [groups[d] for d in sorted(groups)]
+
+
+def _on_one_device(engine, items: list[SourceItem]) -> tuple[int, list[SourceItem]]:
+    """(device, items) for one engine job. CUDA items are copied to host memory now (blocking)
+    when the engine has no CUDA runtime or they share a job with items of another device."""
+    device = items[0].device if items else -1
+    if device < 0 and all(it.device < 0 for it in items):
+        return -1, items
+    if engine.cuda_devices > 0 and all(it.device == device for it in items):
+        return device, items
+    host = []
+    for it in items:
+        if it.device >= 0:
+            t = it.keepalive.to("cpu")
+            it = dataclasses.replace(it, ptr=t.data_ptr() if it.entry.nbytes else 0, keepalive=t, device=-1)
+        host.append(it)
+    return -1, host
+
+
+def _current_stream(device: int) -> int:
+    """Handle of this thread's current CUDA stream on ``device``: the engine's copies of a job
+    run after the work queued on it when the job is submitted (the kernels producing the state)."""
+    return torch.cuda.current_stream(device).cuda_stream
 
 
 class DataStatesWriter(StorageWriter, AsyncStager):
@@ -142,10 +201,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         target = os.fspath(target)
         try:
             items, flat, mappings = collect_items(state_dict)
-            rank = _rank_of(call.get("process_group"), bool(call.get("no_dist", False)))
-            commit.prepare_folder(target, overwrite=self.config.overwrite)
+            group, no_dist = call.get("process_group"), bool(call.get("no_dist", False))
+            rank, world = _rank_of(group, no_dist), _world_of(group, no_dist)
             staged = _StagedSave(path=target)
-            staged.files.append(self._submit(target, data_file_name(rank, 0), items))
+            if world > 1 and self.config.dedup_replicated:
+                items, staged.skipped, staged.replicated_digest = select_owned(items, flat, rank, world)
+            commit.prepare_folder(target, overwrite=self.config.overwrite)
+            for k, group in enumerate(_by_device(items)):  # one engine job (and file) per device
+                staged.files.append(self._submit(target, data_file_name(rank, k), group))
         except Exception as exc:  # noqa: BLE001 - surfaces from the futures, as DCP users expect
             future.set_exception(exc)
             return future
@@ -183,15 +246,20 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     # ---------------------------------------------------------------------------- engine submit
     def _submit(self, folder: str, name: str, items: list[SourceItem]) -> _FileJob:
         engine = get_engine(self.config)
+        device, items = _on_one_device(engine, items)
         layout = plan_file([it.entry for it in items])
         spans = [(it.ptr, it.entry.nbytes, off) for it, off in zip(items, layout.offsets)]
-        job = engine.submit_write(os.path.join(folder, name), layout.header, layout.file_size, spans, self.config.sync_files)
+        stream = _current_stream(device) if device >= 0 else 0
+        job = engine.submit_write(
+            os.path.join(folder, name), layout.header, layout.file_size, spans, self.config.sync_files, device, stream
+        )
         piece = job.piece_size()
         locations = {
             it.key: ItemLocation(name, off, it.entry.nbytes, it.entry.dtype, it.entry.shape, (), layout.data_start, piece)
             for it, off in zip(items, layout.offsets)
         }
-        return _FileJob(name, job, [it.key for it in items], locations, [it.keepalive for it in items], layout.data_start, piece)
+        keepalive = [it.keepalive for it in items]
+        return _FileJob(name, job, [it.key for it in items], locations, keepalive, layout.data_start, piece, engine)
 
     # ---------------------------------------------------------------------------- StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -214,12 +282,31 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if self.path is None:
             raise ValueError("DataStatesWriter: no checkpoint path (pass path= or checkpoint_id=)")
         with self._lock:
-            staged = self.path in self._staged
-        if not staged:  # dcp.save: nothing staged, so the folder was not prepared yet
+            staged = self._staged.get(self.path)
+        if staged is None:  # dcp.save: nothing staged, so the folder was not prepared yet
             commit.prepare_folder(self.path, overwrite=self.config.overwrite)
-        return plan
+            return dataclasses.replace(plan, storage_data=RankReport(self.rank, None))
+        if plan.usable and staged.skipped:
+            # Leave replicated items to the rank that staged them, so any planner's dedup
+            # (DCP's default included) has exactly one candidate.
+            plan = dataclasses.replace(plan, items=[i for i in plan.items if item_key(i.index) not in staged.skipped])
+        return dataclasses.replace(plan, storage_data=RankReport(self.rank, staged.replicated_digest))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Coordinator: stage-time dedup of plain tensors assumed every rank holds the same
+        replicated values; refuse to commit a checkpoint that would miss some of them."""
+        reports = [p.storage_data for p in plans if isinstance(p.storage_data, RankReport)]
+        digests = {r.replicated_digest for r in reports if r.replicated_digest is not None}
+        if len(digests) > 1:
+            groups: dict[str, list[int]] = {}
+            for r in reports:
+                groups.setdefault(str(r.replicated_digest), []).append(r.rank)
+            raise CheckpointWriteError(
+                f"checkpoint {self.path}: ranks hold different sets of non-DTensor tensors/values "
+                f"(groups of ranks with the same set: {sorted(groups.values())}), so each cannot be "
+                f"written by one rank chosen locally. Pass dedup_replicated=False to DataStatesWriter "
+                f"(needed with pipeline parallelism); this checkpoint was not committed."
+            )
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:

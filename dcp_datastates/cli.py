@@ -1,0 +1,762 @@
+"""The ``dcp-datastates`` command line (also ``python -m dcp_datastates``).
+
+    dcp-datastates inspect PATH [--json] [--chunks]
+    dcp-datastates verify PATH
+    dcp-datastates convert PATH OUT --to hf|torch|dcp [--max-shard-size 5GB] [--prefix model.]
+    dcp-datastates bench ...
+
+Exit status: 0 on success; 1 with a one-line message on a checkpoint, file or argument error
+(``verify`` also returns 1 when the checkpoint is damaged, after naming every problem); 2 for a
+usage error or a subcommand that is not available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import warnings
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+__all__ = ["main"]
+
+PROG = "dcp-datastates"
+
+# Files of a Hugging Face safetensors folder that `convert --to hf` writes (and replaces).
+_HF_NAME = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
+# Bytes loaded per dcp.load call when converting: bounds the progress granularity, not memory.
+_LOAD_GROUP_BYTES = 256 << 20
+# Bytes read per engine call when verifying (checksum pieces are at most the engine's chunk size).
+_VERIFY_WINDOW_BYTES = 64 << 20
+
+
+# ------------------------------------------------------------------------------------ helpers
+def _human(nbytes: int) -> str:
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{nbytes} B"  # pragma: no cover
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split("\n")).strip()
+
+
+def _progress(total: int, desc: str, enabled: bool, unit: str = "B"):
+    """A tqdm bar on stderr, silent when stderr is not a terminal or progress is off."""
+    from tqdm import tqdm
+
+    show = enabled and sys.stderr.isatty()
+    scale = unit == "B"
+    return tqdm(
+        total=total,
+        desc=desc,
+        unit=unit,
+        unit_scale=scale,
+        unit_divisor=1024 if scale else 1000,
+        disable=not show,
+        file=sys.stderr,
+        leave=False,
+        dynamic_ncols=True,
+    )
+
+
+def _cli_config():
+    """A small engine for command-line work: reads go straight into tensors, the host cache is
+    hardly used, so it must not reserve (and on GPU machines pin) gigabytes."""
+    from .config import DataStatesConfig
+
+    return DataStatesConfig(
+        host_cache_size=64 << 20,
+        pin_host_cache=False,
+        chunk_size=16 << 20,
+        read_threads=max(2, min(8, os.cpu_count() or 2)),
+    )
+
+
+def _checkpoint_dir(path: str) -> str:
+    path = os.fspath(path)
+    if os.path.basename(os.path.normpath(path)) == ".metadata" and os.path.isfile(path):
+        return os.path.dirname(os.path.abspath(path))
+    return path
+
+
+def _read_metadata(path: str):
+    """(DCP Metadata, per-file table) of a committed DataStates checkpoint. Raises
+    IncompleteCheckpointError / CheckpointFormatError / FileNotFoundError with clear messages."""
+    from .errors import CheckpointFormatError, IncompleteCheckpointError
+    from .metadata import METADATA_NAME, decode_metadata
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path}: the path does not exist")
+    if not os.path.isdir(path):
+        raise ValueError(f"{path} is not a checkpoint folder")
+    marker = os.path.join(path, METADATA_NAME)
+    try:
+        with open(marker, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(
+            f"incomplete checkpoint {path}: there is no {METADATA_NAME} commit marker "
+            f"(the save did not finish or is still running)"
+        ) from None
+    except IsADirectoryError:
+        raise CheckpointFormatError(f"{marker}: the commit marker is a folder, not a metadata file") from None
+    try:
+        return decode_metadata(raw, marker)
+    except CheckpointFormatError as exc:
+        if raw[:1] == b"\x80":  # a pickle: the metadata of DCP's own FileSystemWriter
+            raise CheckpointFormatError(
+                f"{exc} - {path} looks like a stock DCP checkpoint (pickled .metadata); this tool reads "
+                f"checkpoints written by DataStatesWriter"
+            ) from None
+        raise
+
+
+@dataclass
+class _Item:
+    """One entry of the checkpoint, as the command line shows it."""
+
+    fqn: str
+    kind: str  # "tensor" or "bytes"
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    requires_grad: bool
+    chunks: list[dict]  # tensors: offsets, sizes, file, offset, length, pieces
+
+
+def _items(md) -> list[_Item]:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from .layout import dtype_to_name
+
+    by_fqn: dict[str, list] = defaultdict(list)
+    for index, loc in md.storage_data.items():
+        by_fqn[index.fqn].append((index, loc))
+    out = []
+    for fqn, smd in md.state_dict_metadata.items():
+        if isinstance(smd, BytesStorageMetadata):
+            loc = md.storage_data[MetadataIndex(fqn)]
+            chunk = {"file": loc.file, "offset": loc.offset, "length": loc.length, "pieces": len(loc.crc32c)}
+            out.append(_Item(fqn, "bytes", "-", (), loc.length, False, [chunk]))
+            continue
+        locs = {tuple(index.offset): loc for index, loc in by_fqn[fqn]}
+        chunks = []
+        for c in smd.chunks:
+            loc = locs.get(tuple(c.offsets))
+            chunks.append(
+                {
+                    "offsets": list(c.offsets),
+                    "sizes": list(c.sizes),
+                    "file": None if loc is None else loc.file,
+                    "offset": None if loc is None else loc.offset,
+                    "length": None if loc is None else loc.length,
+                    "pieces": 0 if loc is None else len(loc.crc32c),
+                }
+            )
+        numel = 1
+        for s in smd.size:
+            numel *= s
+        itemsize = _itemsize(smd.properties.dtype)
+        out.append(
+            _Item(
+                fqn,
+                "tensor",
+                dtype_to_name(smd.properties.dtype),
+                tuple(smd.size),
+                numel * itemsize,
+                bool(smd.properties.requires_grad),
+                chunks,
+            )
+        )
+    return out
+
+
+def _itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _sharding(item: _Item) -> str:
+    if item.kind != "tensor":
+        return "-"
+    if len(item.chunks) == 1 and list(item.chunks[0]["sizes"]) == list(item.shape):
+        return "full"
+    sizes = {tuple(c["sizes"]) for c in item.chunks}
+    if len(sizes) == 1:
+        return f"{len(item.chunks)} x {list(next(iter(sizes)))}"
+    return f"{len(item.chunks)} chunks"
+
+
+def _table(rows: list[list[str]], headers: list[str]) -> str:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------ inspect
+def _cmd_inspect(args) -> int:
+    from .layout import FORMAT_NAME
+    from .metadata import FORMAT_VERSION
+
+    path = _checkpoint_dir(args.path)
+    md, files = _read_metadata(path)
+    items = _items(md)
+    on_disk = {}
+    for name in files:
+        try:
+            on_disk[name] = os.stat(os.path.join(path, name)).st_size
+        except FileNotFoundError:
+            on_disk[name] = None
+    sm = md.storage_meta
+    total_items = sum(i.nbytes for i in items)
+    if args.json:
+        doc = {
+            "path": path,
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "dcp_version": md.version,
+            "save_id": getattr(sm, "save_id", None),
+            "checkpoint_id": None if sm is None or sm.checkpoint_id is None else str(sm.checkpoint_id),
+            "total_bytes": total_items,
+            "files": {
+                name: {"size": info.size, "size_on_disk": on_disk[name], "data_start": info.data_start, "piece_size": info.piece_size}
+                for name, info in files.items()
+            },
+            "items": {
+                i.fqn: (
+                    {
+                        "type": "tensor",
+                        "dtype": i.dtype,
+                        "shape": list(i.shape),
+                        "nbytes": i.nbytes,
+                        "requires_grad": i.requires_grad,
+                        "chunks": i.chunks,
+                    }
+                    if i.kind == "tensor"
+                    else {"type": "bytes", "nbytes": i.nbytes, **i.chunks[0]}
+                )
+                for i in items
+            },
+        }
+        print(json.dumps(doc, indent=2))
+        return 0
+
+    ntensors = sum(1 for i in items if i.kind == "tensor")
+    print(f"checkpoint: {path}")
+    dcp_version = f" (DCP metadata version {md.version})" if md.version else ""
+    print(f"format:     {FORMAT_NAME} version {FORMAT_VERSION}{dcp_version}")
+    if sm is not None and sm.save_id:
+        print(f"save id:    {sm.save_id}")
+    print(f"items:      {len(items)} ({ntensors} tensors, {len(items) - ntensors} other values), {_human(total_items)}")
+    print(f"files:      {len(files)}, {_human(sum(f.size for f in files.values()))}")
+    print()
+    rows = []
+    for name, info in files.items():
+        disk = on_disk[name]
+        state = "ok" if disk == info.size else ("MISSING" if disk is None else f"SIZE {disk} != {info.size}")
+        rows.append([name, str(info.size), _human(info.size), state])
+    print(_table(rows, ["FILE", "BYTES", "SIZE", "ON DISK"]))
+    print()
+    rows = []
+    for i in items:
+        shape = "[" + ", ".join(map(str, i.shape)) + "]" if i.kind == "tensor" else "-"
+        files_of = sorted({c["file"] for c in i.chunks if c["file"]})
+        where = files_of[0] if len(files_of) == 1 else f"{len(files_of)} files"
+        rows.append([i.fqn, i.kind, i.dtype, shape, _sharding(i), _human(i.nbytes), where])
+    print(_table(rows, ["ITEM", "TYPE", "DTYPE", "SHAPE", "SHARDING", "SIZE", "FILE"]))
+    if args.chunks:
+        print()
+        rows = []
+        for i in items:
+            if i.kind != "tensor":
+                continue
+            for c in i.chunks:
+                rows.append(
+                    [i.fqn, str(c["offsets"]), str(c["sizes"]), str(c["file"]), str(c["offset"]), str(c["length"]), str(c["pieces"])]
+                )
+        print(_table(rows, ["ITEM", "OFFSETS", "SIZES", "FILE", "FILE OFFSET", "BYTES", "CRC PIECES"]))
+    return 0
+
+
+# ------------------------------------------------------------------------------------- verify
+def _check_header(full: str, name: str, info, locs: list) -> list[str]:
+    """The data file is a safetensors file whose header lists every item at its recorded place."""
+    import struct
+
+    problems = []
+    try:
+        with open(full, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                return [f"{name}: header damaged (file shorter than 8 bytes)"]
+            (hlen,) = struct.unpack("<Q", head)
+            if 8 + hlen != info.data_start:
+                return [f"{name}: header damaged (header length {hlen} does not end at the data start {info.data_start})"]
+            header = json.loads(f.read(hlen))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        return [f"{name}: header damaged (not valid safetensors JSON: {exc})"]
+    if not isinstance(header, dict):
+        return [f"{name}: header damaged (not a JSON object)"]
+    spans = set()
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        try:
+            begin, end = entry["data_offsets"]
+            spans.add((info.data_start + int(begin), int(end) - int(begin)))
+        except (KeyError, TypeError, ValueError):
+            problems.append(f"{name}: header damaged (entry {key!r} has no valid data_offsets)")
+    unlisted = [(label, loc) for label, loc in locs if (loc.offset, loc.length) not in spans]
+    for label, loc in unlisted[:10]:
+        problems.append(f"{name}: header does not list {label} at bytes [{loc.offset}, {loc.offset + loc.length})")
+    if len(unlisted) > 10:
+        problems.append(f"{name}: header does not list {len(unlisted) - 10} more item(s)")
+    return problems
+
+
+def _label(index) -> str:
+    if index.offset is None:
+        return f"item {index.fqn!r}"
+    return f"item {index.fqn!r} (chunk offsets {list(index.offset)})"
+
+
+def _cmd_verify(args) -> int:
+    import torch
+
+    from .metadata import piece_ranges
+    from .runtime import get_engine
+
+    path = _checkpoint_dir(args.path)
+    md, files = _read_metadata(path)
+    problems: list[str] = []
+    by_file: dict[str, list] = defaultdict(list)
+    for index, loc in md.storage_data.items():
+        by_file[loc.file].append((_label(index), loc))
+
+    readable = []
+    for name, info in files.items():
+        full = os.path.join(path, name)
+        try:
+            size = os.stat(full).st_size
+        except FileNotFoundError:
+            problems.append(f"{name}: data file is missing ({len(by_file[name])} items cannot be read)")
+            continue
+        if size != info.size:
+            how = "truncated" if size < info.size else "longer than recorded"
+            lost = [label for label, loc in by_file[name] if loc.offset + loc.length > size]
+            detail = ""
+            if size < info.size and lost:
+                detail = f"; past the end: {', '.join(lost[:5])}" + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+            problems.append(f"{name}: {how}: {size} bytes on disk, the metadata records {info.size}{detail}")
+            continue
+        header_problems = _check_header(full, name, info, by_file[name])
+        problems += header_problems
+        readable.append(name)
+
+    engine = get_engine(_cli_config())
+    total = sum(loc.length for name in readable for _, loc in by_file[name])
+    checked_items = unchecked_items = 0
+    checked_bytes = 0
+    with _progress(total, "verify", not args.no_progress) as bar:
+        for name in readable:
+            full = os.path.join(path, name)
+            pieces = []  # (label, loc, expected, offset, length)
+            for label, loc in sorted(by_file[name], key=lambda x: x[1].offset):
+                if not loc.crc32c:
+                    if loc.length:
+                        unchecked_items += 1
+                    bar.update(loc.length)
+                    continue
+                checked_items += 1
+                for expected, (off, length) in zip(loc.crc32c, piece_ranges(loc)):
+                    pieces.append((label, loc, expected, off, length))
+            window = max([_VERIFY_WINDOW_BYTES] + [p[4] for p in pieces])
+            buf = torch.empty(window if pieces else 0, dtype=torch.uint8)
+            base = buf.data_ptr()
+            for batch in _batches(pieces, window):
+                ranges, pos = [], 0
+                for p in batch:
+                    ranges.append((base + pos, p[3], p[4]))
+                    pos += p[4]
+                try:
+                    engine.read_into(full, ranges)
+                except (OSError, ValueError) as exc:
+                    first, last = batch[0], batch[-1]
+                    problems.append(f"{name}: cannot read bytes [{first[3]}, {last[3] + last[4]}): {_one_line(exc)}")
+                    bar.update(pos)
+                    continue
+                pos = 0
+                for label, loc, expected, off, length in batch:
+                    got = engine.crc32c(base + pos, length)
+                    pos += length
+                    if got != expected:
+                        problems.append(
+                            f"{name}: checksum mismatch in {label}, bytes [{off}, {off + length}): "
+                            f"stored crc32c {expected:#010x}, read {got:#010x}"
+                        )
+                checked_bytes += pos
+                bar.update(pos)
+
+    if problems:
+        for p in problems:
+            print(f"FAILED {p}", file=sys.stderr)
+        print(f"{PROG} verify: {path} is damaged: {len(problems)} problem(s) found", file=sys.stderr)
+        return 1
+    extra = f"; {unchecked_items} item(s) carry no checksum" if unchecked_items else ""
+    print(
+        f"OK {path}: {len(md.state_dict_metadata)} items in {len(files)} file(s); "
+        f"{checked_items} stored chunk(s), {_human(checked_bytes)}, match their CRC32C{extra}"
+    )
+    return 0
+
+
+def _batches(pieces: list, window: int) -> Iterable[list]:
+    batch, size = [], 0
+    for p in pieces:
+        if batch and size + p[4] > window:
+            yield batch
+            batch, size = [], 0
+        batch.append(p)
+        size += p[4]
+    if batch:
+        yield batch
+
+
+# ------------------------------------------------------------------------------------ convert
+def _empty_tensor(smd):
+    import torch
+
+    return torch.empty(tuple(smd.size), dtype=smd.properties.dtype)
+
+
+def _sizes(md, keys: list[str]) -> dict[str, int]:
+    """Bytes of each item as stored (a tensor's full size; a value's serialized length)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    out = {}
+    for k in keys:
+        smd = md.state_dict_metadata[k]
+        if isinstance(smd, TensorStorageMetadata):
+            numel = 1
+            for s in smd.size:
+                numel *= s
+            out[k] = numel * _itemsize(smd.properties.dtype)
+        else:
+            out[k] = md.storage_data[MetadataIndex(k)].length
+    return out
+
+
+def _groups(keys: list[str], sizes: dict[str, int], limit: int) -> Iterable[list[str]]:
+    group, size = [], 0
+    for k in keys:
+        if group and size + sizes[k] > limit:
+            yield group
+            group, size = [], 0
+        group.append(k)
+        size += sizes[k]
+    if group:
+        yield group
+
+
+def _load_flat(path: str, md, keys: list[str], bar) -> dict[str, Any]:
+    """Load ``keys`` (flat fqns) of the checkpoint into new full-size CPU tensors through
+    ``dcp.load`` with DataStatesReader: DCP assembles each tensor from all its chunks (all
+    ranks' shards) and the reader checks every CRC32C. Non-tensor values come back unpickled."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .reader import DataStatesReader
+
+    flat: dict[str, Any] = {}
+    sizes = _sizes(md, keys)
+    for k in keys:
+        smd = md.state_dict_metadata[k]
+        # Non-tensor values: a placeholder the planner replaces with the stored object.
+        flat[k] = _empty_tensor(smd) if isinstance(smd, TensorStorageMetadata) else None
+    for group in _groups(keys, sizes, _LOAD_GROUP_BYTES):
+        part = {k: flat[k] for k in group}
+        dcp.load(
+            part,
+            storage_reader=DataStatesReader(path, config=_cli_config()),
+            planner=DefaultLoadPlanner(allow_partial_load=False),
+            no_dist=True,
+        )
+        flat.update(part)  # non-tensor values were set in ``part``; tensors were filled in place
+        bar.update(sum(sizes[k] for k in group))
+    return flat
+
+
+def _unflatten(flat: dict[str, Any], planner_data: dict | None) -> dict:
+    """Rebuild the nested state from flat fqns with the object paths DCP recorded at save time
+    (``planner_data``); keys without a recorded path stay flat."""
+    out: dict = {}
+    for fqn, value in flat.items():
+        path = tuple(planner_data.get(fqn, ())) if planner_data else ()
+        if not path:
+            out[fqn] = value
+            continue
+        node: Any = out
+        for key, nxt in zip(path[:-1], path[1:]):
+            fresh: Any = [] if isinstance(nxt, int) else {}
+            if isinstance(node, list):
+                while len(node) <= key:
+                    node.append(None)
+                if node[key] is None:
+                    node[key] = fresh
+                node = node[key]
+            else:
+                node = node.setdefault(key, fresh)
+        last = path[-1]
+        if isinstance(node, list):
+            while len(node) <= last:
+                node.append(None)
+        node[last] = value
+    return out
+
+
+def _prepare_output(out: str, force: bool, is_dir: bool) -> None:
+    if os.path.exists(out):
+        if is_dir:
+            if not os.path.isdir(out):
+                raise ValueError(f"output {out} exists and is not a folder")
+            if os.listdir(out) and not force:
+                raise ValueError(f"output folder {out} is not empty (pass --force to write into it)")
+        else:
+            if os.path.isdir(out):
+                raise ValueError(f"output {out} is a folder; --to torch writes one file")
+            if not force:
+                raise ValueError(f"output file {out} exists (pass --force to overwrite it)")
+    if is_dir:
+        os.makedirs(out, exist_ok=True)
+    else:
+        parent = os.path.dirname(os.path.abspath(out))
+        os.makedirs(parent, exist_ok=True)
+
+
+def _cmd_convert(args) -> int:
+    from .config import parse_size
+
+    path = _checkpoint_dir(args.path)
+    if os.path.abspath(args.out) == os.path.abspath(path):
+        raise ValueError("the output must not be the checkpoint itself")
+    md, _files = _read_metadata(path)
+    if args.to == "hf":
+        max_shard = parse_size(args.max_shard_size, name="--max-shard-size")
+        if max_shard < 1:
+            raise ValueError("--max-shard-size must be positive")
+        return _convert_hf(path, md, args.out, max_shard, args.prefix, args.force, not args.no_progress)
+    if args.prefix:
+        raise ValueError("--prefix applies to --to hf only")
+    _prepare_output(args.out, args.force, is_dir=args.to == "dcp")
+    keys = list(md.state_dict_metadata)
+    total = sum(_sizes(md, keys).values())
+    with _progress(total, "load", not args.no_progress) as bar:
+        flat = _load_flat(path, md, keys, bar)
+    state = _unflatten(flat, md.planner_data)
+    if args.to == "torch":
+        import torch
+
+        tmp = f"{args.out}.tmp-{os.getpid()}"
+        try:
+            torch.save(state, tmp)
+            os.replace(tmp, args.out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        print(f"wrote {args.out}: {len(flat)} items, {_human(total)} (torch.save)")
+        return 0
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    dcp.save(state, storage_writer=FileSystemWriter(args.out), no_dist=True)
+    print(f"wrote {args.out}: {len(flat)} items, {_human(total)} (DCP FileSystemWriter checkpoint)")
+    return 0
+
+
+def _convert_hf(path: str, md, out: str, max_shard: int, prefix: str | None, force: bool, progress: bool) -> int:
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .layout import dtype_to_name, safetensors_dtype
+
+    chosen: list[tuple[str, str, int]] = []  # (fqn, output name, bytes)
+    skipped: list[str] = []
+    for item in _items(md):
+        if prefix and not item.fqn.startswith(prefix):
+            continue
+        name = item.fqn[len(prefix):] if prefix else item.fqn
+        if item.kind != "tensor":
+            skipped.append(f"{item.fqn} (not a tensor)")
+            continue
+        if safetensors_dtype(item.dtype) is None:
+            skipped.append(f"{item.fqn} ({item.dtype} has no safetensors dtype)")
+            continue
+        if not name:
+            raise ValueError(f"--prefix {prefix!r} leaves item {item.fqn!r} without a name")
+        chosen.append((item.fqn, name, item.nbytes))
+    if not chosen:
+        raise ValueError(f"{path}: no tensors to convert" + (f" under prefix {prefix!r}" if prefix else ""))
+
+    shards: list[list[tuple[str, str, int]]] = []
+    size = 0
+    for entry in chosen:
+        if not shards or (size + entry[2] > max_shard and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry[2]
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    _prepare_output(out, force, is_dir=True)
+    for old in os.listdir(out):  # with --force: no stale shards of an earlier conversion
+        if _HF_NAME.match(old):
+            os.unlink(os.path.join(out, old))
+    weight_map: dict[str, str] = {}
+    total = sum(e[2] for e in chosen)
+    with _progress(total, "convert", progress) as bar:
+        for fname, shard in zip(names, shards):
+            flat = _load_flat(path, md, [e[0] for e in shard], bar)
+            tensors = {name: flat[fqn] for fqn, name, _ in shard}
+            tmp = os.path.join(out, f".{fname}.tmp")
+            save_file(tensors, tmp, metadata={"format": "pt"})
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, os.path.join(out, fname))
+            for _, name, _ in shard:
+                weight_map[name] = fname
+            del flat, tensors
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+    print(f"wrote {out}: {len(chosen)} tensors, {_human(total)} in {n} safetensors file(s) + model.safetensors.index.json")
+    if skipped:
+        shown = ", ".join(skipped[:20]) + (f" and {len(skipped) - 20} more" if len(skipped) > 20 else "")
+        print(f"skipped {len(skipped)} item(s) that a safetensors file cannot hold: {shown}")
+    return 0
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+# -------------------------------------------------------------------------------------- bench
+def _cmd_bench(argv: list[str]) -> int:
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec(f"{__package__}.bench") is None:
+        print("bench is not available in this build", file=sys.stderr)
+        return 2
+    bench = importlib.import_module(f"{__package__}.bench")
+    result = bench.main(argv)
+    return int(result or 0)
+
+
+# --------------------------------------------------------------------------------------- main
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Inspect, verify and convert dcp_datastates checkpoints.",
+        epilog="Exit status: 0 ok, 1 error or damaged checkpoint, 2 usage error.",
+    )
+    from . import __version__
+
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    s = sub.add_parser("inspect", help="list items, dtypes, shapes, shardings, files and sizes")
+    s.add_argument("path", help="checkpoint folder (the one holding .metadata)")
+    s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--chunks", action="store_true", help="also list every stored chunk of every tensor")
+    s.set_defaults(func=_cmd_inspect)
+
+    s = sub.add_parser("verify", help="check every file's size and every item's CRC32C")
+    s.add_argument("path", help="checkpoint folder")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(func=_cmd_verify)
+
+    s = sub.add_parser(
+        "convert",
+        help="write a consolidated Hugging Face safetensors folder, a torch.save file or a stock DCP checkpoint",
+    )
+    s.add_argument("path", help="checkpoint folder")
+    s.add_argument("out", help="output folder (hf, dcp) or file (torch)")
+    s.add_argument("--to", required=True, choices=("hf", "torch", "dcp"), help="output format")
+    s.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        help="hf: largest tensor bytes per safetensors file, e.g. 5GB, 500MB, 2GiB (default 5GB; a bare number is bytes)",
+    )
+    s.add_argument("--prefix", default=None, help="hf: convert only items whose name starts with PREFIX, and strip it (e.g. 'model.')")
+    s.add_argument("--force", action="store_true", help="write into a non-empty output folder / over an existing file")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.set_defaults(func=_cmd_convert)
+
+    sub.add_parser("bench", help="benchmarks (arguments go to dcp_datastates.bench)", add_help=False)
+    return p
+
+
+def _error_message(exc: BaseException) -> str:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(exc, CheckpointException):
+        # DCP wraps the failure of each rank; show the first cause, not DCP's traceback text.
+        for _rank, (cause, _trace) in sorted(exc.failures.items()):
+            return _error_message(cause)
+    if isinstance(exc, FileNotFoundError) and exc.filename and not str(exc).startswith("no "):
+        return f"{exc.strerror or 'not found'}: {exc.filename}"
+    return _one_line(str(exc)) or type(exc).__name__
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns the exit status (never calls sys.exit)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return _cmd_bench(argv[1:])
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, --version, usage errors
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    if not getattr(args, "command", None):
+        parser.print_help(sys.stderr)
+        return 2
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from .errors import DataStatesError
+
+    try:
+        with warnings.catch_warnings():
+            # DCP warns on every single-process load/save; the command line is single-process.
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            return int(args.func(args))
+    except BrokenPipeError:  # output piped into `head` and the like: not an error
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush stays quiet
+        except (OSError, ValueError):
+            pass
+        return 0
+    except (DataStatesError, OSError, ValueError, CheckpointException) as exc:
+        print(f"{PROG} {args.command}: error: {_error_message(exc)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
+        return 130

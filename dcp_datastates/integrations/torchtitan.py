@@ -1,0 +1,245 @@
+"""TorchTitan integration: ``DataStatesCheckpointManager``.
+
+A subclass of TorchTitan's DCP ``CheckpointManager`` that saves with ``DataStatesWriter`` and
+loads with ``DataStatesReader``. Everything else (interval, ``keep_latest_k``, ``load_step``,
+resume from the latest step, last-step export, Hugging Face export/import) is TorchTitan's own
+code. Select it in a TorchTitan config function (``--module``/``--config`` registry)::
+
+    from dcp_datastates.integrations.torchtitan import DataStatesCheckpointManager
+
+    def llama3_8b_datastates() -> Trainer.Config:
+        config = llama3_8b()
+        config.checkpoint = DataStatesCheckpointManager.Config(
+            enable=True, interval=500, async_mode="async", host_cache_size="32GB", flush_threads=4,
+        )
+        return config
+
+With ``async_mode="async"`` a save returns as soon as the copies are enqueued; forward and backward
+of the next steps run while the engine copies the state into its host cache and flushes it, and
+TorchTitan's ``maybe_wait_for_staging()`` (called right before ``optimizers.step()``) waits only
+for the copies (``dcp_datastates.wait_staged()``). ``"async_with_pinned_mem"`` takes the same
+path (the DataStates host cache is already pinned; TorchTitan's process-based stager is not used).
+
+Importing this module never fails when TorchTitan is missing; using the class then raises an
+``ImportError`` that says what to install.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..config import DataStatesConfig, parse_size
+from ..metadata import METADATA_NAME
+from ..reader import DataStatesReader
+from ..staging import wait_staged
+from ..writer import DataStatesWriter
+
+__all__ = ["DataStatesCheckpointManager", "TORCHTITAN_AVAILABLE", "is_datastates_checkpoint"]
+
+log = logging.getLogger("dcp_datastates")
+
+try:  # TorchTitan is optional
+    from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
+    from torchtitan.tools.utils import GarbageCollection
+
+    _IMPORT_ERROR: BaseException | None = None
+except Exception as _exc:  # noqa: BLE001 - ImportError, or a TorchTitan incompatible with this torch
+    _IMPORT_ERROR = _exc
+
+TORCHTITAN_AVAILABLE = _IMPORT_ERROR is None
+
+
+def _missing() -> ImportError:
+    return ImportError(
+        "dcp_datastates.integrations.torchtitan needs TorchTitan, which could not be imported "
+        f"({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}). Install it with "
+        "`pip install --no-deps torchtitan` plus its light dependencies (`pip install tyro spmd_types`), "
+        "or follow TorchTitan's installation guide."
+    )
+
+
+def is_datastates_checkpoint(path: str | os.PathLike) -> bool:
+    """True when ``path`` holds (or is meant to hold) a DataStates checkpoint rather than a stock
+    DCP one: its ``.metadata`` is JSON (stock DCP pickles it). A folder without ``.metadata`` also
+    counts, so loading it reports an incomplete checkpoint clearly."""
+    path = os.fspath(path)
+    if "://" in path and not path.startswith("file://"):
+        return False
+    try:
+        with open(os.path.join(path, METADATA_NAME), "rb") as f:
+            head = f.read(64)
+    except FileNotFoundError:
+        return True
+    return head.lstrip().startswith(b"{")
+
+
+def _bare_gb(value: Any, name: str) -> int:
+    """Sizes in a TorchTitan config follow the seeds: a bare number is GB, strings carry a unit."""
+    if isinstance(value, str) and value.strip().replace(".", "", 1).isdigit():
+        value = float(value)
+    return parse_size(value, bare_unit=1 << 30, name=name)
+
+
+if TORCHTITAN_AVAILABLE:
+
+    class DataStatesCheckpointManager(CheckpointManager):
+        """TorchTitan ``CheckpointManager`` that checkpoints through DataStates.
+
+        Overrides only the storage hooks: ``dcp_save`` (DataStatesWriter, lazy staging with
+        ``async_mode="async"``), ``dcp_load`` (DataStatesReader; stock DCP and Hugging Face
+        checkpoints still load through TorchTitan's code) and ``_maybe_wait_for_staging``.
+        """
+
+        @dataclass(kw_only=True, slots=True)
+        class Config(CheckpointManager.Config):
+            """TorchTitan's checkpoint options plus the DataStates engine's.
+
+            Unset (None) DataStates options keep the value of ``datastates_config`` (when given)
+            or the library default (see docs/configuration.md).
+            """
+
+            host_cache_size: str | None = None
+            """Host memory the engine preallocates once and reuses, e.g. "16GB" or "512MiB"; a
+            bare number is GB. Default: a quarter of RAM, between 256 MiB and 8 GiB."""
+
+            pin_host_cache: bool | None = None
+            """Page-lock the host cache (cudaHostRegister) when CUDA is present. Default: true."""
+
+            copy_threads: int | None = None
+            """Threads copying tensors into the host cache. Default: 2."""
+
+            flush_threads: int | None = None
+            """Threads writing the host cache to storage. Default: 2."""
+
+            verify_checksums: bool | None = None
+            """Check every item's CRC32C (recorded at save) when loading. Default: true."""
+
+            sync_files: bool | None = None
+            """fsync data files and the .metadata commit marker. Default: true."""
+
+            dedup_replicated: bool = False
+            """Let each rank pick, at stage time, the replicated values it writes (DataStates'
+            stage-time dedup). Off by default here: TorchTitan's dataloader state has a key per
+            data-parallel rank, which that policy refuses (the save would fail with "ranks hold
+            different sets"); DCP's planner then chooses one writer per replicated item instead.
+            Turn it on only when every rank holds the same non-DTensor values."""
+
+            datastates_config: str | None = None
+            """Optional YAML/JSON file with a Nanotron-style ``datastates:`` block or a
+            DeepSpeed-style ``datastates_ckpt`` section; the options above override it."""
+
+            def __post_init__(self) -> None:
+                # Explicit base call: zero-argument super() does not work in slots dataclasses.
+                CheckpointManager.Config.__post_init__(self)
+                self.to_datastates_config()  # reject bad options when the config is built
+
+            def to_datastates_config(self) -> DataStatesConfig:
+                """The ``DataStatesConfig`` these options describe."""
+                base = DataStatesConfig.from_file(self.datastates_config) if self.datastates_config else DataStatesConfig()
+                options: dict[str, Any] = {}
+                if self.host_cache_size is not None:
+                    options["host_cache_size"] = _bare_gb(self.host_cache_size, "checkpoint.host_cache_size")
+                for ours, theirs in (
+                    ("pin_host_cache", "pin_host_cache"),
+                    ("copy_threads", "copy_threads"),
+                    ("flush_threads", "flush_threads"),
+                    ("verify_checksums", "verify"),
+                    ("sync_files", "sync_files"),
+                    ("dedup_replicated", "dedup_replicated"),
+                ):
+                    value = getattr(self, ours)
+                    if value is not None:
+                        options[theirs] = value
+                try:
+                    return DataStatesConfig.resolve(base, options)
+                except ValueError as exc:
+                    raise ValueError(f"checkpoint config: {exc}") from None
+
+            @classmethod
+            def from_base(cls, base: "CheckpointManager.Config", **datastates_options: Any) -> "DataStatesCheckpointManager.Config":
+                """This Config with every TorchTitan option copied from ``base`` (e.g. the
+                ``checkpoint`` of an existing config function), plus DataStates options."""
+                values = {f.name: getattr(base, f.name) for f in fields(base) if f.init}
+                values.update(datastates_options)
+                return cls(**values)
+
+        def __init__(self, config: Config, **kwargs: Any) -> None:
+            super().__init__(config, **kwargs)
+            if not self.enable:
+                return
+            self.datastates_config = config.to_datastates_config()
+            self.staging_completion = None
+            if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
+                log.info(
+                    "dcp_datastates: async_mode=async_with_pinned_mem uses lazy staging into the "
+                    "pinned DataStates host cache (same as async_mode=async)"
+                )
+                self.async_mode = AsyncMode.ASYNC
+
+        @torch.no_grad()
+        def dcp_save(
+            self,
+            state_dict: dict[str, Any],
+            checkpoint_id: str,
+            async_mode: "AsyncMode",
+            enable_garbage_collection: bool = False,
+            to_hf: bool = False,
+        ):
+            """Save with DataStatesWriter. Returns None (synchronous) or the upload Future
+            (asynchronous, what TorchTitan's ``_save`` keeps as ``save_future``)."""
+            if to_hf:  # Hugging Face export: TorchTitan's own writer
+                return CheckpointManager.dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
+            writer = DataStatesWriter(checkpoint_id, config=self.datastates_config)
+            ret = None
+            if async_mode in (AsyncMode.ASYNC, AsyncMode.ASYNC_WITH_PINNED_MEM):
+                resp = dcp.async_save(
+                    state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, process_group=self.pg
+                )
+                staging = getattr(resp, "staging_completion", None)
+                self.staging_completion = staging
+                ret = getattr(resp, "upload_completion", resp)
+            else:
+                dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)
+            if enable_garbage_collection:
+                GarbageCollection.collect("GC collection invoked by checkpointer.")
+            return ret
+
+        def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
+            """Load with DataStatesReader; stock DCP and Hugging Face checkpoints (an
+            ``initial_load_path``, a seed checkpoint) go through TorchTitan's loader."""
+            if from_hf or not is_datastates_checkpoint(checkpoint_id):
+                return CheckpointManager.dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
+            reader = DataStatesReader(checkpoint_id, config=self.datastates_config)
+            dcp.load(state_dict, storage_reader=reader, checkpoint_id=checkpoint_id)
+            # The model's state is flattened into state_dict: hand it back to the model.
+            if MODEL in self.states:
+                self.states[MODEL].load_state_dict(state_dict)
+
+        def _maybe_wait_for_staging(self) -> None:
+            """Called by the trainer right before ``optimizers.step()``: wait until every
+            in-flight checkpoint's bytes are in the host cache. Errors surface from the save
+            future (``maybe_wait_for_saving``), as TorchTitan expects."""
+            wait_staged()
+            self.staging_completion = None
+
+else:
+
+    class DataStatesCheckpointManager:  # type: ignore[no-redef]
+        """Placeholder: TorchTitan is not importable here."""
+
+        class Config:
+            def __init__(self, *args: Any, **kwargs: Any) -> None:
+                raise _missing()
+
+            @classmethod
+            def from_base(cls, *args: Any, **kwargs: Any):
+                raise _missing()
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            raise _missing()

@@ -1,0 +1,368 @@
+"""Validation of data files, independent of the command line and of the load path.
+
+A data file is a safetensors file: an 8-byte little-endian header length N, N bytes of JSON,
+then the data region. ``parse_header`` checks all of it with explicit bounds before anything is
+allocated or trusted, and ``validate_data_file`` does the same on a file on disk, optionally
+against what our ``.metadata`` says the file holds and cross-checked with safetensors' own
+reader. ``validate_checkpoint`` runs that for every data file of a committed checkpoint.
+
+Every problem raises ``CheckpointFormatError`` naming the file and, where there is one, the
+tensor; nothing else escapes (``parse_header`` is fuzzed for that).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .errors import CheckpointFormatError, IncompleteCheckpointError
+from .layout import safetensors_dtype
+from .metadata import METADATA_NAME, ItemLocation, decode_metadata
+
+__all__ = [
+    "DataFileItem",
+    "DataFileHeader",
+    "parse_header",
+    "read_header",
+    "validate_data_file",
+    "validate_checkpoint",
+    "MAX_HEADER_BYTES",
+]
+
+# safetensors refuses headers above 100 MB; so do we, before reading them.
+MAX_HEADER_BYTES = 100 * 1000 * 1000
+_MAX_DIMS = 64
+_MAX_INT = (1 << 63) - 1
+
+# Bits per element of every safetensors dtype.
+_DTYPE_BITS = {
+    "BOOL": 8,
+    "U8": 8,
+    "I8": 8,
+    "F8_E5M2": 8,
+    "F8_E4M3": 8,
+    "F8_E4M3FNUZ": 8,
+    "F8_E5M2FNUZ": 8,
+    "F8_E8M0": 8,
+    "F4": 4,
+    "F6_E2M3": 6,
+    "F6_E3M2": 6,
+    "I16": 16,
+    "U16": 16,
+    "F16": 16,
+    "BF16": 16,
+    "I32": 32,
+    "U32": 32,
+    "F32": 32,
+    "C64": 64,
+    "F64": 64,
+    "I64": 64,
+    "U64": 64,
+}
+
+
+@dataclass(frozen=True)
+class DataFileItem:
+    """One tensor of a data file as its header describes it; offsets are absolute in the file."""
+
+    name: str
+    dtype: str  # the safetensors spelling ("F32", "BF16", "U8" ...)
+    shape: tuple[int, ...]
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class DataFileHeader:
+    header_length: int  # N, the JSON length
+    data_start: int  # 8 + N
+    file_size: int
+    items: tuple[DataFileItem, ...]  # in file order
+    metadata: dict  # the "__metadata__" mapping (str -> str), {} when absent
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _bytes_text(bits: int) -> str:
+    return str(bits // 8) if bits % 8 == 0 else f"{bits // 8} and {bits % 8} bits"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_header(data: bytes, file_size: int | None = None, source: str = "<data file>") -> DataFileHeader:
+    """Parse and check a safetensors header.
+
+    ``data`` holds the file's first bytes: at least the 8-byte length and the JSON (the whole
+    file is fine). ``file_size`` is the size of the whole file (default ``len(data)``).
+    """
+    if isinstance(data, memoryview):
+        data = data.tobytes()
+    if not isinstance(data, (bytes, bytearray)):
+        raise CheckpointFormatError(f"{source}: expected bytes, got {type(data).__name__}")
+    if file_size is None:
+        file_size = len(data)
+    if not _is_int(file_size) or file_size < len(data):
+        raise CheckpointFormatError(f"{source}: file size {file_size!r} is smaller than the {len(data)} bytes given")
+
+    def fail(what: str, tensor: str | None = None) -> CheckpointFormatError:
+        where = f"{source}: tensor {tensor!r}: " if tensor is not None else f"{source}: "
+        return CheckpointFormatError(where + what)
+
+    if file_size < 8:
+        raise fail(f"file is {file_size} bytes, too short for a safetensors header (8-byte length prefix)")
+    if len(data) < 8:
+        raise fail(f"only {len(data)} bytes given, the 8-byte header length is incomplete")
+    (n,) = struct.unpack("<Q", bytes(data[:8]))
+    if n < 2:
+        raise fail(f"header length {n} is too small for a JSON object")
+    if n > MAX_HEADER_BYTES:
+        raise fail(f"header length {n} exceeds the {MAX_HEADER_BYTES}-byte limit (not a safetensors file?)")
+    if 8 + n > file_size:
+        raise fail(f"header length {n} runs past the end of the file ({file_size} bytes): truncated or not safetensors")
+    if len(data) < 8 + n:
+        raise fail(f"only {len(data)} bytes given, the header needs {8 + n}")
+    raw = bytes(data[8 : 8 + n])
+    if raw[:1] != b"{":
+        raise fail("the header does not start with '{' (not a safetensors file)")
+    try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
+    except _DuplicateKey as exc:
+        raise fail(f"duplicate key {exc.args[0]!r} in the header") from None
+    except (ValueError, RecursionError, MemoryError) as exc:  # UnicodeDecodeError and JSONDecodeError too
+        text = str(exc)
+        raise fail(f"the header is not valid UTF-8 JSON ({text[:200]})") from None
+    if not isinstance(doc, dict):
+        raise fail(f"the header is a JSON {type(doc).__name__}, not an object")
+
+    data_start = 8 + n
+    data_len = file_size - data_start
+    meta = doc.get("__metadata__", {})
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise fail("__metadata__ must map strings to strings")
+
+    items: list[DataFileItem] = []
+    for name, entry in doc.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(entry, dict):
+            raise fail(f"entry is a {type(entry).__name__}, not an object", name)
+        for key in ("dtype", "shape", "data_offsets"):
+            if key not in entry:
+                raise fail(f"missing field {key!r}", name)
+        extra = set(entry) - {"dtype", "shape", "data_offsets"}
+        if extra:
+            raise fail(f"unknown field(s) {sorted(extra)}", name)
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
+            raise fail(f"unknown dtype {dtype!r}", name)
+        if (
+            not isinstance(shape, list)
+            or len(shape) > _MAX_DIMS
+            or not all(_is_int(d) and 0 <= d <= _MAX_INT for d in shape)
+        ):
+            raise fail(f"shape {shape!r} is not a list of at most {_MAX_DIMS} non-negative integers", name)
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets):
+            raise fail(f"data_offsets {offsets!r} is not a pair of integers", name)
+        begin, end = offsets
+        if begin < 0 or end < begin:
+            raise fail(f"data_offsets [{begin}, {end}] are not an increasing pair of non-negative offsets", name)
+        if end > data_len:
+            raise fail(f"data_offsets [{begin}, {end}] exceed the data region ({data_len} bytes)", name)
+        numel = 1
+        for d in shape:
+            numel *= d
+        bits = numel * _DTYPE_BITS[dtype]
+        if bits % 8 or bits // 8 != end - begin:
+            raise fail(
+                f"shape {shape} of {dtype} needs {_bytes_text(bits)} bytes, data_offsets [{begin}, {end}] "
+                f"hold {end - begin}",
+                name,
+            )
+        items.append(DataFileItem(name, dtype, tuple(shape), data_start + begin, end - begin))
+
+    # The tensors must tile the data region: no holes, no overlaps, nothing after the last one.
+    pos = data_start
+    for it in sorted(items, key=lambda i: (i.offset, i.length)):
+        if it.offset != pos:
+            what = "overlaps the previous tensor" if it.offset < pos else f"leaves a hole of {it.offset - pos} bytes"
+            raise fail(f"data at [{it.offset - data_start}, {it.offset - data_start + it.length}) {what}", it.name)
+        pos += it.length
+    if pos != file_size:
+        raise fail(f"{file_size - pos} bytes after the last tensor are not described by the header")
+    items.sort(key=lambda i: (i.offset, i.length))
+    return DataFileHeader(n, data_start, file_size, tuple(items), dict(meta))
+
+
+def read_header(path: str | os.PathLike) -> DataFileHeader:
+    """Read and check a data file's header with bounded reads (never more than the file holds,
+    never more than ``MAX_HEADER_BYTES``)."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            st = os.fstat(f.fileno())
+            size = st.st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                return parse_header(prefix, max(size, len(prefix)), path)
+            (n,) = struct.unpack("<Q", prefix)
+            if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
+                return parse_header(prefix, size, path)  # raises with the right message
+            body = f.read(n)
+    except IsADirectoryError:
+        raise CheckpointFormatError(f"{path}: is a folder, not a data file") from None
+    except OSError as exc:
+        raise CheckpointFormatError(f"{path}: cannot read the data file: {exc.strerror or exc}") from exc
+    return parse_header(prefix + body, max(size, 8 + len(body)), path)
+
+
+def _check_expected(path: str, items: list[DataFileItem], expected: Mapping[str, Any]) -> None:
+    by_name = {it.name: it for it in items}
+    for name, want in expected.items():
+        got = by_name.get(name)
+        if got is None:
+            raise CheckpointFormatError(f"{path}: tensor {name!r}: expected but missing from the header")
+        fields = want.__dict__ if isinstance(want, DataFileItem) else dict(want)
+        for key in ("dtype", "shape", "offset", "length"):
+            if key not in fields or fields[key] is None:
+                continue
+            w = tuple(fields[key]) if key == "shape" else fields[key]
+            g = getattr(got, key)
+            if w != g:
+                raise CheckpointFormatError(f"{path}: tensor {name!r}: {key} is {g!r} in the header, expected {w!r}")
+
+
+def _cross_check(path: str, items: list[DataFileItem]) -> None:
+    """Does safetensors' own reader agree with us?"""
+    try:
+        from safetensors import safe_open  # noqa: PLC0415 - optional dependency at this point
+    except ImportError:
+        return
+    try:
+        with safe_open(path, framework="pt") as f:
+            keys = set(f.keys())
+            for it in items:
+                if it.name not in keys:
+                    raise CheckpointFormatError(f"{path}: tensor {it.name!r}: safetensors does not list it")
+                sl = f.get_slice(it.name)
+                if sl.get_dtype() != it.dtype or tuple(sl.get_shape()) != it.shape:
+                    raise CheckpointFormatError(
+                        f"{path}: tensor {it.name!r}: safetensors reads {sl.get_dtype()} {list(sl.get_shape())}, "
+                        f"the header parser {it.dtype} {list(it.shape)}"
+                    )
+    except CheckpointFormatError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise CheckpointFormatError(f"{path}: safetensors refuses the file: {exc}") from exc
+
+
+def validate_data_file(
+    path: str | os.PathLike,
+    expected: Mapping[str, Any] | None = None,
+    *,
+    cross_check: bool = False,
+) -> list[DataFileItem]:
+    """Check a data file's safetensors header and return its items in file order.
+
+    Args:
+        path: the data file.
+        expected: optional ``{tensor name: {"dtype", "shape", "offset", "length"}}`` (any subset
+            of the keys, or ``DataFileItem`` values): each named tensor must be in the header
+            with those values (``offset`` absolute in the file, ``dtype`` in safetensors
+            spelling). Tensors the header holds beyond these are allowed.
+        cross_check: also open the file with ``safetensors.safe_open`` and compare.
+
+    Raises:
+        CheckpointFormatError naming the file (and tensor) for any problem.
+    """
+    path = os.fspath(path)
+    header = read_header(path)
+    items = list(header.items)
+    if expected:
+        _check_expected(path, items, expected)
+    if cross_check:
+        _cross_check(path, items)
+    return items
+
+
+def _header_dtype_ok(loc: ItemLocation, item: DataFileItem, is_bytes: bool) -> bool:
+    if is_bytes:
+        return item.dtype == "U8" and item.shape == (loc.length,)
+    st = safetensors_dtype(loc.dtype)
+    if st is None:  # stored as raw bytes (e.g. complex128)
+        return item.dtype == "U8" and item.shape == (loc.length,)
+    return item.dtype == st and item.shape == tuple(loc.shape)
+
+
+def validate_checkpoint(path: str | os.PathLike, *, cross_check: bool = False) -> dict[str, list[DataFileItem]]:
+    """Check a committed checkpoint without reading tensor data: the marker decodes, every data
+    file it lists exists with the recorded size, each file's header is sound, starts its data
+    where the metadata says, and holds every item the metadata places in it, with a matching
+    byte range, dtype and shape. Checksums are not verified here (the reader does that).
+
+    Returns {data file name: its items}. Raises IncompleteCheckpointError (no marker, missing or
+    short data file) or CheckpointFormatError (anything malformed or inconsistent).
+    """
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata  # noqa: PLC0415
+
+    path = os.fspath(path)
+    marker = os.path.join(path, METADATA_NAME)
+    try:
+        with open(marker, "rb") as f:
+            raw = f.read()
+    except (FileNotFoundError, NotADirectoryError):
+        raise IncompleteCheckpointError(f"incomplete checkpoint {path}: there is no {METADATA_NAME} commit marker") from None
+    except IsADirectoryError:
+        raise CheckpointFormatError(f"{marker}: the commit marker is a folder, not a metadata file") from None
+    md, files = decode_metadata(raw, marker)
+    out: dict[str, list[DataFileItem]] = {}
+    for name, info in files.items():
+        full = os.path.join(path, name)
+        try:
+            size = os.stat(full).st_size
+        except FileNotFoundError:
+            raise IncompleteCheckpointError(f"incomplete checkpoint {path}: data file {name} is missing") from None
+        if size != info.size:
+            raise IncompleteCheckpointError(
+                f"incomplete checkpoint {path}: data file {name} is {size} bytes, the metadata expects {info.size}"
+            )
+        header = read_header(full)
+        if header.data_start != info.data_start:
+            raise CheckpointFormatError(
+                f"{full}: data starts at byte {header.data_start}, the metadata says {info.data_start}"
+            )
+        out[name] = list(header.items)
+        if cross_check:
+            _cross_check(full, out[name])
+    # Every item of the metadata must be exactly one header entry of its file.
+    ranges: dict[str, dict[tuple[int, int], list[DataFileItem]]] = {}
+    for name, items in out.items():
+        table = ranges.setdefault(name, {})
+        for it in items:
+            table.setdefault((it.offset, it.length), []).append(it)
+    for index, loc in md.storage_data.items():
+        is_bytes = isinstance(md.state_dict_metadata.get(index.fqn), BytesStorageMetadata)
+        cands = ranges.get(loc.file, {}).get((loc.offset, loc.length), [])
+        if not any(_header_dtype_ok(loc, c, is_bytes) for c in cands):
+            what = f"item {index.fqn!r}" + (f" chunk at {list(index.offset)}" if index.offset is not None else "")
+            found = ", ".join(f"{c.name!r} {c.dtype} {list(c.shape)}" for c in cands) or "nothing"
+            raise CheckpointFormatError(
+                f"{os.path.join(path, loc.file)}: {what} should be bytes [{loc.offset}, {loc.offset + loc.length}) "
+                f"of {loc.dtype} {list(loc.shape)}; the header has {found} there"
+            )
+    return out

@@ -1,0 +1,64 @@
+"""Runs a function on N CPU ranks (gloo) in spawned processes, for multi-rank tests.
+
+Each rank calls ``fn(rank, world_size, *args)``; an exception on any rank fails the test with
+that rank's traceback. Processes are always joined or killed.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, world_size, port, fn, args, errors):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        fn(rank, world_size, *args)
+        dist.barrier()
+    except BaseException:  # noqa: BLE001 - report every failure, including CheckpointException
+        errors.put((rank, traceback.format_exc()))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(world_size: int, fn, *args, timeout: float = 240.0) -> None:
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, errors), daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    try:
+        for p in procs:
+            p.join(timeout)
+        hung = [i for i, p in enumerate(procs) if p.is_alive()]
+        if not errors.empty():
+            rank, tb = errors.get()
+            raise AssertionError(f"rank {rank} failed:\n{tb}")
+        if hung:
+            raise AssertionError(f"ranks {hung} did not finish within {timeout} s")
+        bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise AssertionError(f"ranks exited abnormally: {bad}")
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(5)

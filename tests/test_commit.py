@@ -1,0 +1,236 @@
+"""The commit protocol: ordering (old marker gone before any new data byte), atomic marker,
+failures while committing, stale temporaries, and latest_checkpoint over step-N layouts."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import dcp_datastates.writer as writer_mod
+from conftest import raises_through_dcp
+from dcp_datastates import DataStatesReader, DataStatesWriter, latest_checkpoint, shutdown_engine
+from dcp_datastates import commit
+from dcp_datastates.errors import CheckpointFormatError, IncompleteCheckpointError
+from dcp_datastates.runtime import current_engine
+
+CACHE, CHUNK = 1 << 20, 64 << 10
+
+
+@pytest.fixture
+def small_engine():
+    shutdown_engine()
+    yield
+    eng = current_engine()
+    if eng is not None:
+        eng.set_fault("none", 0, "")
+    shutdown_engine()
+
+
+def state_of(value: float, n: int = 6) -> dict:
+    g = torch.Generator().manual_seed(int(value * 1000))
+    return {f"t{i}": torch.randn(64 * 1024, generator=g) + value for i in range(n)} | {"step": value}
+
+
+def load(folder) -> dict:
+    dest = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in state_of(0).items()}
+    dcp.load(dest, storage_reader=DataStatesReader(folder))
+    return dest
+
+
+def assert_holds(folder, value: float) -> None:
+    got, want = load(folder), state_of(value)
+    assert got["step"] == value
+    for k in want:
+        if isinstance(want[k], torch.Tensor):
+            assert torch.equal(got[k], want[k]), k
+
+
+def save(folder, value: float, api: str, **options) -> None:
+    w = DataStatesWriter(folder, host_cache_size=CACHE, chunk_size=CHUNK, **options)
+    if api == "sync":
+        dcp.save(state_of(value), storage_writer=w)
+    else:
+        dcp.async_save(state_of(value), storage_writer=w).upload_completion.result(timeout=120)
+
+
+class _SpyEngine:
+    """Delegates to the real engine; records whether the old marker still existed each time
+    a data file was handed to the engine (the first moment a data byte may change)."""
+
+    def __init__(self, real, marker: str, seen: list):
+        self._real, self._marker, self._seen = real, marker, seen
+
+    def submit_write(self, path, *args, **kwargs):
+        self._seen.append((os.path.basename(path), os.path.exists(self._marker), os.path.exists(path)))
+        return self._real.submit_write(path, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_resave_removes_old_marker_before_any_data_is_written(tmp_path, api, small_engine, monkeypatch):
+    folder = tmp_path / "step-1"
+    save(folder, 1.0, api)
+    marker = str(folder / ".metadata")
+    seen: list = []
+    real_get_engine = writer_mod.get_engine
+    monkeypatch.setattr(writer_mod, "get_engine", lambda cfg: _SpyEngine(real_get_engine(cfg), marker, seen))
+    save(folder, 2.0, api)
+    # one data file submitted, over the old one, and the old commit was already gone then
+    assert seen == [("__0_0.safetensors", False, True)]
+    assert_holds(folder, 2.0)
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_failed_resave_leaves_incomplete_never_old_values(tmp_path, api, small_engine):
+    folder = tmp_path / "step-5"
+    save(folder, 5.0, api)
+    data = folder / "__0_0.safetensors"
+    old_bytes = data.read_bytes()
+    eng = current_engine()
+    # Fail after ~half the data of the second save reached the file.
+    eng.set_fault("eio", 768 << 10, str(folder))
+    with raises_through_dcp(rf"{data}: pwrite of \d+ bytes at offset \d+ failed: Input/output error"):
+        save(folder, 6.0, api)
+    eng.set_fault("none", 0, "")
+    assert not (folder / ".metadata").exists()
+    assert not [n for n in os.listdir(folder) if n.startswith(".metadata")]
+    new_bytes = data.read_bytes()
+    assert new_bytes != old_bytes  # data bytes did change: the old commit would now lie
+    assert new_bytes[4096 : 4096 + (256 << 10)] != old_bytes[4096 : 4096 + (256 << 10)]
+    with raises_through_dcp(f"incomplete checkpoint {folder}: there is no .metadata commit marker"):
+        load(folder)
+    assert latest_checkpoint(tmp_path) is None
+    save(folder, 7.0, api)  # the fault is gone: the next save succeeds
+    assert_holds(folder, 7.0)
+    assert latest_checkpoint(tmp_path) == str(folder)
+
+
+@pytest.mark.parametrize(
+    "where,err,cause",
+    [("fsync", errno.EIO, "Input/output error"), ("replace", errno.ENOSPC, "No space left on device")],
+)
+def test_commit_failure_raises_with_path_and_leaves_no_marker(tmp_path, small_engine, monkeypatch, where, err, cause):
+    folder = tmp_path / "c"
+    save(folder, 1.0, "sync")
+    real = getattr(commit.os, where)
+
+    def failing(*args, **kwargs):
+        target = str(args[0]) if where == "replace" else os.readlink(f"/proc/self/fd/{args[0]}")
+        if ".metadata.tmp" not in target:  # only the commit's own temporary marker fails
+            return real(*args, **kwargs)
+        raise OSError(err, os.strerror(err), target if where == "replace" else None)
+
+    monkeypatch.setattr(commit.os, where, failing)
+    with raises_through_dcp(rf"CheckpointWriteError: committing checkpoint {folder} failed: {cause}"):
+        save(folder, 2.0, "sync")
+    monkeypatch.setattr(commit.os, where, real)
+    assert sorted(os.listdir(folder)) == ["__0_0.safetensors"]  # no marker, no temporary
+    with raises_through_dcp("incomplete checkpoint"):
+        load(folder)
+    save(folder, 3.0, "async")
+    assert_holds(folder, 3.0)
+
+
+def test_stale_temporary_marker_is_removed_and_ignored(tmp_path, small_engine):
+    folder = tmp_path / "step-3"
+    save(folder, 3.0, "sync")
+    stale = folder / ".metadata.tmp-999999-deadbeef"
+    stale.write_bytes(b'{"truncated')  # what a commit killed before its rename leaves
+    assert_holds(folder, 3.0)  # ignored by the reader
+    save(folder, 4.0, "async")
+    assert not stale.exists()
+    assert_holds(folder, 4.0)
+
+
+def test_marker_is_written_atomically_and_last(tmp_path, small_engine, monkeypatch):
+    """When the marker appears, every data file it lists is complete (sizes match) and the
+    marker bytes are complete JSON."""
+    folder = tmp_path / "c"
+    snapshots = []
+    real_replace = commit.os.replace
+
+    def spy_replace(src, dst, *a, **k):
+        files = {n: os.path.getsize(folder / n) for n in os.listdir(folder) if n.endswith(".safetensors")}
+        snapshots.append((os.path.basename(str(dst)), os.path.exists(dst), files, open(src, "rb").read()))
+        return real_replace(src, dst, *a, **k)
+
+    monkeypatch.setattr(commit.os, "replace", spy_replace)
+    save(folder, 1.0, "async")
+    assert len(snapshots) == 1
+    name, existed, files, raw = snapshots[0]
+    assert name == ".metadata" and not existed
+    doc = json.loads(raw)
+    assert {n: f["size"] for n, f in doc["files"].items()} == files
+    assert raw == (folder / ".metadata").read_bytes()
+
+
+def _complete(folder, value: float) -> None:
+    save(folder, value, "sync", sync_files=False)
+
+
+def test_latest_checkpoint_picks_newest_complete(tmp_path, small_engine):
+    root = tmp_path / "run"
+    assert latest_checkpoint(root) is None  # no root yet
+    root.mkdir()
+    assert latest_checkpoint(root) is None  # empty root
+    for step in (1, 2, 10):
+        _complete(root / f"step-{step}", float(step))
+    assert latest_checkpoint(root) == str(root / "step-10")  # numeric, not lexical (10 > 2)
+
+    _complete(root / "step-11", 11.0)
+    os.unlink(root / "step-11" / ".metadata")  # killed before its commit
+    _complete(root / "step-12", 12.0)
+    (root / "step-12" / ".metadata").write_bytes(b'{"format": "dcp_datastates", "vers')  # damaged marker
+    _complete(root / "step-13", 13.0)
+    os.unlink(root / "step-13" / "__0_0.safetensors")  # data file lost
+    _complete(root / "step-14", 14.0)
+    with open(root / "step-14" / "__0_0.safetensors", "r+b") as f:
+        f.truncate(5000)  # data file truncated
+    (root / "step-99").write_text("a file, not a folder")
+    (root / "notes").mkdir()  # no number: ignored
+    _complete(root / "final", 99.0)  # no number: ignored
+
+    assert latest_checkpoint(root) == str(root / "step-10")
+    assert latest_checkpoint(str(root)) == str(root / "step-10")
+    # marker presence only: the damaged ones count
+    assert latest_checkpoint(root, check_files=False) == str(root / "step-14")
+    assert_holds(latest_checkpoint(root), 10.0)
+
+    # other spellings of a step folder
+    _complete(root / "ckpt_00020", 20.0)
+    assert latest_checkpoint(root) == str(root / "ckpt_00020")
+
+
+def test_check_commit_messages(tmp_path, small_engine):
+    folder = tmp_path / "c"
+    _complete(folder, 1.0)
+    commit.check_commit(folder)
+    assert commit.is_committed(folder, check_files=True)
+    with open(folder / "__0_0.safetensors", "ab") as f:
+        f.write(b"x")
+    with pytest.raises(IncompleteCheckpointError, match=r"data file __0_0.safetensors is \d+ bytes, the metadata expects \d+"):
+        commit.check_commit(folder)
+    assert commit.is_committed(folder) and not commit.is_committed(folder, check_files=True)
+    (folder / ".metadata").write_bytes(b"\x00garbage")
+    with pytest.raises(CheckpointFormatError, match=r"\.metadata: not a dcp_datastates metadata file"):
+        commit.check_commit(folder)
+    os.unlink(folder / ".metadata")
+    with pytest.raises(IncompleteCheckpointError, match=f"incomplete checkpoint {folder}: there is no .metadata"):
+        commit.check_commit(folder)
+
+
+def test_overwrite_false_keeps_the_commit_and_its_bytes(tmp_path, small_engine):
+    folder = tmp_path / "c"
+    save(folder, 1.0, "sync")
+    before = (folder / "__0_0.safetensors").read_bytes()
+    with raises_through_dcp("already holds a committed checkpoint and overwrite=False"):
+        save(folder, 2.0, "sync", overwrite=False)
+    assert (folder / "__0_0.safetensors").read_bytes() == before
+    assert_holds(folder, 1.0)

@@ -1,0 +1,232 @@
+"""The lazy device -> host path on a real GPU (marked ``gpu``; skipped without CUDA).
+
+Run on a GPU machine with:  python -m pytest -q -p no:logging -m gpu tests/test_gpu.py
+The engine must find the CUDA runtime PyTorch loaded (not the test double), so these tests
+clear DCP_DATASTATES_CUDART and start a fresh process-wide engine.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import assert_state_equal, clone_state, tensors_equal_bitwise
+from dcp_datastates import (
+    DataStatesReader,
+    DataStatesWriter,
+    engine_stats,
+    protect_optimizer,
+    shutdown_engine,
+    wait_staged,
+)
+from dcp_datastates import staging
+
+MiB = 1 << 20
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def gpu(fn):
+    return pytest.mark.gpu(needs_cuda(fn))
+
+
+@pytest.fixture(autouse=True)
+def real_runtime(monkeypatch):
+    monkeypatch.delenv("DCP_DATASTATES_CUDART", raising=False)
+    shutdown_engine()
+    yield
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    shutdown_engine()
+
+
+def options(**kw):
+    kw.setdefault("host_cache_size", 256 * MiB)
+    kw.setdefault("chunk_size", 8 * MiB)
+    return kw
+
+
+def zeros_on(state, device: str):
+    """A load destination: the same structure, tensors zeroed on `device`."""
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state, device=device)
+    if isinstance(state, dict):
+        return {k: zeros_on(v, device) for k, v in state.items()}
+    if isinstance(state, list):
+        return [zeros_on(v, device) for v in state]
+    return state
+
+
+def cpu_zeros_like(state):
+    return zeros_on(state, "cpu")
+
+
+def cuda_zeros_like(state):
+    return zeros_on(state, "cuda")
+
+
+@gpu
+def test_engine_runs_in_cuda_mode_with_pytorchs_runtime(tmp_path):
+    x = torch.arange(1000, device="cuda", dtype=torch.float32)
+    dcp.async_save({"x": x}, storage_writer=DataStatesWriter(tmp_path / "c", **options())).upload_completion.result()
+    st = engine_stats()
+    assert st["cuda"] == 1 and st["pinned"] == 1 and st["d2h_bytes"] == 4000
+    from dcp_datastates.runtime import current_engine
+
+    eng = current_engine()
+    assert "libcudart.so" in os.path.basename(eng.cuda_runtime) and eng.cuda_devices == torch.cuda.device_count()
+    maps = Path("/proc/self/maps").read_text()
+    assert os.path.realpath(eng.cuda_runtime) in maps  # the one PyTorch loaded, not a second copy
+
+
+@gpu
+def test_tensor_written_by_a_kernel_just_before_async_save_is_saved_with_its_new_value(tmp_path):
+    x = torch.zeros(64 * MiB // 4, device="cuda")
+    torch.cuda._sleep(200_000_000)  # keep the stream busy (~0.1 s) so an unordered copy would read zeros
+    x.fill_(3.0)  # queued behind the sleep: done only when the stream gets there
+    resp = dcp.async_save({"x": x}, storage_writer=DataStatesWriter(tmp_path / "c", **options()))
+    resp.upload_completion.result()
+    dest = {"x": torch.zeros(x.numel())}
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert torch.all(dest["x"] == 3.0)
+
+
+def _model_and_optimizer(width=2048, layers=8):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)]).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    return model, opt
+
+
+def _train(model, opt, seed, step=True):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(64, model[0].in_features, device="cuda", generator=g)
+    model(x).pow(2).mean().backward()
+    if step:
+        opt.step()
+        opt.zero_grad()
+
+
+@gpu
+@pytest.mark.parametrize("device_side", [False, True])
+def test_optimizer_step_right_after_async_save_does_not_leak(tmp_path, device_side):
+    """device_side: the cache holds the whole state and the GPU is kept busy before the save, so
+    every copy is queued (none done) when the step comes: its wait must be device-side. Otherwise
+    a small cache makes the step wait on the host for copies still waiting for cache space."""
+    model, opt = _model_and_optimizer()
+    for s in range(2):
+        _train(model, opt, s)
+    guard = protect_optimizer(opt)
+    try:
+        state = {"model": model.state_dict(), "optim": opt.state_dict()}
+        snapshot = clone_state(state)
+        cache = 1024 * MiB if device_side else 32 * MiB
+        writer = DataStatesWriter(tmp_path / "c", **options(host_cache_size=cache))
+        if device_side:
+            torch.cuda._sleep(400_000_000)  # the copies are ordered after this (~0.2 s)
+        resp = dcp.async_save(state, storage_writer=writer)
+        before = engine_stats()
+        _train(model, opt, 99, step=False)
+        if device_side:
+            pending = staging.tracker().pending()
+            deadline = time.monotonic() + 30
+            while not all(f.job.all_enqueued() for s_ in pending for f in s_.files):
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+            assert not all(f.job.is_staged() for s_ in pending for f in s_.files)
+        opt.step()  # protected: waits (on the GPU or the host) for the copies
+        if device_side:
+            assert engine_stats()["device_waits"] == before["device_waits"] + 1
+        opt.step()
+        resp.upload_completion.result()
+        assert not torch.equal(model[0].weight.cpu(), snapshot["model"]["0.weight"].cpu())
+        dest = cpu_zeros_like(snapshot)
+        dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+        assert_state_equal({k: v.cpu() for k, v in snapshot["model"].items()}, dest["model"])
+        for pid, s in snapshot["optim"]["state"].items():
+            for k, v in s.items():
+                if isinstance(v, torch.Tensor):
+                    assert tensors_equal_bitwise(v.cpu(), dest["optim"]["state"][pid][k]), (pid, k)
+    finally:
+        guard.remove()
+
+
+def _gpu_state():
+    g = torch.Generator(device="cuda").manual_seed(7)
+    base = torch.randn(300, 257, device="cuda", generator=g)
+    state = {
+        "f32": base,
+        "bf16": base.to(torch.bfloat16),
+        "f16": base[:, :100].to(torch.float16),
+        "i64": torch.randint(-(2**40), 2**40, (1000,), device="cuda", generator=g),
+        "bool": torch.rand(77, device="cuda", generator=g) > 0.5,
+        "u8": torch.randint(0, 256, (3, 5, 7), device="cuda", dtype=torch.uint8, generator=g),
+        "view": base.t(),  # non-contiguous
+        "scalar": torch.tensor(2.5, device="cuda"),
+        "empty": torch.empty(0, 4, device="cuda"),
+        "cpu": torch.arange(10),  # mixed devices: a second data file
+        "step": 12,
+    }
+    if hasattr(torch, "float8_e4m3fn"):
+        state["f8"] = base[:10].to(torch.float8_e4m3fn)
+    return state
+
+
+@gpu
+def test_bitwise_round_trip_of_gpu_state_into_cpu_and_cuda_tensors(tmp_path):
+    state = _gpu_state()
+    snapshot = clone_state(state)
+    dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c", **options())).upload_completion.result()
+    files = sorted(p.name for p in (tmp_path / "c").iterdir() if p.name != ".metadata")
+    assert len(files) == 2, files  # host items and device-0 items
+    for make in (cpu_zeros_like, cuda_zeros_like):
+        dest = make(snapshot)
+        dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+        for k, v in snapshot.items():
+            if isinstance(v, torch.Tensor):
+                assert dest[k].device.type == (v.device.type if make is cuda_zeros_like else "cpu") or k == "cpu"
+                assert tensors_equal_bitwise(v, dest[k]), k
+            else:
+                assert dest[k] == v
+
+
+@gpu
+def test_restore_into_cuda_tensors_with_casts_and_dcp_save(tmp_path):
+    state = {"w": torch.randn(1024, 513, device="cuda"), "b": torch.randn(513, device="cuda")}
+    dcp.save(state, storage_writer=DataStatesWriter(tmp_path / "c", **options()))  # the unstaged path
+    dest = {"w": torch.zeros(1024, 513, device="cuda", dtype=torch.bfloat16), "b": torch.zeros(513, device="cuda")}
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert torch.equal(dest["w"], state["w"].to(torch.bfloat16))
+    assert torch.equal(dest["b"], state["b"])
+    # The load is complete when dcp.load returns: the current stream sees the restored values.
+    assert float((dest["b"] - state["b"]).abs().sum()) == 0.0
+
+
+@gpu
+def test_checkpoint_larger_than_the_cache_streams_through_it(tmp_path):
+    x = torch.randn(48 * MiB // 4, device="cuda")  # 48 MiB through a 16 MiB cache
+    resp = dcp.async_save({"x": x}, storage_writer=DataStatesWriter(tmp_path / "c", **options(host_cache_size=16 * MiB, chunk_size=4 * MiB)))
+    assert wait_staged(timeout=60)
+    resp.upload_completion.result()
+    dest = {"x": torch.zeros_like(x)}
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert torch.equal(dest["x"], x)
+    assert engine_stats()["backpressure_waits"] >= 1
+
+
+def test_gpu_bench_dry_run(tmp_path):
+    """Not GPU-bound: keeps examples/gpu_bench.py importable and its plumbing working on CPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    try:
+        import gpu_bench
+    finally:
+        sys.path.pop(0)
+    out = tmp_path / "dry.json"
+    report = gpu_bench.main(["--dry-run", "--out", str(out), "--ckpt-dir", str(tmp_path / "ck")])
+    assert set(report["modes"]) == set(gpu_bench.MODES) and out.exists()
+    assert report["modes"]["datastates"]["engine"]["checkpoints"] == 3

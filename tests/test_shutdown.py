@@ -1,0 +1,215 @@
+"""Interpreter exit with a checkpoint in flight: the process ends with the expected exit status,
+without hanging or crashing, and the checkpoint is either committed and exact, or cleanly
+incomplete. Each scenario is a subprocess; they run concurrently to keep the test short."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_datastates import DataStatesReader
+from dcp_datastates.errors import IncompleteCheckpointError, checkpoint_error_cause
+
+TIMEOUT_S = 120
+
+COMMON = textwrap.dedent(
+    """
+    def make_state(seed, mib):
+        import torch
+        g = torch.Generator().manual_seed(seed)
+        n = mib * (1 << 20) // 4 // 8
+        return {"model": {f"w{i}": torch.randn(n, generator=g) for i in range(8)}, "step": seed}
+    """
+)
+
+PRELUDE = COMMON + textwrap.dedent(
+    """
+    import os, sys, time, signal, threading, warnings
+    warnings.filterwarnings("ignore")
+    import torch, torch.distributed.checkpoint as dcp
+    from dcp_datastates import DataStatesWriter
+    folder = sys.argv[1]
+
+    def writer(path, **kw):
+        return DataStatesWriter(path, host_cache_size=1 << 20, chunk_size=256 << 10, **kw)
+
+    def start(mib=32, seed=1, path=None, **kw):
+        resp = dcp.async_save(make_state(seed, mib), storage_writer=writer(path or folder, **kw))
+        print("started", flush=True)
+        return resp
+    """
+)
+
+# name -> (body, expected exit status, size in MiB of the checkpoint, SIGINT delay after "started" or None)
+SCENARIOS = {
+    "end_of_script": ("start()", 0, 32, None),
+    "sys_exit": ("start()\nsys.exit(3)", 3, 32, None),
+    "exception": ("start()\nraise RuntimeError('boom in the training loop')", 1, 32, None),
+    "keyboard_interrupt": ("start()\nraise KeyboardInterrupt", -signal.SIGINT, 32, None),
+    # Ctrl-C while Python joins the checkpoint thread at exit (the user presses it twice)
+    "ctrl_c_while_exiting": ("start(mib=128)\nraise KeyboardInterrupt", -signal.SIGINT, 128, 0.15),
+    # Ctrl-C while the training thread waits for the upload
+    "ctrl_c_while_waiting": ("start(mib=128).upload_completion.result()", -signal.SIGINT, 128, 0.1),
+    # a save that fails (injected EIO) is still in flight at exit
+    "failing_save_at_exit": (
+        "from dcp_datastates.runtime import get_engine\n"
+        "from dcp_datastates import DataStatesConfig\n"
+        "get_engine(DataStatesConfig(host_cache_size=1 << 20, chunk_size=256 << 10)).set_fault('eio', 1 << 20, folder)\n"
+        "start()",
+        0,
+        32,
+        None,
+    ),
+    # a training loop checkpointing every step, interrupted by Ctrl-C at some point
+    "ctrl_c_in_training_loop": (
+        "step = 0\n"
+        "while True:\n"
+        "    resp = dcp.async_save(make_state(step, 8), storage_writer=writer(os.path.join(folder, f'step-{step}')))\n"
+        "    if step == 0: print('started', flush=True)\n"
+        "    time.sleep(0.02)  # forward/backward\n"
+        "    resp.upload_completion.result()\n"
+        "    step += 1\n",
+        -signal.SIGINT,
+        8,
+        0.5,
+    ),
+}
+
+_ns: dict = {}
+exec(COMMON, _ns)
+make_state = _ns["make_state"]
+
+
+def _run_all(tmp_path) -> dict:
+    procs = {}
+    for name, (body, _, _, _) in SCENARIOS.items():
+        script = tmp_path / f"{name}.py"
+        script.write_text(PRELUDE + "\n" + body + "\n")
+        out = open(tmp_path / f"{name}.out", "w+")
+        err = open(tmp_path / f"{name}.err", "w+")
+        p = subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / name)],
+            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+        )
+        procs[name] = (p, out, err)
+
+    def pump(name, p, out):  # forwards stdout to a file; sends SIGINT after "started" if asked
+        delay = SCENARIOS[name][3]
+        for line in p.stdout:
+            out.write(line)
+            out.flush()
+            if line.strip() == "started" and delay is not None:
+                time.sleep(delay)
+                try:
+                    p.send_signal(signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+                delay = None
+
+    pumps = [threading.Thread(target=pump, args=(n, p, o), daemon=True) for n, (p, o, _) in procs.items()]
+    for t in pumps:
+        t.start()
+    results = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    for name, (p, out, err) in procs.items():
+        try:
+            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            hung = False
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            rc, hung = p.wait(), True
+        results[name] = {"rc": rc, "hung": hung}
+    for t in pumps:
+        t.join(5)
+    for name, (p, out, err) in procs.items():
+        out.seek(0)
+        err.seek(0)
+        results[name]["stdout"] = out.read()
+        results[name]["stderr"] = err.read()
+        out.close()
+        err.close()
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("shutdown")
+    return tmp, _run_all(tmp)
+
+
+def _outcome(folder, seed: int, mib: int) -> str:
+    """'exact' or 'incomplete' (anything else fails the test)."""
+    want = make_state(seed, mib)
+    dest = {"model": {k: torch.zeros_like(v) for k, v in want["model"].items()}, "step": None}
+    marker = os.path.exists(os.path.join(folder, ".metadata"))
+    try:
+        dcp.load(dest, storage_reader=DataStatesReader(folder))
+    except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+        cause = checkpoint_error_cause(exc)
+        assert isinstance(cause, IncompleteCheckpointError), f"{folder}: {type(cause).__name__}: {cause}"
+        assert not marker and "incomplete checkpoint" in str(exc)
+        return "incomplete"
+    assert dest["step"] == seed
+    for k, v in want["model"].items():
+        assert torch.equal(dest["model"][k], v), f"{folder}: {k} differs"
+    return "exact"
+
+
+def _check_process(res: dict, expected_rc: int) -> None:
+    assert not res["hung"], f"hung for {TIMEOUT_S} s:\n{res['stderr'][-3000:]}"
+    err = res["stderr"]
+    for bad in ("terminate called", "Fatal Python error", "Segmentation fault", "Aborted", "core dumped",
+                "Exception ignored in atexit", "dcp_datastates: a checkpoint thread is still running"):
+        assert bad not in err, f"{bad!r} at exit:\n{err[-3000:]}"
+    assert res["rc"] == expected_rc, f"exit status {res['rc']}, expected {expected_rc}:\n{err[-3000:]}"
+    assert "started" in res["stdout"]
+
+
+@pytest.mark.parametrize("name", ["end_of_script", "sys_exit", "exception", "keyboard_interrupt"])
+def test_exit_drains_and_commits(runs, name):
+    tmp, results = runs
+    _, rc, mib, _ = SCENARIOS[name]
+    _check_process(results[name], rc)
+    # Python joins DCP's checkpoint thread before exiting: the save completes and commits.
+    assert _outcome(tmp / name, 1, mib) == "exact"
+    assert not [n for n in os.listdir(tmp / name) if ".tmp" in n]
+    if name == "exception":
+        assert "RuntimeError: boom in the training loop" in results[name]["stderr"]
+
+
+@pytest.mark.parametrize("name", ["ctrl_c_while_exiting", "ctrl_c_while_waiting"])
+def test_ctrl_c_exits_without_crash_and_checkpoint_is_exact_or_incomplete(runs, name):
+    tmp, results = runs
+    _, rc, mib, _ = SCENARIOS[name]
+    _check_process(results[name], rc)
+    assert "KeyboardInterrupt" in results[name]["stderr"]
+    assert _outcome(tmp / name, 1, mib) in ("exact", "incomplete")
+
+
+def test_failing_save_at_exit_leaves_incomplete(runs):
+    tmp, results = runs
+    _check_process(results["failing_save_at_exit"], 0)
+    assert _outcome(tmp / "failing_save_at_exit", 1, 32) == "incomplete"
+
+
+def test_ctrl_c_in_training_loop(runs):
+    tmp, results = runs
+    res = results["ctrl_c_in_training_loop"]
+    _check_process(res, -signal.SIGINT)
+    root = tmp / "ctrl_c_in_training_loop"
+    outcomes = {}
+    for name in sorted(os.listdir(root)):
+        outcomes[name] = _outcome(root / name, int(name.split("-")[1]), 8)
+    assert outcomes.get("step-0") == "exact", outcomes
+    # only the last save can have been cut short
+    steps = sorted(int(n.split("-")[1]) for n in outcomes)
+    assert all(outcomes[f"step-{s}"] == "exact" for s in steps[:-1]), outcomes

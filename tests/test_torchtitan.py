@@ -1,0 +1,353 @@
+"""TorchTitan integration: DataStatesCheckpointManager with TorchTitan's real CheckpointManager,
+OptimizersContainer and LRSchedulersContainer, in a one-process gloo group (CPU).
+
+Skipped when TorchTitan cannot be imported (it is an optional dependency); the test that the
+integration module imports without TorchTitan always runs.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from conftest import tensors_equal_bitwise
+
+
+def test_module_imports_without_torchtitan():
+    code = (
+        "import sys; sys.modules['torchtitan'] = None\n"
+        "from dcp_datastates.integrations import torchtitan as tt\n"
+        "assert tt.TORCHTITAN_AVAILABLE is False\n"
+        "for make in (lambda: tt.DataStatesCheckpointManager.Config(enable=True), lambda: tt.DataStatesCheckpointManager(None)):\n"
+        "    try:\n"
+        "        make()\n"
+        "    except ImportError as exc:\n"
+        "        assert 'TorchTitan' in str(exc) and 'pip install' in str(exc), exc\n"
+        "    else:\n"
+        "        raise SystemExit('no ImportError')\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+# ------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def tt():
+    pytest.importorskip("torchtitan.components.checkpoint")
+    pytest.importorskip("torchtitan.components.optimizer")
+    from dcp_datastates.integrations import torchtitan as integration
+
+    assert integration.TORCHTITAN_AVAILABLE
+    created = False
+    if not dist.is_initialized():
+        store = tempfile.NamedTemporaryFile(prefix="dcp_ds_tt_store_", delete=False)
+        store.close()
+        os.unlink(store.name)
+        dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
+        created = True
+    yield integration
+    if created:
+        dist.destroy_process_group()
+
+
+class TrainState:
+    def __init__(self):
+        self.step = 0
+
+    def state_dict(self):
+        return {"step": self.step}
+
+    def load_state_dict(self, sd):
+        self.step = sd["step"]
+
+
+def build(tt, folder, seed=0, **options):
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    optimizers = default_adamw(lr=1e-2, implementation="for-loop").build(model_parts=[model])
+    lr_schedulers = LRSchedulersContainer(optimizers, lambda step: 1.0 / (1 + step))
+    train_state = TrainState()
+    config = tt.DataStatesCheckpointManager.Config(
+        enable=True,
+        folder="checkpoint",
+        **{"interval": 2, "keep_latest_k": 2, "async_mode": "async", "host_cache_size": "64MiB", **options},
+    )
+    manager = config.build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=optimizers,
+        lr_schedulers=lr_schedulers,
+        states={"train_state": train_state},
+        sd_adapter=None,
+        base_folder=str(folder),
+    )
+    return model, optimizers, lr_schedulers, train_state, manager
+
+
+def snapshot(model, optimizers):
+    state = {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}
+    for k, v in optimizers.state_dict().items():
+        if isinstance(v, torch.Tensor):
+            state[f"optim.{k}"] = v.detach().clone()
+    return state
+
+
+def train(model, optimizers, lr_schedulers, train_state, manager, steps, snapshots=None, start=1):
+    g = torch.Generator().manual_seed(123)
+    for step in range(start, start + steps):
+        train_state.step = step
+        loss = model(torch.randn(16, 32, generator=g)).square().mean()
+        loss.backward()
+        manager.maybe_wait_for_staging()  # what TorchTitan's trainer calls before optimizers.step()
+        optimizers.step()
+        lr_schedulers.step()
+        optimizers.zero_grad()
+        if manager.save(step) and snapshots is not None:
+            snapshots[step] = snapshot(model, optimizers)  # the values the checkpoint must hold
+
+
+def assert_matches(snap, model, optimizers):
+    now = snapshot(model, optimizers)
+    assert set(now) == set(snap)
+    for k, v in snap.items():
+        assert tensors_equal_bitwise(v, now[k]), k
+
+
+# ---------------------------------------------------------------------------------- tests
+def test_async_lazy_save_keep_latest_k_and_resume(tt, tmp_path, monkeypatch):
+    waits = []
+    real_wait = tt.wait_staged
+    monkeypatch.setattr(tt, "wait_staged", lambda timeout=None: waits.append(1) or real_wait(timeout))
+
+    model, optimizers, lrs, ts, manager = build(tt, tmp_path)
+    from torchtitan.components.checkpoint import AsyncMode
+
+    assert isinstance(manager, tt.DataStatesCheckpointManager) and manager.async_mode == AsyncMode.ASYNC
+    snaps = {}
+    train(model, optimizers, lrs, ts, manager, steps=7, snapshots=snaps)
+    assert sorted(snaps) == [2, 4, 6]
+    assert len(waits) == 7  # every step's maybe_wait_for_staging went to the engine's wait
+    manager.maybe_wait_for_saving()
+    manager.close()  # joins the purge thread: keep_latest_k has been applied
+
+    root = tmp_path / "checkpoint"
+    assert sorted(os.listdir(root)) == ["step-4", "step-6"]
+    for step in (4, 6):
+        folder = root / f"step-{step}"
+        doc = json.loads((folder / ".metadata").read_bytes())  # JSON commit marker, not a pickle
+        assert doc["format"] == "dcp_datastates"
+        assert "__0_0.safetensors" in os.listdir(folder)
+
+    # A fresh run in the same folder resumes from the latest committed step (.metadata discovery).
+    model2, opt2, lrs2, ts2, manager2 = build(tt, tmp_path, seed=99)
+    assert manager2.load() is True
+    assert ts2.step == 6
+    assert_matches(snaps[6], model2, opt2)
+    # Training continues from there.
+    train(model2, opt2, lrs2, ts2, manager2, steps=2, start=7)
+    manager2.maybe_wait_for_saving()
+    manager2.close()
+    assert sorted(os.listdir(root)) == ["step-6", "step-8"]
+
+
+def test_load_step_and_incomplete_checkpoint_is_skipped(tt, tmp_path):
+    model, optimizers, lrs, ts, manager = build(tt, tmp_path, keep_latest_k=0)
+    snaps = {}
+    train(model, optimizers, lrs, ts, manager, steps=4, snapshots=snaps)
+    manager.maybe_wait_for_saving()
+    manager.close()
+    # A crashed save: a step folder with data but no commit marker is not a checkpoint.
+    crashed = tmp_path / "checkpoint" / "step-10"
+    crashed.mkdir()
+    (crashed / "__0_0.safetensors").write_bytes(b"partial")
+
+    model2, opt2, lrs2, ts2, manager2 = build(tt, tmp_path, seed=5, keep_latest_k=0)
+    assert manager2.load(step=2) is True
+    assert ts2.step == 2
+    assert_matches(snaps[2], model2, opt2)
+    assert manager2.load() is True  # latest *committed*: step 4, not the crashed step 10
+    assert ts2.step == 4
+    assert_matches(snaps[4], model2, opt2)
+    manager2.close()
+
+
+def test_sync_mode_and_pinned_mode(tt, tmp_path):
+    from torchtitan.components.checkpoint import AsyncMode
+
+    model, optimizers, lrs, ts, manager = build(tt, tmp_path / "sync", async_mode="disabled", keep_latest_k=0)
+    snaps = {}
+    train(model, optimizers, lrs, ts, manager, steps=2, snapshots=snaps)
+    assert manager.save_future is None
+    manager.close()
+    model2, opt2, lrs2, ts2, manager2 = build(tt, tmp_path / "sync", seed=3, keep_latest_k=0)
+    assert manager2.load() and ts2.step == 2
+    assert_matches(snaps[2], model2, opt2)
+    manager2.close()
+
+    *_, pinned = build(tt, tmp_path / "pinned", async_mode="async_with_pinned_mem", keep_latest_k=0)
+    assert pinned.async_mode == AsyncMode.ASYNC  # lazy staging into the pinned DataStates cache
+    pinned.close()
+
+
+def test_resumes_from_a_stock_torchtitan_checkpoint(tt, tmp_path):
+    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    optimizers = default_adamw(lr=1e-2, implementation="for-loop").build(model_parts=[model])
+    lrs = LRSchedulersContainer(optimizers, lambda step: 1.0 / (1 + step))
+    ts = TrainState()
+    stock = CheckpointManager.Config(enable=True, folder="checkpoint", interval=3, keep_latest_k=0).build(
+        dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=lrs,
+        states={"train_state": ts}, sd_adapter=None, base_folder=str(tmp_path),
+    )
+    snaps = {}
+    train(model, optimizers, lrs, ts, stock, steps=3, snapshots=snaps)
+    stock.close()
+    assert (tmp_path / "checkpoint" / "step-3" / ".metadata").read_bytes()[:1] != b"{"  # a pickle
+
+    model2, opt2, lrs2, ts2, manager = build(tt, tmp_path, seed=7, keep_latest_k=0)
+    assert manager.load() and ts2.step == 3  # stock DCP checkpoint, loaded through TorchTitan's path
+    assert_matches(snaps[3], model2, opt2)
+    manager.close()
+
+
+def test_config_options_validation_and_cli_override(tt, tmp_path):
+    Config = tt.DataStatesCheckpointManager.Config
+    c = Config(enable=True, host_cache_size="1GiB", flush_threads=3, copy_threads=1, pin_host_cache=False,
+               verify_checksums=False, sync_files=False)
+    ds = c.to_datastates_config()
+    assert (ds.host_cache_size, ds.flush_threads, ds.copy_threads) == (1 << 30, 3, 1)
+    assert (ds.pin_host_cache, ds.verify, ds.sync_files) == (False, False, False)
+    assert Config(enable=True, host_cache_size="2").to_datastates_config().host_cache_size == 2 << 30  # bare = GB
+
+    seeds = tmp_path / "ds.json"
+    seeds.write_text('{"train_batch_size": 8, "datastates_ckpt": {"host_cache_size": 1, "thread_count": 5}}')
+    ds = Config(enable=True, datastates_config=str(seeds), flush_threads=2).to_datastates_config()
+    assert ds.host_cache_size == 1 << 30 and ds.flush_threads == 2  # explicit options win over the file
+
+    with pytest.raises(ValueError, match="host_cache_size"):
+        Config(enable=True, host_cache_size="lots")
+    with pytest.raises(ValueError, match="flush_threads"):
+        Config(enable=True, flush_threads=0)
+
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    base = CheckpointManager.Config(enable=True, interval=250, keep_latest_k=3, async_mode="async")
+    derived = Config.from_base(base, host_cache_size="4GB")
+    assert (derived.interval, derived.keep_latest_k, derived.async_mode, derived.host_cache_size) == (250, 3, "async", "4GB")
+
+    # Selecting the manager from a TorchTitan config and overriding it from the command line,
+    # the way TorchTitan's ConfigManager parses `--checkpoint.*` (tyro).
+    tyro = pytest.importorskip("tyro")
+    from dataclasses import dataclass, field
+
+    from torchtitan.components.checkpointer import BaseCheckpointManager
+    from torchtitan.config import Configurable
+    from torchtitan.config.manager import ConfigManager, custom_registry
+
+    class Job(Configurable):
+        @dataclass(kw_only=True, slots=True)
+        class Config(Configurable.Config):
+            checkpoint: BaseCheckpointManager.Config = field(default_factory=CheckpointManager.Config)
+
+    ConfigManager()  # registers TorchTitan's tyro rules
+    default = Job.Config(checkpoint=Config(enable=True, async_mode="async", host_cache_size="8GB"))
+    parsed = tyro.cli(
+        Job.Config,
+        args=["--checkpoint.host_cache_size", "2GB", "--checkpoint.flush_threads", "4", "--checkpoint.interval", "7"],
+        default=default,
+        registry=custom_registry,
+    )
+    assert type(parsed.checkpoint) is Config and parsed.checkpoint._owner is tt.DataStatesCheckpointManager
+    assert (parsed.checkpoint.host_cache_size, parsed.checkpoint.flush_threads, parsed.checkpoint.interval) == ("2GB", 4, 7)
+
+
+TWO_RANKS = '''
+import os, sys, torch, torch.distributed as dist
+rank, root, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=2)
+from torch.distributed.fsdp import fully_shard
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from dcp_datastates.integrations.torchtitan import DataStatesCheckpointManager
+
+
+class Loader:  # like TorchTitan's ParallelAwareDataloader: one key per data-parallel rank
+    def __init__(self):
+        self.pos = 0
+    def state_dict(self):
+        return {f"dp_rank_{rank}": self.pos, "world_size": 2}
+    def load_state_dict(self, sd):
+        self.pos = sd[f"dp_rank_{rank}"]
+
+
+class TS:
+    step = 0
+    def state_dict(self):
+        return {"step": self.step}
+    def load_state_dict(self, sd):
+        self.step = sd["step"]
+
+
+def build(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    fully_shard(model)  # FSDP2: parameters and optimizer state are DTensor shards
+    opt = default_adamw(lr=1e-2, implementation="for-loop").build(model_parts=[model])
+    lrs = LRSchedulersContainer(opt, lambda s: 1.0)
+    ts, dl = TS(), Loader()
+    cfg = DataStatesCheckpointManager.Config(
+        enable=True, interval=2, async_mode="async", keep_latest_k=2, host_cache_size="64MiB")
+    mgr = cfg.build(dataloader=dl, model_parts=[model], optimizers=opt, lr_schedulers=lrs,
+                    states={"train_state": ts}, sd_adapter=None, base_folder=root)
+    return model, opt, lrs, ts, dl, mgr
+
+
+model, opt, lrs, ts, dl, mgr = build(0)
+g = torch.Generator().manual_seed(rank)
+for step in range(1, 5):
+    ts.step, dl.pos = step, step * 10 + rank
+    model(torch.randn(8, 32, generator=g)).square().mean().backward()
+    mgr.maybe_wait_for_staging()
+    opt.step(); lrs.step(); opt.zero_grad()
+    mgr.save(step)
+    if step == 4:
+        snap = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+mgr.maybe_wait_for_saving()
+mgr.close()
+model2, opt2, lrs2, ts2, dl2, mgr2 = build(1)
+assert mgr2.load()
+assert (ts2.step, dl2.pos) == (4, 40 + rank), (ts2.step, dl2.pos)
+for k, v in model2.state_dict().items():
+    assert torch.equal(v.full_tensor(), snap[k]), k
+mgr2.close()
+dist.destroy_process_group()
+print("ok")
+'''
+
+
+def test_two_ranks_fsdp2_per_rank_dataloader_state(tt, tmp_path):
+    """Two processes, FSDP2 shards, a dataloader state that differs per rank: save lazily,
+    resume, and get every rank's own state back."""
+    script = tmp_path / "two_ranks.py"
+    script.write_text(TWO_RANKS)
+    root, store = str(tmp_path / "out"), str(tmp_path / "store")
+    procs = [
+        subprocess.Popen([sys.executable, str(script), str(r), root, store], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for r in (0, 1)
+    ]
+    results = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0 and out.strip() == "ok", err[-3000:]
+    assert sorted(os.listdir(os.path.join(root, "checkpoint"))) == ["step-2", "step-4"]
+    files = sorted(os.listdir(os.path.join(root, "checkpoint", "step-4")))
+    assert files == [".metadata", "__0_0.safetensors", "__1_0.safetensors"]
