@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <string>
@@ -160,6 +161,46 @@ PYBIND11_MODULE(_engine, m) {
       .def("error", &WriteJob::error, "None, or the message of the first error")
       .def("checksums", &WriteJob::checksums, "CRC32C per grid piece, per item in the order given")
       .def("piece_size", &WriteJob::piece_size, "the checksum grid size (the engine's chunk size)")
+      .def_property_readonly("is_stream", &WriteJob::stream, "True for a job made by Engine.submit_stream")
+      .def(
+          "next_chunk",
+          [](WriteJob& j, std::optional<double> timeout) -> py::object {
+            if (!j.stream()) throw py::type_error(j.path() + ": next_chunk needs a job made by submit_stream");
+            if (timeout && *timeout < 0) throw py::value_error("timeout must be >= 0 or None");
+            using clock = std::chrono::steady_clock;
+            const auto start = clock::now();
+            dcpds::StreamChunk c{};
+            for (;;) {  // slices with the GIL released, so Ctrl-C still works
+              double slice = 0.1;
+              if (timeout) {
+                double left = *timeout - std::chrono::duration<double>(clock::now() - start).count();
+                slice = std::max(0.0, std::min(slice, left));
+              }
+              WriteJob::Next r;
+              {
+                py::gil_scoped_release nogil;
+                r = j.next_chunk(slice, &c);
+              }
+              if (r == WriteJob::Next::kChunk)
+                return py::make_tuple(c.file_offset, reinterpret_cast<uintptr_t>(c.ptr), c.nbytes);
+              if (r == WriteJob::Next::kEnd) return py::none();
+              if (timeout && std::chrono::duration<double>(clock::now() - start).count() >= *timeout) {
+                PyErr_SetString(PyExc_TimeoutError, (j.path() + ": no chunk ready within the timeout").c_str());
+                throw py::error_already_set();
+              }
+              if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+            }
+          },
+          py::arg("timeout") = py::none(),
+          "Streaming jobs: the next chunk in file order as (file_offset, ptr, nbytes) once it is in the host\n"
+          "cache and checksummed; None when every chunk was handed out or the job failed (see error()).\n"
+          "The memory at ptr stays valid until release(file_offset). TimeoutError after `timeout` seconds.")
+      .def("release", &WriteJob::release, py::arg("file_offset"),
+           "Streaming jobs: give back the cache slot of the chunk at file_offset (from next_chunk).")
+      .def("fail", &WriteJob::abort, py::arg("message"),
+           "Streaming jobs: fail the job with `message` (first error wins), give back every slot it holds\n"
+           "(chunks handed out included: their memory must not be used after this) and wake waiters.")
+      .def("chunks_held", &WriteJob::chunks_held, "Streaming jobs: chunks handed out and not yet released")
       .def("__repr__", [](const WriteJob& j) {
         return "<WriteJob " + j.path() + " nbytes=" + std::to_string(j.nbytes()) +
                (j.is_done() ? (j.failed() ? " failed>" : " done>") : (j.is_staged() ? " staged>" : " pending>"));
@@ -207,6 +248,25 @@ PYBIND11_MODULE(_engine, m) {
           "errors are reported by WriteJob.error(). The source memory must stay valid until the job is staged.\n"
           "device >= 0: the src pointers are on that CUDA device and stream is the caller's current CUDA stream\n"
           "there (int handle, 0 = legacy default): the copies run after the work queued on it so far.")
+      .def(
+          "submit_stream",
+          [](Engine& e, const std::string& label, py::bytes header, int64_t file_size, py::handle items, int device,
+             uint64_t stream) {
+            if (e.is_shut_down()) throw std::runtime_error("engine is shut down");
+            if (file_size < 0) throw py::value_error("file_size must be >= 0, got " + std::to_string(file_size));
+            static const char* const names[3] = {"src_ptr", "nbytes", "file_offset"};
+            std::vector<dcpds::WriteItem> parsed = parse_triples<dcpds::WriteItem>(
+                items, "item", names,
+                [](uint64_t a, uint64_t b, uint64_t c) { return dcpds::WriteItem{a, b, c}; });
+            std::string head = header;
+            return e.submit_stream(label, std::move(head), static_cast<uint64_t>(file_size), parsed, device, stream);
+          },
+          py::arg("label"), py::arg("header"), py::arg("file_size"), py::arg("items"), py::arg("device") = -1,
+          py::arg("stream") = 0, py::keep_alive<0, 1>(),
+          "Like submit_write, but nothing is written: the consumer takes the chunks in file order with\n"
+          "job.next_chunk() and gives each back with job.release(file_offset) (or job.fail(message)).\n"
+          "The consumer writes the header (bytes [0, len(header))) itself and zero-fills any gap between\n"
+          "chunks and up to file_size. label (a URL) names the job in errors. The job keeps the engine alive.")
       .def("device_wait", &Engine::device_wait, py::arg("job"), py::arg("stream"),
            "For a device job whose copies are all queued: make `stream` wait on the GPU for them and return\n"
            "True without blocking (True too when the job is staged). False: wait on the host instead.")

@@ -159,11 +159,26 @@ std::shared_ptr<WriteJob> Engine::submit_write(std::string path, std::string hea
                                                uint64_t stream) {
   if (is_shut_down()) throw std::runtime_error("engine is shut down");
   check_copy_device(device, cuda_devices_, cuda_status_);
-  auto job = std::make_shared<WriteJob>(std::move(path), std::move(header), file_size, items, chunk_bytes(), sync, device);
+  return submit(std::make_shared<WriteJob>(std::move(path), std::move(header), file_size, items, chunk_bytes(), sync, device),
+                stream);
+}
+
+std::shared_ptr<WriteJob> Engine::submit_stream(std::string label, std::string header, uint64_t file_size,
+                                                const std::vector<WriteItem>& items, int device, uint64_t stream) {
+  if (is_shut_down()) throw std::runtime_error("engine is shut down");
+  check_copy_device(device, cuda_devices_, cuda_status_);
+  auto job = std::make_shared<WriteJob>(std::move(label), std::move(header), file_size, items, chunk_bytes(),
+                                        /*sync=*/false, device, /*stream=*/true);
+  job->cache_ = cache_.get();
+  job->engine_ = this;
+  return submit(std::move(job), stream);
+}
+
+std::shared_ptr<WriteJob> Engine::submit(std::shared_ptr<WriteJob> job, uint64_t stream) {
   {
     std::lock_guard<std::mutex> g(copy_mu_);
     if (stop_copy_) throw std::runtime_error("engine is shut down");
-    if (device != kHostDevice) stager_->begin_job(*job, stream);  // the ordering point
+    if (job->device() != kHostDevice) stager_->begin_job(*job, stream);  // the ordering point
     for (size_t k = 0; k < job->chunks_.size(); ++k) copy_q_.push_back(ChunkRef{job, k});
     jobs_submitted_.fetch_add(1, std::memory_order_relaxed);
   }
@@ -171,18 +186,36 @@ std::shared_ptr<WriteJob> Engine::submit_write(std::string path, std::string hea
   return job;
 }
 
+void Engine::note_stream_release(uint64_t bytes) {
+  bytes_flushed_.fetch_add(bytes, std::memory_order_relaxed);
+  chunks_flushed_.fetch_add(1, std::memory_order_relaxed);
+}
+
+void Engine::note_job_done(bool failed) {
+  jobs_done_.fetch_add(1, std::memory_order_relaxed);
+  if (failed) jobs_failed_.fetch_add(1, std::memory_order_relaxed);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Copy workers: FIFO over chunks of all jobs; block for a slot (backpressure), fill it.
+// Slots are granted in queue order: a worker holds slot_order_mu_ from popping a chunk until it
+// has that chunk's slot, so no later chunk can take the last free slot from an earlier one.
+// (A streaming consumer waits for its chunks in file order; were chunk k left without a slot
+// while later chunks held them all, it would wait forever.)
 
 void Engine::copy_loop() {
   for (;;) {
     ChunkRef ref;
     {
-      std::unique_lock<std::mutex> lk(copy_mu_);
-      copy_cv_.wait(lk, [&] { return !copy_q_.empty() || stop_copy_; });
-      if (copy_q_.empty()) return;  // stopping and drained
-      ref = std::move(copy_q_.front());
-      copy_q_.pop_front();
+      std::lock_guard<std::mutex> order(slot_order_mu_);
+      {
+        std::unique_lock<std::mutex> lk(copy_mu_);
+        copy_cv_.wait(lk, [&] { return !copy_q_.empty() || stop_copy_; });
+        if (copy_q_.empty()) return;  // stopping and drained
+        ref = std::move(copy_q_.front());
+        copy_q_.pop_front();
+      }
+      take_slot(*ref.job, ref.job->chunks_[ref.index]);
     }
     WriteJob& job = *ref.job;
     if (job.device_ != kHostDevice) {
@@ -219,12 +252,18 @@ int Engine::acquire_slot(WriteJob& job, const Chunk& c) {
   return slot;
 }
 
+// Borrows the slot of chunk c (in queue order, see copy_loop); failed jobs and empty chunks
+// take none. c.slot stays -1 when there is none.
+void Engine::take_slot(WriteJob& job, Chunk& c) {
+  if (job.failed() || c.span == 0) return;  // failed jobs skip their remaining chunks
+  const int slot = acquire_slot(job, c);
+  if (slot >= 0) c.slot = slot;
+}
+
 void Engine::stage_chunk(WriteJob& job, Chunk& c) {
   try {
-    if (job.failed() || c.span == 0) return;  // failed jobs skip their remaining chunks
-    const int slot = acquire_slot(job, c);
-    if (slot < 0) return;
-    c.slot = slot;
+    if (job.failed() || c.slot < 0) return;  // the slot goes back in the flush worker
+    const int slot = c.slot;
     place_pieces(cache_->slot_ptr(slot), c, job.pieces_, [](char* dst, const Piece& p) {
       copy_bytes(dst, p.src, static_cast<size_t>(p.len));
       return true;
@@ -244,13 +283,7 @@ void Engine::stage_device_chunk(ChunkRef ref) {
   WriteJob& job = *ref.job;
   Chunk& c = job.chunks_[ref.index];
   char* dst = nullptr;
-  if (!job.failed() && c.span != 0) {
-    const int slot = acquire_slot(job, c);
-    if (slot >= 0) {
-      c.slot = slot;
-      dst = cache_->slot_ptr(slot);
-    }
-  }
+  if (!job.failed() && c.slot >= 0) dst = cache_->slot_ptr(c.slot);  // else given back by flush
   try {
     stager_->enqueue(std::move(ref), dst);
   } catch (const std::exception& e) {  // bad_alloc of a queue node: nothing else throws there
@@ -298,6 +331,10 @@ void Engine::flush_loop() {
       ref = std::move(flush_q_.front());
       flush_q_.pop_front();
     }
+    if (ref.job->stream()) {
+      stream_flush(std::move(ref));
+      continue;
+    }
     WriteJob& job = *ref.job;
     Chunk& c = job.chunks_[ref.index];
     flush_chunk(job, c);
@@ -307,6 +344,23 @@ void Engine::flush_loop() {
     }
     if (job.chunk_flushed()) finalize(job);
   }
+}
+
+// A streaming chunk: checksum its pieces while the bytes are hot, then hand it to the consumer
+// (the slot stays borrowed until WriteJob::release); failed jobs and empty chunks just finish.
+void Engine::stream_flush(ChunkRef&& ref) {
+  WriteJob& job = *ref.job;
+  const Chunk& c = job.chunks_[ref.index];
+  if (job.failed() || c.slot < 0 || c.span == 0) {
+    job.stream_drop(ref.index);
+    return;
+  }
+  const char* base = cache_->slot_ptr(c.slot);
+  for (size_t i = c.piece_begin; i < c.piece_end; ++i) {
+    const Piece& p = job.pieces_[i];
+    job.crcs_[p.crc_index] = crc32c(base + (p.file_off - c.file_off), static_cast<size_t>(p.len));
+  }
+  job.stream_ready(ref.index);
 }
 
 bool Engine::ensure_open(WriteJob& job) {

@@ -87,6 +87,21 @@ class Engine {
                                          const std::vector<WriteItem>& items, bool sync = true, int device = -1,
                                          uint64_t stream = 0);
 
+  // A streaming job: the same layout, grid, copies and per-piece CRC32C as submit_write, but
+  // nothing is written: each chunk, once in its cache slot and checksummed, is handed to one
+  // consumer in file order (WriteJob::next_chunk / release / abort), which uploads it somewhere
+  // (an object store) and gives the slot back. The header is not part of any chunk: the consumer
+  // writes it, and fills gaps between chunks and up to file_size with zeros. `label` (a URL)
+  // names the job in messages. The job is done once every chunk is released (or it failed).
+  // Slots go to chunks in submission order, so a consumer taking chunks in file order always
+  // progresses, whatever the cache size; a consumer that stops taking chunks stalls later jobs.
+  std::shared_ptr<WriteJob> submit_stream(std::string label, std::string header, uint64_t file_size,
+                                          const std::vector<WriteItem>& items, int device = -1, uint64_t stream = 0);
+
+  // Counters kept for streaming jobs (called by WriteJob).
+  void note_stream_release(uint64_t bytes);
+  void note_job_done(bool failed);
+
   // For a device job: if all its copies are queued, makes `stream` wait on the GPU for the last
   // of them and returns true (nothing blocks); true as well when the job is staged already.
   // False otherwise (and for host jobs): the caller must wait on the host (job.wait_staged).
@@ -115,7 +130,10 @@ class Engine {
   void copy_loop();
   void flush_loop();
   void read_loop();
+  std::shared_ptr<WriteJob> submit(std::shared_ptr<WriteJob> job, uint64_t stream);
   int acquire_slot(WriteJob& job, const Chunk& c);
+  void take_slot(WriteJob& job, Chunk& c);
+  void stream_flush(ChunkRef&& ref);
   void stage_chunk(WriteJob& job, Chunk& c);
   void stage_device_chunk(ChunkRef ref);
   void device_chunk_ready(ChunkRef&& ref, bool copied);
@@ -138,6 +156,9 @@ class Engine {
   std::condition_variable copy_cv_;
   std::deque<ChunkRef> copy_q_;
   bool stop_copy_ = false;
+  // Held by a copy worker from popping a chunk until it holds that chunk's slot (or gave up):
+  // slots are granted in queue order, which streaming jobs need (see submit_stream).
+  std::mutex slot_order_mu_;
 
   std::mutex flush_mu_;
   std::condition_variable flush_cv_;

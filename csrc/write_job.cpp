@@ -6,6 +6,9 @@
 #include <stdexcept>
 #include <unistd.h>
 
+#include "engine.h"
+#include "host_cache.h"
+
 namespace dcpds {
 namespace {
 
@@ -19,9 +22,9 @@ constexpr uint64_t kMaxOffset = static_cast<uint64_t>(std::numeric_limits<int64_
 }  // namespace
 
 WriteJob::WriteJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
-                   uint64_t grid, bool sync, int device)
+                   uint64_t grid, bool sync, int device, bool stream)
     : path_(std::move(path)), header_(std::move(header)), file_size_(file_size), grid_(grid), sync_(sync),
-      device_(device) {
+      device_(device), stream_(stream) {
   if (grid_ == 0) throw std::invalid_argument("chunk grid must be positive");
   const uint64_t data_start = header_.size();
   if (file_size_ > kMaxOffset) throw std::invalid_argument("file_size " + std::to_string(file_size_) + " is too large");
@@ -100,6 +103,7 @@ WriteJob::WriteJob(std::string path, std::string header, uint64_t file_size, con
   // A job without data still has to create the file, write the header and set the size:
   // one empty chunk carries it through the pipeline.
   if (chunks_.empty()) chunks_.push_back(Chunk{});
+  if (stream_) cstate_.assign(chunks_.size(), ChunkState::kPending);
 }
 
 WriteJob::~WriteJob() {
@@ -149,9 +153,14 @@ std::vector<std::vector<uint32_t>> WriteJob::checksums() const {
 }
 
 void WriteJob::fail(const std::string& msg) {
-  std::lock_guard<std::mutex> g(mu_);
-  if (error_.empty()) error_ = msg.empty() ? path_ + ": unknown error" : msg;
-  failed_.store(true, std::memory_order_release);
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (error_.empty()) error_ = msg.empty() ? path_ + ": unknown error" : msg;
+    failed_.store(true, std::memory_order_release);
+  }
+  // Streaming: chunks waiting for the consumer will never be taken; give their slots back (and
+  // wake a consumer waiting in next_chunk). Handed-out chunks stay the consumer's until release.
+  if (stream_) stream_drop_held(false);
 }
 
 bool WriteJob::chunk_staged() {
@@ -175,6 +184,132 @@ void WriteJob::mark_done() {
     done_ = true;
   }
   cv_.notify_all();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Streaming jobs. Chunks reach kReady in any order (several flush workers), the consumer takes
+// them strictly in file order. Deadlock freedom rests on the engine granting cache slots in
+// copy-queue order (Engine::copy_loop): chunk k holds a slot, or is first in line for one,
+// before any later chunk of any job gets one, so the consumer's next chunk always arrives.
+
+namespace {
+
+std::chrono::steady_clock::duration seconds(double s) {
+  return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
+}
+
+}  // namespace
+
+WriteJob::Next WriteJob::next_chunk(double timeout_s, StreamChunk* out) {
+  if (!stream_) throw std::logic_error(path_ + ": next_chunk on a job that is not streaming");
+  std::unique_lock<std::mutex> lk(smu_);
+  const size_t n = cstate_.size();
+  auto ready = [&] {
+    while (next_ < n && cstate_[next_] == ChunkState::kFinished) ++next_;  // empty or dropped
+    return failed() || next_ == n || cstate_[next_] == ChunkState::kReady;
+  };
+  if (timeout_s < 0 || timeout_s > 1e9) {
+    scv_.wait(lk, ready);
+  } else if (!scv_.wait_for(lk, seconds(timeout_s), ready)) {
+    return Next::kTimeout;
+  }
+  if (failed() || next_ == n) return Next::kEnd;
+  const Chunk& c = chunks_[next_];
+  cstate_[next_] = ChunkState::kTaken;
+  ++held_;
+  ++next_;
+  out->file_offset = c.file_off;
+  out->ptr = cache_->slot_ptr(c.slot);
+  out->nbytes = c.span;
+  return Next::kChunk;
+}
+
+void WriteJob::release(uint64_t file_offset) {
+  if (!stream_) throw std::logic_error(path_ + ": release on a job that is not streaming");
+  std::unique_lock<std::mutex> lk(smu_);
+  auto it = std::lower_bound(chunks_.begin(), chunks_.end(), file_offset,
+                             [](const Chunk& c, uint64_t off) { return c.file_off < off; });
+  const size_t i = static_cast<size_t>(it - chunks_.begin());
+  if (it == chunks_.end() || it->file_off != file_offset || it->span == 0 || cstate_[i] != ChunkState::kTaken)
+    throw std::invalid_argument(path_ + ": release(" + std::to_string(file_offset) +
+                                "): no chunk handed out by next_chunk and not yet released starts there");
+  cache_->release(it->slot);
+  it->slot = -1;
+  --held_;
+  const uint64_t bytes = it->data_bytes;
+  const bool last = stream_finish_locked(i);
+  lk.unlock();
+  if (engine_) engine_->note_stream_release(bytes);
+  if (last) stream_complete();
+}
+
+void WriteJob::abort(const std::string& msg) {
+  if (!stream_) throw std::logic_error(path_ + ": abort on a job that is not streaming");
+  fail(msg.empty() ? path_ + ": aborted by the consumer" : msg);
+  stream_drop_held(true);
+}
+
+size_t WriteJob::chunks_held() const {
+  std::lock_guard<std::mutex> g(smu_);
+  return held_;
+}
+
+void WriteJob::stream_ready(size_t index) {
+  bool last = false;
+  {
+    std::lock_guard<std::mutex> g(smu_);
+    if (failed()) {  // fail() may have run stream_drop_held already: nobody else frees this slot
+      Chunk& c = chunks_[index];
+      if (c.slot >= 0) cache_->release(c.slot);
+      c.slot = -1;
+      last = stream_finish_locked(index);
+    } else {
+      cstate_[index] = ChunkState::kReady;
+    }
+  }
+  scv_.notify_all();
+  if (last) stream_complete();
+}
+
+void WriteJob::stream_drop(size_t index) {
+  bool last;
+  {
+    std::lock_guard<std::mutex> g(smu_);
+    Chunk& c = chunks_[index];
+    if (c.slot >= 0) cache_->release(c.slot);
+    c.slot = -1;
+    last = stream_finish_locked(index);
+  }
+  scv_.notify_all();
+  if (last) stream_complete();
+}
+
+void WriteJob::stream_drop_held(bool taken) {
+  bool last = false;
+  {
+    std::lock_guard<std::mutex> g(smu_);
+    for (size_t i = 0; i < cstate_.size(); ++i) {
+      const ChunkState s = cstate_[i];
+      if (s != ChunkState::kReady && !(taken && s == ChunkState::kTaken)) continue;
+      if (s == ChunkState::kTaken) --held_;
+      Chunk& c = chunks_[i];
+      if (c.slot >= 0) cache_->release(c.slot);
+      c.slot = -1;
+      last = stream_finish_locked(i) || last;
+    }
+  }
+  scv_.notify_all();
+  if (last) stream_complete();
+}
+
+bool WriteJob::stream_finish_locked(size_t index) {
+  cstate_[index] = ChunkState::kFinished;
+  return ++finished_ == cstate_.size();
+}
+
+void WriteJob::stream_complete() {
+  if (engine_) engine_->note_job_done(failed());  // counted before waiters see the job done
+  mark_done();
 }
 
 }  // namespace dcpds

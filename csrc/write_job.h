@@ -18,6 +18,7 @@ namespace dcpds {
 
 class DeviceStager;
 class Engine;
+class HostCache;
 
 // One item as given by the caller: bytes [src, src + nbytes) go to file offset `offset`.
 struct WriteItem {
@@ -48,6 +49,14 @@ struct Chunk {
 
 class WriteJob;
 
+// A chunk of a streaming job handed to its consumer: `nbytes` bytes at `ptr` (a cache slot)
+// belong at `file_offset` of the file.
+struct StreamChunk {
+  uint64_t file_offset;
+  const char* ptr;
+  uint64_t nbytes;
+};
+
 // One chunk of one job, as it travels through the copy, completion and flush queues.
 struct ChunkRef {
   std::shared_ptr<WriteJob> job;
@@ -58,8 +67,11 @@ class WriteJob {
  public:
   // Validates the layout and cuts it on a grid of `grid` bytes starting at header.size().
   // Throws std::invalid_argument naming the offending item.
+  // stream: a streaming job (Engine::submit_stream): nothing is written to `path` (a label for
+  // messages); each chunk, once copied and checksummed, waits in its slot for the consumer
+  // (next_chunk / release) instead of being pwritten.
   WriteJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
-           uint64_t grid, bool sync, int device);
+           uint64_t grid, bool sync, int device, bool stream = false);
   WriteJob(const WriteJob&) = delete;
   WriteJob& operator=(const WriteJob&) = delete;
   ~WriteJob();
@@ -87,6 +99,22 @@ class WriteJob {
   // job is done without error.
   std::vector<std::vector<uint32_t>> checksums() const;
 
+  // ---- streaming jobs (stream() true); the others throw std::logic_error.
+  bool stream() const { return stream_; }
+  enum class Next { kChunk, kEnd, kTimeout };
+  // The next chunk in file order, once it is in the cache and checksummed; waits up to timeout_s
+  // (negative: forever). kEnd when every chunk was handed out or the job failed (see error()).
+  // The chunk's slot stays borrowed until release(chunk.file_offset) or abort().
+  Next next_chunk(double timeout_s, StreamChunk* out);
+  // Gives back the slot of a chunk next_chunk returned. Throws std::invalid_argument when no
+  // chunk handed out and not yet released starts at file_offset.
+  void release(uint64_t file_offset);
+  // Fails the job with `msg` (the first error wins) and gives back every slot it holds, the
+  // consumer's included: the consumer must not touch a chunk's memory after calling this.
+  void abort(const std::string& msg);
+  // Chunks handed out and not released (for tests).
+  size_t chunks_held() const;
+
  private:
   friend class DeviceStager;
   friend class Engine;
@@ -98,6 +126,18 @@ class WriteJob {
   bool chunk_flushed();      // true for the caller that flushed the last chunk
   void mark_done();
   bool wait_for(const bool& flag, double timeout_s);
+
+  // Streaming: the engine's flush worker hands a checksummed chunk (slot held) to the consumer,
+  // or drops it (failed job, no slot, empty chunk). Both give the slot back when the job failed.
+  void stream_ready(size_t index);
+  void stream_drop(size_t index);
+  // Gives back the slots of chunks waiting for the consumer (and with `taken`, of handed-out ones
+  // too); the job must have failed. Wakes the consumer.
+  void stream_drop_held(bool taken);
+  // Marks chunk `index` finished (slot already given back); the caller holds smu_. True when it
+  // was the job's last.
+  bool stream_finish_locked(size_t index);
+  void stream_complete();  // after the last chunk finished: done, engine counters
 
   const std::string path_;
   const std::string header_;
@@ -135,6 +175,19 @@ class WriteJob {
   CudaEvent entry_event_ = nullptr;
   std::mutex cuda_mu_;  // guards last_event_
   CudaEvent last_event_ = nullptr;
+
+  // Streaming state (stream_ only). Each chunk goes kPending -> kReady (in its slot, checksummed)
+  // -> kTaken (handed to the consumer) -> kFinished (slot given back), or straight to kFinished.
+  enum class ChunkState : uint8_t { kPending, kReady, kTaken, kFinished };
+  const bool stream_ = false;
+  HostCache* cache_ = nullptr;  // set by the engine at submit; outlives the job's use
+  Engine* engine_ = nullptr;
+  mutable std::mutex smu_;  // lock order: d.mu (DeviceStager) -> mu_ released -> smu_ -> cache
+  std::condition_variable scv_;
+  std::vector<ChunkState> cstate_;
+  size_t next_ = 0;       // first chunk not yet handed out
+  size_t finished_ = 0;   // chunks in kFinished
+  size_t held_ = 0;       // chunks in kTaken
 };
 
 }  // namespace dcpds

@@ -108,6 +108,8 @@ class DataStatesConfig:
         dedup_replicated: write each replicated value (DTensor replicas, plain tensors and
             non-tensor values that every rank holds) from one rank only, chosen at ``stage()``.
             Turn off when ranks hold different plain tensors (pipeline parallelism).
+        hierarchical_consolidation: gather write results rank -> node leader -> coordinator in
+            the background instead of every rank sending to the coordinator.
         storage_options: passed to fsspec for remote URLs.
     """
 
@@ -123,6 +125,7 @@ class DataStatesConfig:
     verify: bool = True
     cache_wait_timeout: float = 600.0
     dedup_replicated: bool = True
+    hierarchical_consolidation: bool = True
     storage_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -139,7 +142,7 @@ class DataStatesConfig:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
         if not (self.cache_wait_timeout > 0):
             raise ValueError(f"cache_wait_timeout: expected seconds > 0, got {self.cache_wait_timeout!r}")
-        for name in ("pin_host_cache", "sync_files", "overwrite", "verify", "dedup_replicated"):
+        for name in ("pin_host_cache", "sync_files", "overwrite", "verify", "dedup_replicated", "hierarchical_consolidation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
 

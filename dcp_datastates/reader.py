@@ -72,14 +72,16 @@ def _copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
     with torch.cuda.stream(side):
         dst.copy_(src, non_blocking=True)
     current.wait_stream(side)
-    used = _h2d_used.__dict__.setdefault("streams", {})
-    used[dst.device.index] = side
+    if not hasattr(_h2d_used, "streams"):
+        _h2d_used.streams = {}
+    _h2d_used.streams[dst.device.index] = side
 
 
 def _finish_device_copies() -> None:
     """Wait for the host -> device copies this thread started (their pinned sources can go)."""
-    used = _h2d_used.__dict__.pop("streams", None)
-    for side in (used or {}).values():
+    used = getattr(_h2d_used, "streams", {})
+    _h2d_used.streams = {}
+    for side in used.values():
         side.synchronize()
 
 

@@ -80,6 +80,12 @@ def get_engine(config: DataStatesConfig):
             log.warning("dcp_datastates engine: host cache not pinned (%s); copies from GPUs are slower", _engine.cuda_status)
         elif not st["cuda"]:
             log.debug("dcp_datastates engine: no CUDA: %s", _engine.cuda_status)
+        if config.gpu_cache_size:
+            log.warning(
+                "dcp_datastates engine: gpu_cache_size=%d is ignored: there is no device-side snapshot tier; "
+                "copies go device -> pinned host cache directly",
+                config.gpu_cache_size,
+            )
         return _engine
 
 

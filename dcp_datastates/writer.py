@@ -34,6 +34,7 @@ from .errors import CheckpointWriteError
 from .layout import data_file_name, plan_file
 from .metadata import ItemLocation
 from .runtime import get_engine
+from .consolidate import consolidate_results
 from .ownership import RankReport, select_owned
 from .stage_items import ItemKey, SourceItem, collect_items, item_key, source_for_resolved
 from .staging import tracker
@@ -102,6 +103,19 @@ def _async_save_arguments() -> dict:
             return dict(frame.f_locals)
         frame = frame.f_back
     return {}
+
+
+def _dcp_save_group():
+    """(process group, distributed?, coordinator rank) of the DCP save running this writer, read
+    from the frame of DCP's ``_save_state_dict`` (the group is never handed to storage writers)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "_save_state_dict" and "distW" in frame.f_locals:
+            w = frame.f_locals["distW"]
+            distributed = bool(w.use_dist) and bool(frame.f_locals.get("use_collectives", True))
+            return w.group, distributed, w.coordinator_rank
+        frame = frame.f_back
+    return None, False, 0
 
 
 def _rank_of(process_group=None, no_dist: bool = False) -> int:
@@ -340,6 +354,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 loc.file, loc.offset, loc.length, loc.dtype, loc.shape, tuple(checksums[id(f)][key]), loc.data_start, loc.piece_size
             )
             out.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=final))
+        group, distributed, coordinator = _dcp_save_group()
+        if distributed and self.config.hierarchical_consolidation:
+            out = consolidate_results(out, group, coordinator)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(out)
         return fut

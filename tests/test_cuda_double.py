@@ -544,7 +544,7 @@ def test_async_save_of_device_tensors_through_the_writer(tmp_path, fake, monkeyp
     monkeypatch.setattr(writer, "_current_stream", lambda device: s)
     monkeypatch.setattr(staging, "_cuda_stream", lambda device: s)
     runtime.shutdown_engine()
-    fake.delay("cudaMemcpyAsync", 5_000)
+    fake.delay("cudaMemcpyAsync", 10_000)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     try:
@@ -557,12 +557,13 @@ def test_async_save_of_device_tensors_through_the_writer(tmp_path, fake, monkeyp
         assert engine_stats()["cuda"] == 1
         pending = staging.tracker().pending()
         assert len(pending) == 1 and [f.job.device for f in pending[0].files] == [-1, 0]  # host items first
-        assert until(lambda: all(f.job.all_enqueued() for f in pending[0].files), 10)
-        assert not pending[0].files[1].job.is_staged()
+        host, dev = pending[0].files
+        assert until(lambda: host.job.is_staged() and dev.job.all_enqueued(), 10)
+        assert not dev.job.is_staged()
         assert wait_staged() is True  # did not block: the caller's stream waits for the copies
-        assert engine_stats()["device_waits"] == 1 and not pending[0].files[1].job.is_staged()
+        assert engine_stats()["device_waits"] == 1 and not dev.job.is_staged()
         # Here the "device" is the CPU, which no stream wait orders: wait on the host to change it.
-        assert wait_staged(device_side=False) is True and pending[0].files[1].job.is_staged()
+        assert wait_staged(device_side=False) is True and dev.job.is_staged()
         opt.step()
         resp.upload_completion.result(timeout=60)
         files = sorted(p.name for p in (tmp_path / "ck").iterdir() if p.name != ".metadata")

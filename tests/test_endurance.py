@@ -23,7 +23,12 @@ CACHE, CHUNK = 1 << 20, 256 << 10
 @pytest.fixture
 def small_engine():
     shutdown_engine()
+    # One intra-op thread: on a small CPU-only machine torch's OpenMP workers spin against the
+    # engine's copy/flush threads, which makes each step 10-20x slower (not what is tested here).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
+    torch.set_num_threads(threads)
     shutdown_engine()
 
 
@@ -106,7 +111,7 @@ def test_200_checkpoints_bounded_resources(tmp_path, small_engine):
     assert final["threads"] <= baseline["threads"], growth
     # 180 more checkpoints of ~6 MiB each (over 1 GiB moved): a leak of even one state-sized
     # buffer per checkpoint would be far above this.
-    assert growth["rss"] < 24 << 20, growth
+    assert growth["rss"] < 16 << 20, growth
     st = engine_stats()
     assert st["cache_allocations"] == 1 and st["cache_bytes"] == CACHE
     assert st["slots_free"] == st["slots_total"]

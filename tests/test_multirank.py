@@ -21,6 +21,7 @@ def root(tmp_path_factory):
     root = tmp_path_factory.mktemp("multirank")
     run_ranks(2, W.phase_two_first, str(root))
     run_ranks(4, W.phase_four, str(root))
+    run_ranks(4, W.phase_hierarchy, str(root))
     run_ranks(4, fsdp_workers.train_and_checkpoint, str(root / "fsdp"), 3, 8, str(root / "losses_uninterrupted.json"))
     run_ranks(2, W.phase_two_last, str(root))
     run_ranks(2, fsdp_workers.resume, str(root / "fsdp"), 8, str(root / "losses_resumed.json"))
@@ -108,3 +109,15 @@ def test_fsdp2_save_at_4_resume_at_2_same_losses(root):
     start = resumed["start"]
     assert start == 3
     assert resumed["losses"] == pytest.approx(uninterrupted[start:], rel=1e-5, abs=1e-6)
+
+
+def test_consolidation_is_hierarchical(root):
+    sends = {r: json.loads((root / f"sends_{r}.json").read_text()) for r in range(4)}
+    # nodes {0,1} and {2,3}: rank 1 -> leader 0 (the coordinator), rank 3 -> leader 2, leader 2 -> 0
+    assert sends == {0: [], 1: [0], 2: [0], 3: [2]}, sends
+    doc = json.loads((root / "hier" / ".metadata").read_bytes())
+    files = {c["file"] for item in doc["items"].values() for c in item.get("chunks", [item])}
+    assert files == {f"__{r}_0.safetensors" for r in range(4)}
+    # the flat (non-hierarchical) save of the same state commits the same items
+    flat = json.loads((root / "flat" / ".metadata").read_bytes())
+    assert set(flat["items"]) == set(doc["items"])

@@ -1,7 +1,7 @@
 // Stress driver for the engine's CUDA path against the runtime double (no Python): concurrent
 // device and host jobs on a tiny cache, caller-stream "kernels" that must be ordered before the
 // copies, device waits followed by writes that must not reach the files, random injected CUDA
-// failures and delays, shutdown while busy. Built and run by tests/cuda_double/sanitize_cuda.sh
+// failures and delays, shutdown while busy. Built and run by tests/sanitize.sh
 // under ThreadSanitizer and AddressSanitizer+UBSan. Usage: stress_cuda <path of the double>.
 #include <dlfcn.h>
 #include <unistd.h>

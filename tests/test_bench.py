@@ -1,0 +1,95 @@
+"""Smoke tests of ``dcp-datastates bench`` (dcp_datastates/bench.py): a tiny run end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from dcp_datastates import bench
+from dcp_datastates.cli import main as cli_main
+
+TIMES = ("stall_s", "call_s", "durable_s", "durable_in_loop_s", "load_warm_s", "compute_s")
+RATIOS = ("stall_vs_dcp_save", "durable_vs_dcp_save", "load_warm_vs_dcp_save", "durable_vs_raw", "load_warm_vs_raw")
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and value > 0
+
+
+def test_bench_smoke(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc = bench.main(
+        [
+            "--size", "8MiB", "--tensors", "50", "--reps", "1", "--json", str(out),
+            "--dir", str(tmp_path / "ckpt"), "--stage-tensors", "2000", "--quiet",
+        ]
+    )  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    assert "datastates" in text and "dcp-save" in text and "raw bound" in text
+
+    (run,) = report["runs"]
+    assert run["state_bytes"] > 7 << 20 and run["tensors"] == 50
+    for key in ("write_s", "read_warm_s", "write_gbps", "read_warm_gbps"):
+        assert _positive(run["raw"][key]), key
+    assert set(run["methods"]) == set(bench.METHODS)
+    for name, m in run["methods"].items():
+        if name == "torch-checkpointing" and not m["available"]:
+            assert "torch_checkpointing" in m["reason"]  # not installed: said so, not failed
+            continue
+        assert m["available"], (name, m.get("reason"))
+        for key in TIMES:
+            assert _positive(m[key]), (name, key, m[key])
+        for key in RATIOS:
+            assert _positive(m[key]), (name, key, m[key])
+        assert m["load_verified"] is True, name
+        assert m["step_wait_s"] >= 0 and m["upload_wait_s"] >= 0
+        mem = m["memory"]
+        assert mem["model_bytes"] == run["state_bytes"]
+        assert _positive(mem["rss_baseline"]) and mem["rss_peak"] >= mem["rss_baseline"]
+        assert len(mem["per_checkpoint_peak"]) == m["loop_checkpoints"] >= 10
+        assert isinstance(mem["flat_from_second"], bool)
+        if run["cold_loads"].startswith("yes"):
+            assert _positive(m["load_cold_s"]), name
+    assert run["methods"]["datastates"]["memory"]["host_cache_bytes"] > 0
+    assert run["methods"]["dcp-save"]["stall_vs_dcp_save"] == pytest.approx(1.0)
+
+    sc = report["stage_cost"]
+    assert sc["tensors"] == 2000
+    for key in ("stage_s", "stage_cpu_s", "stage_gc_paused_s", "async_save_call_s", "async_save_durable_s", "stage_us_per_tensor"):
+        assert _positive(sc[key]), key
+    assert report["page_cache"]
+
+
+def test_bench_via_cli_and_bad_arguments(capsys):
+    assert cli_main(["bench", "--size", "lots"]) == 2
+    assert "--size" in capsys.readouterr().err
+    assert bench.main(["--methods", "nope"]) == 2
+    assert "unknown nope" in capsys.readouterr().err
+    assert bench.main(["--help"]) == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where there is no CUDA")
+def test_bench_cuda_without_cuda_fails_clearly(capsys):
+    assert bench.main(["--device", "cuda", "--size", "1MiB"]) == 2
+    err = capsys.readouterr().err
+    assert "CUDA is not available" in err
+
+
+def test_bench_png(tmp_path, capsys):
+    png = tmp_path / "chart.png"
+    rc = bench.main(
+        [
+            "--size", "2MiB", "--tensors", "8", "--reps", "1", "--mem-ckpts", "3", "--methods", "datastates,dcp-save",
+            "--stage-tensors", "0", "--dir", str(tmp_path / "ckpt"), "--cold", "no", "--png", str(png), "--quiet",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    if importlib.util.find_spec("matplotlib") is None:
+        assert "matplotlib" in capsys.readouterr().err and not png.exists()
+    else:
+        assert png.stat().st_size > 1000
