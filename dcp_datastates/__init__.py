@@ -8,7 +8,7 @@
     dcp.load(state, storage_reader=DataStatesReader("ckpt/step-100"))
 """
 
-from .commit import is_committed, latest_checkpoint
+from .commit import check_commit, is_committed, latest_checkpoint
 from .config import DataStatesConfig, parse_size
 from .errors import (
     CheckpointFormatError,
@@ -17,11 +17,13 @@ from .errors import (
     ChecksumMismatchError,
     DataStatesError,
     IncompleteCheckpointError,
+    checkpoint_error_cause,
 )
 from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
 from .runtime import engine_stats, shutdown_engine
 from .staging import protect_optimizer, wait_staged
+from .validate import validate_checkpoint, validate_data_file
 from .writer import DataStatesWriter
 
 __version__ = "0.1.0"
@@ -37,6 +39,10 @@ __all__ = [
     "wait_staged",
     "latest_checkpoint",
     "is_committed",
+    "check_commit",
+    "validate_checkpoint",
+    "validate_data_file",
+    "checkpoint_error_cause",
     "engine_stats",
     "shutdown_engine",
     "DataStatesError",

@@ -319,9 +319,12 @@ def build_state(spec: StateSpec) -> tuple[dict, int, int]:
     def fill(t: torch.Tensor) -> torch.Tensor:
         flat = t.view(-1).view(torch.uint8) if t.numel() else t
         n = flat.numel()
-        for off in range(0, n, block.numel()):
-            k = min(block.numel(), n - off)
-            flat[off : off + k].copy_(block[:k])
+        done = min(n, block.numel())
+        flat[:done].copy_(block[:done])
+        while done < n:  # doubling copies: few calls per tensor
+            k = min(done, n - done)
+            flat[done : done + k].copy_(flat[:k])
+            done += k
         return t
 
     tiny_shapes = [(1,), (4,), (16,), (64,), (256,), ()]
@@ -392,14 +395,17 @@ def empty_like_state(state: dict) -> dict:
     return out
 
 
-def states_equal(a: dict, b: dict) -> bool:
-    """Bitwise comparison of every tensor (NaN-safe: compares bytes) and every other value."""
+def states_equal(a: dict, b: dict, skip: tuple[str, ...] = ("extra.step",)) -> bool:
+    """Bitwise comparison of every tensor (NaN-safe: compares bytes) and every other value but
+    ``skip`` (the step counter moves on between a synchronous method's last save and the load)."""
     import torch
 
     fa, fb = flatten(a), flatten(b)
     if fa.keys() != fb.keys():
         return False
     for k, va in fa.items():
+        if k in skip:
+            continue
         vb = fb[k]
         if isinstance(va, torch.Tensor):
             if not isinstance(vb, torch.Tensor) or va.shape != vb.shape or va.dtype != vb.dtype:
@@ -413,50 +419,59 @@ def states_equal(a: dict, b: dict) -> bool:
 
 # ------------------------------------------------------------------------------- compute phase
 class Compute:
-    """The stand-in for forward + backward: a matmul loop on the training thread, calibrated once
-    (idle machine) to last ``ms`` milliseconds; later runs do the same work, so a slower phase
-    shows how much the checkpoint's background work slowed training down."""
+    """The stand-in for forward + backward: matrix multiplications on the training thread for
+    ``ms`` milliseconds (a fixed window, so every method gets the same time to stage in the
+    background). How many multiplications fit in the window, against the best rate measured with
+    nothing else running, tells how much the checkpoint's background work slowed training."""
 
     def __init__(self, ms: float, device: str) -> None:
         import torch
 
         self.device = torch.device(device)
-        self.a = torch.randn(256, 256, device=self.device)
-        self.b = torch.randn(256, 256, device=self.device)
-        self.iters = 0
-        self.idle_s = 0.0
+        n = 2048 if self.device.type == "cuda" else 256
+        self.a = torch.randn(n, n, device=self.device)
+        self.b = torch.randn(n, n, device=self.device)
+        self.out = torch.empty_like(self.a)
+        self.ms = ms
+        self.idle_rate = 0.0  # multiplications per second, the best seen when idle
         if ms > 0:
-            self._run(20)  # warm up BLAS and its threads
-            n, spent = 4, 0.0
-            while spent < 0.05:  # batches of at least 50 ms of work
-                t0 = time.perf_counter()
-                self._run(n)
-                spent = time.perf_counter() - t0
-                n *= 2
-            per = spent / (n // 2)
-            for _ in range(4):  # the fastest batch: the least disturbed by other processes
-                t0 = time.perf_counter()
-                self._run(n // 2)
-                per = min(per, (time.perf_counter() - t0) / (n // 2))
-            self.iters = max(1, round(ms / 1e3 / per))
-            self.idle_s = min(self._timed() for _ in range(3))
+            self._mm()
+            for _ in range(5):
+                self.calibrate(0.05)
 
-    def _run(self, n: int) -> None:
+    def _mm(self) -> None:
         import torch
 
-        out = torch.empty_like(self.a)
-        for _ in range(n):  # same inputs every time: no drift into denormals
-            torch.mm(self.a, self.b, out=out)
+        torch.mm(self.a, self.b, out=self.out)  # same inputs every time: no drift into denormals
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _timed(self) -> float:
+    def _window(self, seconds: float) -> tuple[float, int]:
         t0 = time.perf_counter()
-        self._run(self.iters)
-        return time.perf_counter() - t0
+        deadline = t0 + seconds
+        count = 0
+        while True:
+            self._mm()
+            count += 1
+            now = time.perf_counter()
+            if now >= deadline:
+                return now - t0, count
 
-    def __call__(self) -> float:
-        return self._timed() if self.iters else 0.0
+    def calibrate(self, seconds: float = 0.1) -> None:
+        """Measure the rate with nothing checkpointing; keep the best (least disturbed) one."""
+        if self.ms > 0:
+            elapsed, count = self._window(seconds)
+            self.idle_rate = max(self.idle_rate, count / elapsed)
+
+    @property
+    def idle_s(self) -> float:
+        return self.ms / 1e3
+
+    def __call__(self) -> tuple[float, int]:
+        """One compute phase: (seconds, multiplications done)."""
+        if self.ms <= 0:
+            return 0.0, 0
+        return self._window(self.ms / 1e3)
 
 
 # ------------------------------------------------------------------------------------ methods
@@ -495,6 +510,7 @@ class _Pending:
 
 class Method:
     name = ""
+    synchronous = False  # durable when the save call returns
     has_children = False
     host_cache = 0  # bytes of staging memory this method keeps for its lifetime
 
@@ -545,6 +561,7 @@ class DataStatesMethod(Method):
 
 class DcpSaveMethod(Method):
     name = "dcp-save"
+    synchronous = True
 
     def save(self, state, path):
         import torch.distributed.checkpoint as dcp
@@ -563,6 +580,7 @@ class DcpSaveMethod(Method):
 
 class DcpAsyncMethod(DcpSaveMethod):
     name = "dcp-async"
+    synchronous = False
 
     def save(self, state, path):
         import torch.distributed.checkpoint as dcp
@@ -577,6 +595,7 @@ class DcpAsyncMethod(DcpSaveMethod):
 
 class DcpAsyncStagerMethod(DcpSaveMethod):
     name = "dcp-async-stager"
+    synchronous = False
 
     def setup(self, state, root):
         super().setup(state, root)
@@ -609,6 +628,7 @@ class DcpAsyncStagerMethod(DcpSaveMethod):
 
 class TorchSaveMethod(Method):
     name = "torch-save"
+    synchronous = True
 
     def save(self, state, path):
         import torch
@@ -758,6 +778,7 @@ def measure_raw(root: str, nbytes: int, reps: int, cold: _Cold) -> dict:
         del mv, buf
         _malloc_trim()
     return {
+        "bytes": nbytes,
         "write_s": _median(writes),
         "read_warm_s": _median(reads),
         "read_cold_s": _median(colds) if colds else None,
@@ -768,6 +789,16 @@ def measure_raw(root: str, nbytes: int, reps: int, cold: _Cold) -> dict:
         "read_warm_gbps": nbytes / _median(reads) / 1e9 if reads else None,
         "read_cold_gbps": nbytes / _median(colds) / 1e9 if colds else None,
     }
+
+
+def _merge_raw(into: dict, more: dict) -> None:
+    """Add ``more``'s samples to ``into`` and recompute the medians."""
+    nbytes = into.get("bytes") or more.get("bytes")
+    for kind in ("write", "read_warm", "read_cold"):
+        samples = into[f"{kind}_samples"] = into[f"{kind}_samples"] + more[f"{kind}_samples"]
+        med = _median(samples) if samples else None
+        into[f"{kind}_s"] = med
+        into[f"{kind}_gbps"] = nbytes / med / 1e9 if med else None
 
 
 def _raw_read(path: str, mv: memoryview, nbytes: int) -> float:
@@ -786,8 +817,9 @@ def _raw_read(path: str, mv: memoryview, nbytes: int) -> float:
 
 
 def run_method(method: Method, state: dict, targets: dict, root: str, args, compute: Compute, model_bytes: int, cold: _Cold) -> dict:
-    """Measures one method: the training loop (stall, upload wait, memory), isolated durable
-    saves, warm and cold loads. Checkpoint folders are removed as soon as they are not needed."""
+    """Measures one method: the training loop (stall, upload wait, memory), durable saves with
+    nothing else running, warm and cold loads. Checkpoint folders are removed as soon as they
+    are not needed (a checkpoint on /dev/shm is memory)."""
     shutil.rmtree(root, ignore_errors=True)
     os.makedirs(root, exist_ok=True)
     _malloc_trim()
@@ -808,59 +840,58 @@ def run_method(method: Method, state: dict, targets: dict, root: str, args, comp
     sampler = _RssSampler(children=method.has_children)
     baseline = sampler.now()
     n_loop = max(args.mem_ckpts, args.reps + 1)
-    calls, step_waits, upload_waits, computes, durable_loop, peaks = [], [], [], [], [], []
-    setup_s = 0.0
+    calls, step_waits, upload_waits, comp_s, comp_n, durable_loop, windows = [], [], [], [], [], [], []
+    paths: list[str] = []
     with sampler:
         t_setup = time.perf_counter()
         method.setup(state, root)
-        setup_s = time.perf_counter() - t_setup
+        res["setup_s"] = time.perf_counter() - t_setup
         pending: _Pending | None = None
-        paths: list[str] = []
         for i in range(n_loop):
             t_begin = time.perf_counter()
             if pending is not None:
                 pending.wait_durable()  # at most one checkpoint in flight
                 durable_loop.append(pending.durable_s)
-            upload_wait = time.perf_counter() - t_begin
+            upload_waits.append(time.perf_counter() - t_begin)
             while len(paths) > 1:  # keep the last committed checkpoint only (bounds /dev/shm use)
                 remove(paths.pop(0))
             path = new_path()
             paths.append(path)
             t0 = time.perf_counter()
             pending = method.save(state, path)
-            call = time.perf_counter() - t0
-            comp = compute()
+            calls.append(time.perf_counter() - t0)
+            seconds, count = compute()  # forward + backward
+            comp_s.append(seconds)
+            comp_n.append(count)
             t1 = time.perf_counter()
-            pending.wait_staged()
-            step_wait = time.perf_counter() - t1
+            pending.wait_staged()  # what protect_optimizer / the method's guard does
+            step_waits.append(time.perf_counter() - t1)
             state["extra"]["step"] = i + 1  # the optimizer step (stand-in: nothing heavy)
-            calls.append(call)
-            step_waits.append(step_wait)
-            upload_waits.append(upload_wait)
-            computes.append(comp)
-            peaks.append((t_begin, time.perf_counter()))
-        t_end_wait = time.perf_counter()
+            windows.append(t_begin)
+        t_end = time.perf_counter()
         pending.wait_durable()
         durable_loop.append(pending.durable_s)
-        last_wait = time.perf_counter() - t_end_wait
-        # Per-checkpoint peak: from its request to the next request (the last: until durable).
-        windows = [(peaks[k][0], peaks[k + 1][0] if k + 1 < len(peaks) else time.perf_counter()) for k in range(len(peaks))]
-    per_ckpt_peak = [sampler.peak_between(a, b) for a, b in windows]
+        last_wait = time.perf_counter() - t_end
+        windows.append(time.perf_counter())
+    # Per-checkpoint peak RSS: from its request to the next request (the last: until durable).
+    per_ckpt_peak = [sampler.peak_between(windows[k], windows[k + 1]) for k in range(n_loop)]
     res["loop_checkpoints"] = n_loop
-    res["setup_s"] = setup_s
     stalls = [c + w for c, w in zip(calls, step_waits)]
-    # The first checkpoint includes one-time costs (engine start, first touch of the cache,
-    # the writer process of torch_checkpointing): reported, not in the medians.
+    # Checkpoint 1 carries one-time costs (engine threads, first touch of a cache, a writer
+    # process): reported as first_stall_s, left out of the medians.
     res["first_stall_s"] = stalls[0]
     res["call_s"] = _median(calls[1:])
     res["step_wait_s"] = _median(step_waits[1:])
     res["stall_s"] = _median(stalls[1:])
-    res["upload_wait_s"] = _median(upload_waits[2:] + [last_wait])
-    res["stall_with_upload_wait_s"] = _median([s + u for s, u in zip(stalls[1:], upload_waits[2:] + [last_wait])])
-    res["compute_s"] = _median(computes[1:])
-    res["compute_slowdown"] = _ratio(res["compute_s"], compute.idle_s) if compute.iters else None
+    # The wait at request k+1 is for checkpoint k.
+    after = upload_waits[2:] + [last_wait]
+    res["upload_wait_s"] = _median(after)
+    res["stall_with_upload_wait_s"] = _median([st + u for st, u in zip(stalls[1:], after)])
+    res["compute_s"] = _median(comp_s[1:])
+    res["compute_rate"] = sum(comp_n[1:]) / sum(comp_s[1:]) if sum(comp_s[1:]) > 0 else None
     res["durable_in_loop_s"] = _median(durable_loop[1:])
     res["stall_samples"] = stalls
+    res["upload_wait_samples"] = upload_waits[1:] + [last_wait]
     res["memory"] = {
         "model_bytes": model_bytes,
         "host_cache_bytes": method.host_cache,
@@ -873,29 +904,33 @@ def run_method(method: Method, state: dict, targets: dict, root: str, args, comp
     }
     if len(per_ckpt_peak) >= 3:
         growth = max(per_ckpt_peak[2:]) - per_ckpt_peak[1]
-        tolerance = max(16 * MiB, model_bytes // 50)
         res["memory"]["growth_after_second"] = growth
-        res["memory"]["flat_from_second"] = growth <= tolerance
+        res["memory"]["flat_from_second"] = growth <= max(16 * MiB, model_bytes // 50)
     budget = method.host_cache + model_bytes // 10
     res["memory"]["within_cache_plus_10pct"] = res["memory"]["rss_overhead"] <= budget
+    compute.calibrate()  # idle again: refresh the reference rate
+
+    # ---- durable: request -> durable and committed, with nothing else running. A synchronous
+    # method's loop checkpoints already were exactly that (nothing overlaps its call).
+    if method.synchronous:
+        durables = durable_loop[1:]
+        last_path = paths.pop()
+    else:
+        last_path = None
+        durables = []
+        for _ in range(args.reps):
+            remove(last_path)
+            last_path = new_path()
+            p = method.save(state, last_path)
+            p.wait_staged()
+            p.wait_durable()
+            durables.append(p.durable_s)
     while paths:
         remove(paths.pop(0))
-
-    # ---- durable: request -> durable and committed, nothing else running.
-    durables, dcalls = [], []
-    last_path = None
-    for _ in range(args.reps):
-        remove(last_path)
-        last_path = new_path()
-        p = method.save(state, last_path)
-        dcalls.append(time.perf_counter() - p.t_request)
-        p.wait_staged()
-        p.wait_durable()
-        durables.append(p.durable_s)
     res["durable_s"] = _median(durables)
     res["durable_samples"] = durables
 
-    # ---- load: warm (right after the save), then cold when the page cache can be dropped.
+    # ---- load: warm (right after the save), then cold (the checkpoint's pages evicted).
     warm, colds = [], []
     for r in range(args.reps):
         t0 = time.perf_counter()
@@ -915,12 +950,12 @@ def run_method(method: Method, state: dict, targets: dict, root: str, args, comp
     res["load_warm_samples"] = warm
     res["load_cold_samples"] = colds
     res["disk_bytes"] = _tree_bytes(last_path)
-    res["other_processes_cores"] = meter.other_cores()
-    res["method_wall_s"] = time.perf_counter() - t_method
     method.close()
     remove(last_path)
     shutil.rmtree(root, ignore_errors=True)
     _malloc_trim()
+    res["other_processes_cores"] = meter.other_cores()
+    res["method_wall_s"] = time.perf_counter() - t_method
     return res
 
 
@@ -1046,6 +1081,8 @@ def add_ratios(run: dict) -> None:
         m["durable_vs_raw"] = _ratio(m.get("durable_s"), raw.get("write_s"))
         m["load_warm_vs_raw"] = _ratio(m.get("load_warm_s"), raw.get("read_warm_s"))
         m["load_cold_vs_raw"] = _ratio(m.get("load_cold_s"), raw.get("read_cold_s"))
+        # How much slower the compute phase ran while this method checkpointed (1.0: not at all).
+        m["compute_slowdown"] = _ratio(run.get("compute_idle_rate"), m.get("compute_rate"))
 
 
 def format_run(run: dict) -> str:
@@ -1053,7 +1090,7 @@ def format_run(run: dict) -> str:
     raw = run["raw"]
     lines.append(
         f"== {run['dir']} ({run['filesystem']}): {_human(run['state_bytes'])} in {run['tensors']} tensors; "
-        f"compute phase {run['compute_idle_s'] * 1e3:.0f} ms idle; reps {run['reps']}; cold loads: {run['cold_loads']}"
+        f"compute phase {run['compute_idle_s'] * 1e3:.0f} ms; reps {run['reps']}; cold loads: {run['cold_loads']}"
     )
     lines.append(
         f"   raw bound: write+fsync {_fmt(raw['write_s'])} s ({_fmt(raw['write_gbps'])} GB/s), "
@@ -1123,7 +1160,7 @@ def format_report(report: dict) -> str:
     out.append(
         "stall = time in the save call + wait before the next optimizer step; 'vs save' columns divide by dcp.save; "
         "'vs raw' by one pwrite+fsync / one preadv of the same bytes; upl.wait = wait for the previous checkpoint "
-        "at the next request (one compute phase apart); compute = compute phase time / idle; peak-base = peak RSS "
+        "at the next request (one compute phase apart); compute = idle matmul rate / rate during the compute phase; peak-base = peak RSS "
         "minus RSS before the first checkpoint; flat = no growth from the 2nd checkpoint on."
     )
     out.append(f"page cache: {report['page_cache']}")
@@ -1303,7 +1340,7 @@ def main(argv: list[str] | None = None) -> int:
         state, model_bytes, ntensors = build_state(spec)
         targets = empty_like_state(state)
         compute = Compute(compute_ms, args.device)
-        log(f"compute phase: {compute.iters} matmuls, {compute.idle_s * 1e3:.0f} ms idle")
+        log(f"compute phase: {compute_ms:.0f} ms of matmuls ({compute.idle_rate:.0f}/s idle)")
         tc_missing = _torch_checkpointing_available() if "torch-checkpointing" in methods else None
         cold_used: str | None = None
         for d in dirs:
@@ -1320,7 +1357,6 @@ def main(argv: list[str] | None = None) -> int:
                 "tensors": ntensors,
                 "reps": args.reps,
                 "compute_idle_s": compute.idle_s,
-                "compute_iters": compute.iters,
                 "cold_loads": (
                     f"yes ({'checkpoint files evicted with fsync + posix_fadvise(DONTNEED)' if mode == 'fadvise' else 'echo 3 > /proc/sys/vm/drop_caches'} before each)"
                     if mode
@@ -1340,6 +1376,8 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "torch-checkpointing" and tc_missing:
                     run["methods"][name] = {"available": False, "reason": tc_missing}
                     continue
+                if not args.no_raw:  # one more raw sample beside each method: the machine drifts
+                    _merge_raw(run["raw"], measure_raw(os.path.join(d, "raw"), model_bytes, 1, cold))
                 log(f"{d}: {name}")
                 method = make_method(name, host_cache)
                 try:
@@ -1349,6 +1387,7 @@ def main(argv: list[str] | None = None) -> int:
                     log(f"{d}: {name} failed: {exc}")
                     with contextlib.suppress(Exception):
                         method.close()
+            run["compute_idle_rate"] = compute.idle_rate
             add_ratios(run)
             run["loadavg_end"] = os.getloadavg()
             run["other_processes_cores"] = meter.other_cores()

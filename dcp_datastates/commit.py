@@ -9,6 +9,9 @@
 - A folder is a complete checkpoint when its marker decodes and every data file it lists is
   present with the recorded size (``check_commit``); ``latest_checkpoint`` returns the newest
   such folder under a root.
+- Remote folders (fsspec URLs, see ``storage.py``): the old marker is deleted before any data
+  object is uploaded; the marker is written with one PUT (atomic on object stores) after every
+  data object is complete. Every function here takes ``storage_options`` for them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import uuid
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
+from . import storage
 from .errors import CheckpointFormatError, CheckpointWriteError, DataStatesError, IncompleteCheckpointError
 from .metadata import METADATA_NAME, ItemLocation, decode_metadata, encode_metadata
 
@@ -54,8 +58,12 @@ def _remove_stale_markers(path: str) -> None:
                 pass
 
 
-def prepare_folder(path: str, *, overwrite: bool) -> None:
+def prepare_folder(path: str, *, overwrite: bool, storage_options: dict | None = None) -> None:
     """Create the folder and invalidate an existing commit before new data is written."""
+    if storage.is_remote(path):
+        storage.remote_folder(path, storage_options).prepare(overwrite=overwrite)
+        return
+    path = storage.local_path(path)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
@@ -82,10 +90,16 @@ def prepare_folder(path: str, *, overwrite: bool) -> None:
         raise CheckpointWriteError(f"cannot sync checkpoint folder {path}: {exc.strerror or exc}") from exc
 
 
-def write_commit(path: str, md: Metadata, locations: dict[MetadataIndex, ItemLocation], *, sync: bool) -> None:
+def write_commit(
+    path: str, md: Metadata, locations: dict[MetadataIndex, ItemLocation], *, sync: bool, storage_options: dict | None = None
+) -> None:
     """Write ``.metadata`` atomically. Raises CheckpointWriteError naming the folder and the
     cause; on failure no marker (and no temporary file) is left behind."""
     data = encode_metadata(md, locations)
+    if storage.is_remote(path):
+        storage.remote_folder(path, storage_options).write_marker(data)
+        return
+    path = storage.local_path(path)
     tmp = os.path.join(path, f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -113,11 +127,14 @@ def write_commit(path: str, md: Metadata, locations: dict[MetadataIndex, ItemLoc
         ) from exc
 
 
-def check_commit(path: str | os.PathLike) -> None:
+def check_commit(path: str | os.PathLike, *, storage_options: dict | None = None) -> None:
     """Raise unless ``path`` holds a complete checkpoint: the marker decodes and every data file
     it lists exists with the recorded size. IncompleteCheckpointError when something is missing
     or short, CheckpointFormatError when the marker is damaged. Reads no tensor data."""
-    path = os.fspath(path)
+    if storage.is_remote(path):
+        _check_remote_commit(storage.remote_folder(os.fspath(path), storage_options))
+        return
+    path = storage.local_path(path)
     marker = os.path.join(path, METADATA_NAME)
     try:
         with open(marker, "rb") as f:
@@ -140,14 +157,34 @@ def check_commit(path: str | os.PathLike) -> None:
             )
 
 
-def is_committed(path: str | os.PathLike, *, check_files: bool = False) -> bool:
+def _check_remote_commit(folder: "storage.RemoteFolder") -> None:
+    try:
+        raw = folder.read_marker()
+    except FileNotFoundError:
+        raise IncompleteCheckpointError(f"incomplete checkpoint {folder.url}: there is no {METADATA_NAME} commit marker") from None
+    _, files = decode_metadata(raw, folder.url_of(METADATA_NAME))
+    sizes = folder.sizes()  # one listing for every data file
+    for name, info in files.items():
+        size = sizes.get(name)
+        if size is None:
+            raise IncompleteCheckpointError(f"incomplete checkpoint {folder.url}: data file {name} is missing")
+        if size != info.size:
+            raise IncompleteCheckpointError(
+                f"incomplete checkpoint {folder.url}: data file {name} is {size} bytes, the metadata expects {info.size}"
+            )
+
+
+def is_committed(path: str | os.PathLike, *, check_files: bool = False, storage_options: dict | None = None) -> bool:
     """True when ``path`` holds a commit marker; with ``check_files``, only when ``check_commit``
     also passes (marker decodes, data files present with the right sizes)."""
-    path = os.fspath(path)
+    if storage.is_remote(path) and not check_files:
+        folder = storage.remote_folder(os.fspath(path), storage_options)
+        return folder.size(METADATA_NAME) is not None
+    path = os.fspath(path) if storage.is_remote(path) else storage.local_path(path)
     if not check_files:
         return os.path.isfile(os.path.join(path, METADATA_NAME))
     try:
-        check_commit(path)
+        check_commit(path, storage_options=storage_options)
     except (DataStatesError, OSError):
         return False
     return True
@@ -156,7 +193,9 @@ def is_committed(path: str | os.PathLike, *, check_files: bool = False) -> bool:
 _STEP = re.compile(r"(\d+)(?!.*\d)")
 
 
-def latest_checkpoint(root: str | os.PathLike, *, check_files: bool = True) -> str | None:
+def latest_checkpoint(
+    root: str | os.PathLike, *, check_files: bool = True, storage_options: dict | None = None
+) -> str | None:
     """The newest complete checkpoint folder directly under ``root`` (``step-100``, ``ckpt_7`` ...):
     the highest number in the name among folders holding a valid commit; None if there is none.
 
@@ -165,7 +204,10 @@ def latest_checkpoint(root: str | os.PathLike, *, check_files: bool = True) -> s
     counts only if its marker decodes and its data files are all present with the right sizes;
     otherwise a marker file is enough.
     """
-    root = os.fspath(root)
+    if storage.is_remote(root):
+        folder = storage.remote_folder(os.fspath(root), storage_options)
+        return _latest_remote(folder, check_files=check_files, storage_options=storage_options)
+    root = storage.local_path(root)
     try:
         names = os.listdir(root)
     except (FileNotFoundError, NotADirectoryError):
@@ -179,4 +221,13 @@ def latest_checkpoint(root: str | os.PathLike, *, check_files: bool = True) -> s
         full = os.path.join(root, name)
         if os.path.isdir(full) and is_committed(full, check_files=check_files):
             return full
+    return None
+
+
+def _latest_remote(folder: "storage.RemoteFolder", *, check_files: bool, storage_options: dict | None) -> str | None:
+    candidates = [(int(m.group(1)), name) for name in folder.subfolders() if (m := _STEP.search(name))]
+    for _, name in sorted(candidates, reverse=True):
+        url = folder.url_of(name)
+        if is_committed(url, check_files=check_files, storage_options=storage_options):
+            return url
     return None

@@ -47,8 +47,8 @@ def checkpoint_error_cause(exc: BaseException) -> BaseException:
     ``AssertionError("metadata is None; global metadata read failed: <message>; ...")``, losing
     the type; from such a message an ``IncompleteCheckpointError`` (the message starts with
     "incomplete checkpoint"), a ``CheckpointFormatError`` (it names a ``.metadata`` file) or a
-    ``FileNotFoundError`` ("no checkpoint at") is rebuilt with the original message. Anything
-    else is returned unchanged.
+    ``FileNotFoundError`` / ``NotADirectoryError`` ("no checkpoint at") is rebuilt with the
+    original message. Anything else is returned unchanged.
     """
     import re  # noqa: PLC0415
 
@@ -66,7 +66,7 @@ def checkpoint_error_cause(exc: BaseException) -> BaseException:
             if text.startswith("incomplete checkpoint "):
                 return IncompleteCheckpointError(text)
             if text.startswith("no checkpoint at "):
-                return FileNotFoundError(text)
+                return NotADirectoryError(text) if "it is a file" in text else FileNotFoundError(text)
             if re.match(r"[^\n]*\.metadata: ", text):
                 return CheckpointFormatError(text)
     return exc

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
+from . import remote, storage
 from .config import DataStatesConfig
 from .errors import ChecksumMismatchError, CheckpointFormatError, IncompleteCheckpointError
 from .layout import name_to_dtype
@@ -97,15 +98,19 @@ class DataStatesReader(StorageReader):
     def __init__(self, path: str | os.PathLike | None = None, *, config=None, **options: Any) -> None:
         super().__init__()
         self.config = DataStatesConfig.resolve(config, options)
-        self.path = None if path is None else os.fspath(path)
+        self.path = storage.normalize(path)
         self.storage_data: _StorageIndex | None = None
         self.rank = 0
+        self._folder: storage.RemoteFolder | None = None  # remote checkpoints (fsspec URLs)
+        self._sizes: dict[str, int] | None = None  # remote data-object sizes, one listing per load
 
     # ---------------------------------------------------------------------------- StorageReader
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
+            self.path = storage.normalize(checkpoint_id)
         self.storage_data = None
+        self._folder = None
+        self._sizes = None
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -114,6 +119,12 @@ class DataStatesReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if self.path is None:
             raise ValueError("DataStatesReader: no checkpoint path (pass path= or checkpoint_id=)")
+        if storage.is_remote(self.path):
+            folder = self._remote()
+            marker = folder.url_of(METADATA_NAME)
+            raw = folder.read_marker()
+            md, files = decode_metadata(raw, marker)
+            return self._with_index(md, files)
         marker = os.path.join(self.path, METADATA_NAME)
         try:
             with open(marker, "rb") as f:
@@ -132,6 +143,9 @@ class DataStatesReader(StorageReader):
         except IsADirectoryError:
             raise CheckpointFormatError(f"{marker}: the commit marker is a folder, not a metadata file") from None
         md, files = decode_metadata(raw, marker)
+        return self._with_index(md, files)
+
+    def _with_index(self, md: Metadata, files: dict[str, FileInfo]) -> Metadata:
         index = _StorageIndex(md.storage_data)
         index.files = files
         index.checkpoint_path = self.path  # names this folder in planner errors (it may have moved)
@@ -164,8 +178,8 @@ class DataStatesReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        s = os.fspath(checkpoint_id)
-        return "://" not in s or s.startswith("file://")
+        """Local paths, ``file://`` and any URL whose protocol fsspec knows."""
+        return storage.is_supported_url(checkpoint_id)
 
     # --------------------------------------------------------------------------------- helpers
     def _location(self, req: ReadItem) -> ItemLocation:
@@ -177,8 +191,37 @@ class DataStatesReader(StorageReader):
                 f"at offset {list(req.storage_index.offset or [])}"
             ) from None
 
+    def _remote(self) -> storage.RemoteFolder:
+        if self._folder is None or self._folder.url != self.path:
+            self._folder = storage.remote_folder(self.path, self.config.storage_options)
+            self._sizes = None
+        return self._folder
+
+    def _check_remote_file(self, name: str) -> None:
+        """The data object exists with the recorded size (one listing of the folder per load)."""
+        folder = self._remote()
+        if self._sizes is None or name not in self._sizes:
+            self._sizes = folder.sizes()
+        size = self._sizes.get(name)
+        if size is None:
+            size = folder.size(name)  # listings can be partial on some stores: ask for the object itself
+        if size is None:
+            raise IncompleteCheckpointError(
+                f"incomplete checkpoint {self.path}: data file {name} is missing ({folder.url_of(name)}; the metadata lists it)"
+            )
+        info = self.storage_data.files.get(name)
+        if info is not None and size != info.size:
+            raise IncompleteCheckpointError(
+                f"incomplete checkpoint {self.path}: data file {name} is {size} bytes, the metadata expects "
+                f"{info.size} ({'truncated' if size < info.size else 'replaced or appended to'})"
+            )
+
     def _check_file(self, name: str) -> str:
         import stat  # noqa: PLC0415 - kept local to this method
+
+        if storage.is_remote(self.path):
+            self._check_remote_file(name)
+            return name
 
         full = os.path.join(self.path, name)
         info = self.storage_data.files.get(name)
@@ -207,7 +250,9 @@ class DataStatesReader(StorageReader):
             pending.append(p)
             if p.buf.numel():
                 ranges.append((p.buf.data_ptr(), p.read_start, p.buf.numel()))
-        if ranges:
+        if ranges and storage.is_remote(self.path):
+            remote.read_ranges(self._remote(), name, ranges, concurrency=max(remote.READ_CONCURRENCY, self.config.read_threads))
+        elif ranges:
             get_engine(self.config).read_into(full, ranges)
         for p in pending:
             if self.config.verify and p.loc.crc32c:

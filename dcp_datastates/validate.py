@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from .errors import CheckpointFormatError, IncompleteCheckpointError
 from .layout import safetensors_dtype
-from .metadata import METADATA_NAME, ItemLocation, decode_metadata
+from .metadata import METADATA_NAME, ItemLocation, _DuplicateKey, _no_duplicate_keys, decode_metadata
 
 __all__ = [
     "DataFileItem",
@@ -84,19 +84,6 @@ class DataFileHeader:
     metadata: dict  # the "__metadata__" mapping (str -> str), {} when absent
 
 
-class _DuplicateKey(Exception):
-    pass
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> dict:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
-    return out
-
-
 def _bytes_text(bits: int) -> str:
     return str(bits // 8) if bits % 8 == 0 else f"{bits // 8} and {bits % 8} bits"
 
@@ -141,7 +128,7 @@ def parse_header(data: bytes, file_size: int | None = None, source: str = "<data
     if raw[:1] != b"{":
         raise fail("the header does not start with '{' (not a safetensors file)")
     try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_pairs)
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
     except _DuplicateKey as exc:
         raise fail(f"duplicate key {exc.args[0]!r} in the header") from None
     except (ValueError, RecursionError, MemoryError) as exc:  # UnicodeDecodeError and JSONDecodeError too

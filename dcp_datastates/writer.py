@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from . import commit
+from . import commit, remote, storage
 from .config import DataStatesConfig
 from .errors import CheckpointWriteError
 from .layout import data_file_name, plan_file
@@ -59,6 +59,7 @@ class _FileJob:
     data_start: int
     piece_size: int
     engine: Any = None  # the engine running ``job``
+    upload: Future | None = None  # remote files: resolves once the object is complete in the store
 
     def wait_staged(self, timeout: float | None = None) -> bool:
         return self.job.wait_staged(timeout)
@@ -160,6 +161,33 @@ def _on_one_device(engine, items: list[SourceItem]) -> tuple[int, list[SourceIte
     return -1, host
 
 
+# Saves whose data files are still being written, by checkpoint path (process-wide).
+_inflight: dict[str, _StagedSave] = {}
+_inflight_lock = threading.Lock()
+
+
+def _refuse_concurrent_save(path: str) -> None:
+    """Two saves writing the same folder at once could leave one's commit describing the
+    other's files; refuse the second (it fails from its futures, training goes on)."""
+    with _inflight_lock:
+        for done in [p for p, st in _inflight.items() if all(f.job.is_done() for f in st.files)]:
+            del _inflight[done]
+        if path in _inflight:
+            raise CheckpointWriteError(
+                f"a save to {path} is still writing its data; wait for its upload_completion "
+                f"before saving to the same path again"
+            )
+
+
+def _unlink_quietly(path: str) -> None:
+    """Remove an old data file (a hard link or symlink shared with another checkpoint must not be
+    truncated in place); errors surface when the engine creates the file."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
 def _current_stream(device: int) -> int:
     """Handle of this thread's current CUDA stream on ``device``: the engine's copies of a job
     run after the work queued on it when the job is submitted (the kernels producing the state)."""
@@ -182,11 +210,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def __init__(self, path: str | os.PathLike | None = None, *, config=None, **options: Any) -> None:
         super().__init__()
         self.config = DataStatesConfig.resolve(config, options)
-        self.path = None if path is None else os.fspath(path)
+        self.path = storage.normalize(path)
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self.rank = 0
         self._staged: dict[str, _StagedSave] = {}
+        self._remote_folders: dict[str, storage.RemoteFolder] = {}
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ pickling (process mode)
@@ -212,15 +241,16 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if target is None:
             future.set_exception(ValueError("DataStatesWriter: no checkpoint path (pass path= or checkpoint_id=)"))
             return future
-        target = os.fspath(target)
+        target = storage.normalize(target)
         try:
+            _refuse_concurrent_save(target)
             items, flat, mappings = collect_items(state_dict)
             group, no_dist = call.get("process_group"), bool(call.get("no_dist", False))
             rank, world = _rank_of(group, no_dist), _world_of(group, no_dist)
             staged = _StagedSave(path=target)
             if world > 1 and self.config.dedup_replicated:
                 items, staged.skipped, staged.replicated_digest = select_owned(items, flat, rank, world)
-            commit.prepare_folder(target, overwrite=self.config.overwrite)
+            commit.prepare_folder(target, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
             for k, group in enumerate(_by_device(items)):  # one engine job (and file) per device
                 staged.files.append(self._submit(target, data_file_name(rank, k), group))
         except Exception as exc:  # noqa: BLE001 - surfaces from the futures, as DCP users expect
@@ -228,6 +258,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             return future
         with self._lock:
             self._staged[target] = staged
+        with _inflight_lock:
+            _inflight[target] = staged
         tracker().add(staged)
         # The staged dict: same structure, live tensors (the engine owns their bytes now), and the
         # non-tensor values already serialized into the job.
@@ -245,6 +277,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             tracker().discard(staged)
         errors = [f.job.error() for f in staged.files if f.job.error()]
         if errors:
+            for f in staged.files:
+                f.job.wait_done(None)  # let the engine wind the failed jobs down first
             future.set_exception(CheckpointWriteError("; ".join(errors)))
         else:
             future.set_result(staged_dict)
@@ -264,21 +298,38 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         layout = plan_file([it.entry for it in items])
         spans = [(it.ptr, it.entry.nbytes, off) for it, off in zip(items, layout.offsets)]
         stream = _current_stream(device) if device >= 0 else 0
-        job = engine.submit_write(
-            os.path.join(folder, name), layout.header, layout.file_size, spans, self.config.sync_files, device, stream
-        )
+        upload = None
+        if storage.is_remote(folder):  # streamed to the object store by an uploader thread
+            job, upload = remote.submit_upload(
+                engine, self._remote(folder), name, layout.header, layout.file_size, spans, device, stream
+            )
+            return self._file_job(name, job, items, layout, engine, upload)
+        path = os.path.join(folder, name)
+        _unlink_quietly(path)  # a new inode: never write into a file another checkpoint links to
+        job = engine.submit_write(path, layout.header, layout.file_size, spans, self.config.sync_files, device, stream)
+        return self._file_job(name, job, items, layout, engine, upload)
+
+    def _file_job(self, name: str, job, items: list[SourceItem], layout, engine, upload) -> _FileJob:
         piece = job.piece_size()
         locations = {
             it.key: ItemLocation(name, off, it.entry.nbytes, it.entry.dtype, it.entry.shape, (), layout.data_start, piece)
             for it, off in zip(items, layout.offsets)
         }
         keepalive = [it.keepalive for it in items]
-        return _FileJob(name, job, [it.key for it in items], locations, keepalive, layout.data_start, piece, engine)
+        return _FileJob(name, job, [it.key for it in items], locations, keepalive, layout.data_start, piece, engine, upload)
+
+    def _remote(self, folder: str) -> storage.RemoteFolder:
+        """The fsspec folder of a remote checkpoint (one per URL, reused by this writer)."""
+        with self._lock:
+            cached = self._remote_folders.get(folder)
+            if cached is None:
+                cached = self._remote_folders[folder] = storage.remote_folder(folder, self.config.storage_options)
+            return cached
 
     # ---------------------------------------------------------------------------- StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
+            self.path = storage.normalize(checkpoint_id)
         self.save_id = uuid.uuid4().hex
 
     @property
@@ -298,7 +349,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         with self._lock:
             staged = self._staged.get(self.path)
         if staged is None:  # dcp.save: nothing staged, so the folder was not prepared yet
-            commit.prepare_folder(self.path, overwrite=self.config.overwrite)
+            commit.prepare_folder(self.path, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
             return dataclasses.replace(plan, storage_data=RankReport(self.rank, None))
         if plan.usable and staged.skipped:
             # Leave replicated items to the rank that staged them, so any planner's dedup
@@ -338,6 +389,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             known.update({k: extra for k in extra.keys})
         errors = []
         for f in staged.files:
+            if f.upload is not None:  # remote: the object is complete (or the upload failed)
+                exc = f.upload.exception()
+                if exc is not None:
+                    f.job.wait_done(None)
+                    f.keepalive = None
+                    errors.append(str(exc))
+                    continue
             f.job.wait_done(None)
             f.keepalive = None
             if f.job.error():
@@ -362,13 +420,17 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if metadata.storage_meta is None:  # DCP's default planner does not fill it
+            metadata = dataclasses.replace(metadata, storage_meta=self.storage_meta())
         locations: dict[MetadataIndex, ItemLocation] = {}
         for rank_results in results:
             for r in rank_results:
                 locations[r.index] = r.storage_data
-        commit.write_commit(self.path, metadata, locations, sync=self.config.sync_files)
+        commit.write_commit(
+            self.path, metadata, locations, sync=self.config.sync_files, storage_options=self.config.storage_options
+        )
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        s = os.fspath(checkpoint_id)
-        return "://" not in s or s.startswith("file://")
+        """Local paths, ``file://`` and any URL whose protocol fsspec knows."""
+        return storage.is_supported_url(checkpoint_id)

@@ -219,10 +219,10 @@ def test_metadata_is_a_folder_and_path_is_a_file(ckpt, tmp_path):
     assert isinstance(err, CheckpointFormatError) and "the commit marker is a folder" in str(err)
     afile = tmp_path / "plain-file"
     afile.write_text("x")
-    with pytest.raises(NotADirectoryError, match=f"no checkpoint at {afile}: it is a file"):
-        DataStatesReader(afile).read_metadata()
-    with pytest.raises(FileNotFoundError, match="the folder does not exist"):
-        DataStatesReader(tmp_path / "missing").read_metadata()
+    err = read_metadata_error(afile)
+    assert isinstance(err, NotADirectoryError) and str(err) == f"no checkpoint at {afile}: it is a file, not a checkpoint folder"
+    err = read_metadata_error(tmp_path / "missing")
+    assert type(err) is FileNotFoundError and "the folder does not exist" in str(err)
     with raises_through_dcp(f"no checkpoint at {tmp_path / 'missing'}: the folder does not exist"):
         load(tmp_path / "missing")
 

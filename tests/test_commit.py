@@ -82,8 +82,9 @@ def test_resave_removes_old_marker_before_any_data_is_written(tmp_path, api, sma
     real_get_engine = writer_mod.get_engine
     monkeypatch.setattr(writer_mod, "get_engine", lambda cfg: _SpyEngine(real_get_engine(cfg), marker, seen))
     save(folder, 2.0, api)
-    # one data file submitted, over the old one, and the old commit was already gone then
-    assert seen == [("__0_0.safetensors", False, True)]
+    # one data file submitted; by then the old commit was gone, and the old data file was
+    # unlinked (the engine creates a new inode instead of truncating a possibly shared one)
+    assert seen == [("__0_0.safetensors", False, False)]
     assert_holds(folder, 2.0)
 
 
@@ -226,13 +227,6 @@ def test_check_commit_messages(tmp_path, small_engine):
         commit.check_commit(folder)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine fix needed: Engine::ensure_open (csrc/engine.cpp) opens an existing data file with "
-    "O_TRUNC and writes into that inode (following symlinks), so re-saving into a folder whose data "
-    "file is a hard link or symlink (cp -al / rsync --link-dest snapshots) destroys the other "
-    "checkpoint. It should unlink the path and create a new file (O_CREAT|O_EXCL|O_NOFOLLOW).",
-)
 def test_resave_never_writes_into_another_checkpoints_file(tmp_path, small_engine):
     old = tmp_path / "step-100"
     save(old, 100.0, "sync")
@@ -243,6 +237,19 @@ def test_resave_never_writes_into_another_checkpoints_file(tmp_path, small_engin
     save(snap, 200.0, "sync")
     assert_holds(snap, 200.0)
     assert_holds(old, 100.0)  # the other checkpoint must be untouched
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_resave_never_writes_through_a_planted_symlink(tmp_path, small_engine, api):
+    precious = tmp_path / "precious.bin"
+    precious.write_bytes(b"not a checkpoint" * 100)
+    folder = tmp_path / "step-1"
+    folder.mkdir()
+    os.symlink(precious, folder / "__0_0.safetensors")
+    save(folder, 1.0, api)
+    assert precious.read_bytes() == b"not a checkpoint" * 100
+    assert not os.path.islink(folder / "__0_0.safetensors")
+    assert_holds(folder, 1.0)
 
 
 def test_overwrite_false_keeps_the_commit_and_its_bytes(tmp_path, small_engine):

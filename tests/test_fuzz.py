@@ -37,6 +37,7 @@ QUICK = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     derandomize=True,
+    database=None,
 )
 
 

@@ -235,3 +235,17 @@ def test_load_casts_into_other_dtype(tmp_path):
     dest = {"w": torch.zeros(50, dtype=torch.float64)}
     dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
     assert torch.equal(dest["w"], state["w"].double())
+
+
+def test_second_save_to_a_path_still_being_written_is_refused(tmp_path):
+    state = {f"t{i}": torch.randn(1 << 20) for i in range(16)}  # 64 MiB: still flushing after stage()
+    snapshot = clone_state(state)
+    first = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c"))
+    second = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c"))
+    with pytest.raises(CheckpointWriteError, match="still writing its data; wait for its upload_completion"):
+        second.upload_completion.result()
+    first.upload_completion.result()  # the first save is unaffected
+    dest = zeros_like_state(state)
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert_state_equal(snapshot, dest)
+    dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c")).upload_completion.result()  # then allowed

@@ -232,6 +232,124 @@ void run_phase(const std::string& dir, int phase, double cache_wait_timeout, boo
               total, failed, faults ? 1 : 0, cache_wait_timeout, (unsigned long long)st.backpressure_waits);
 }
 
+// Streaming jobs (submit_stream) through a 3-slot cache: a consumer thread per job takes chunks
+// in file order with random delays, some consumers abort midway, file jobs are interleaved, and
+// (phase with a tiny cache_wait_timeout) copies time out. Every job must end done, successful
+// streams must reassemble to the expected bytes with the right checksums, and no slot may leak.
+void run_stream_phase(const std::string& dir, int phase, double cache_wait_timeout, bool aborts) {
+  EngineConfig cfg;
+  cfg.cache_bytes = 3 * 8192;
+  cfg.chunk_bytes = 8192;
+  cfg.alignment = 4096;
+  cfg.copy_threads = 3;
+  cfg.flush_threads = 2;
+  cfg.read_threads = 1;
+  cfg.cache_wait_timeout_s = cache_wait_timeout;
+  auto eng = std::make_unique<Engine>(cfg);
+  const uint64_t grid = eng->chunk_bytes();
+
+  struct Streamed {
+    Planned p;
+    std::string got;
+    bool aborted = false;
+    bool stream = true;
+  };
+  const int submitters = 3, jobs_each = 12;
+  std::vector<std::vector<std::unique_ptr<Streamed>>> all(submitters);
+  std::vector<std::thread> consumers[submitters];
+  std::vector<std::thread> threads;
+  for (int s = 0; s < submitters; ++s) {
+    threads.emplace_back([&, s] {
+      std::mt19937_64 rng(phase * 1000 + s);
+      for (int j = 0; j < jobs_each; ++j) {
+        auto st = std::make_unique<Streamed>();
+        st->p = plan(rng, dir + "/s" + std::to_string(phase) + "_" + std::to_string(s) + "_" + std::to_string(j));
+        if (rng() % 4 == 0) {  // an ordinary file job in between
+          st->stream = false;
+          st->p.job = eng->submit_write(st->p.path, st->p.header, st->p.expected.size(), st->p.items, false);
+          all[s].push_back(std::move(st));
+          continue;
+        }
+        st->p.job = eng->submit_stream(st->p.path, st->p.header, st->p.expected.size(), st->p.items);
+        const int abort_at = (aborts && rng() % 3 == 0) ? static_cast<int>(rng() % 6) : -1;
+        Streamed* raw = st.get();
+        const uint64_t seed = rng();
+        consumers[s].emplace_back([raw, abort_at, seed] {
+          std::mt19937_64 r(seed);
+          WriteJob& job = *raw->p.job;
+          std::string& out = raw->got;
+          out = raw->p.header;
+          StreamChunk c{};
+          for (int k = 0;; ++k) {
+            if (k == abort_at) {
+              raw->aborted = true;
+              job.abort(raw->p.path + ": consumer aborted");
+              break;
+            }
+            if (job.next_chunk(-1, &c) != WriteJob::Next::kChunk) break;
+            CHECK(c.file_offset >= out.size(), "%s: chunk at %llu out of order", raw->p.path.c_str(),
+                  (unsigned long long)c.file_offset);
+            out.resize(c.file_offset, '\0');
+            out.append(c.ptr, c.nbytes);
+            if (r() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(r() % 500));
+            job.release(c.file_offset);
+          }
+          out.resize(raw->p.expected.size(), '\0');
+        });
+        all[s].push_back(std::move(st));
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (auto& v : consumers)
+    for (auto& t : v) t.join();
+  eng->shutdown();
+  EngineStats st = eng->stats();
+  CHECK(st.slots_free == st.slots_total, "stream phase: slots leaked: %llu of %llu free",
+        (unsigned long long)st.slots_free, (unsigned long long)st.slots_total);
+  CHECK(st.jobs_done == st.jobs_submitted, "stream phase: jobs_done %llu != jobs_submitted %llu",
+        (unsigned long long)st.jobs_done, (unsigned long long)st.jobs_submitted);
+  eng.reset();  // jobs outlive the engine
+
+  size_t failed = 0, total = 0, aborted = 0;
+  for (auto& v : all)
+    for (auto& sp : v) {
+      Planned& p = sp->p;
+      ++total;
+      if (!sp->stream) {
+        verify(p, grid);
+        failed += p.job->error() ? 1 : 0;
+        continue;
+      }
+      CHECK(p.job->wait_done(10), "%s: stream not done", p.path.c_str());
+      CHECK(p.job->chunks_held() == 0, "%s: chunks still held", p.path.c_str());
+      aborted += sp->aborted ? 1 : 0;
+      auto err = p.job->error();
+      if (sp->aborted) CHECK(err.has_value(), "%s: aborted but no error", p.path.c_str());
+      if (cache_wait_timeout > 1 && !sp->aborted) CHECK(!err, "%s failed: %s", p.path.c_str(), err->c_str());
+      if (err) {
+        ++failed;
+        CHECK(err->rfind(p.path + ": ", 0) == 0, "error does not name the job: %s", err->c_str());
+        continue;
+      }
+      CHECK(sp->got == p.expected, "%s: streamed bytes differ", p.path.c_str());
+      auto crcs = p.job->checksums();
+      const uint64_t ds = p.header.size();
+      for (size_t k = 0; k < p.items.size(); ++k) {
+        const WriteItem& it = p.items[k];
+        std::vector<uint32_t> want;
+        for (uint64_t pos = it.offset, end = it.offset + it.nbytes; pos < end;) {
+          uint64_t stop = std::min(end, ds + ((pos - ds) / grid + 1) * grid);
+          want.push_back(crc32c_software(p.expected.data() + pos, stop - pos));
+          pos = stop;
+        }
+        CHECK(crcs[k] == want, "%s: item %zu checksums differ", p.path.c_str(), k);
+      }
+    }
+  std::printf("stream phase %d: %zu jobs, %zu failed, %zu aborted (cache_wait_timeout=%g s)\n", phase, total, failed,
+              aborted, cache_wait_timeout);
+}
+
 void check_crc() {
   const char* v = "123456789";
   CHECK(crc32c(v, 9) == 0xE3069283u, "crc32c(123456789)");
@@ -260,6 +378,9 @@ int main() {
   run_phase(dir, 1, 600.0, false);   // clean run: every job must succeed
   run_phase(dir, 2, 600.0, true);    // random faults
   run_phase(dir, 3, 0.0005, true);   // random faults and cache-wait timeouts
+  run_stream_phase(dir, 4, 600.0, false);  // streaming: every job must succeed
+  run_stream_phase(dir, 5, 600.0, true);   // consumers aborting midway
+  run_stream_phase(dir, 6, 0.0005, true);  // and copies timing out on a full cache
   std::string cmd = "rm -rf '" + dir + "'";
   if (std::system(cmd.c_str()) != 0) std::fprintf(stderr, "warning: could not remove %s\n", dir.c_str());
   if (g_failures.load()) {
