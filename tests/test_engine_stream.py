@@ -268,3 +268,49 @@ def test_shutdown_while_a_stream_is_consumed_and_job_keeps_engine_alive():
     del eng  # the job still holds the engine (and its cache) alive
     assert job.wait_done(5) and job.error() is None
     assert len(job.checksums()) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# device sources, against the CUDA runtime test double of test_cuda_double.py
+
+
+from test_cuda_double import Fake, fake, fake_lib, make_engine  # noqa: E402,F401 - fixtures
+
+
+def test_device_stream_ordered_after_callers_stream_through_a_tiny_cache(fake, make_engine):
+    """Device sources: copies wait for the caller's stream (a slow "kernel" writes the data just
+    before submit), chunks come through 3 slots in file order, checksums match."""
+    eng = make_engine(3 * 16 * KiB, chunk_bytes=16 * KiB, copy_threads=2, flush_threads=2)
+    stream = fake.stream()
+    try:
+        a = np.zeros(40 * 16 * KiB + 5, dtype=np.uint8)
+        fake.fill(stream, a, 0x5A, delay_us=100_000)
+        header = b"h" * 4096
+        job = eng.submit_stream("gs://b/dev", header, len(header) + a.nbytes, [(a.ctypes.data, a.nbytes, len(header))], 0, stream)
+        assert job.device == 0 and job.nchunks == 41
+        data = _consume(job, header, len(header) + a.nbytes, delay=0.001)
+        assert data == header + b"\x5a" * a.nbytes
+        assert job.wait_done(10) and job.error() is None
+        grid = job.piece_size()
+        want = [E.crc32c(data[p : min(p + grid, len(data))]) for p in range(len(header), len(data), grid)]
+        assert job.checksums() == [want]
+        assert fake.count("cudaMemcpyAsync") >= 41
+    finally:
+        fake.drain(stream)
+        fake.destroy(stream)
+
+
+def test_device_copy_error_mid_stream_ends_the_consumer_and_frees_the_cache(fake, make_engine):
+    eng = make_engine(4 * 16 * KiB, chunk_bytes=16 * KiB)
+    a = np.random.default_rng(9).integers(0, 256, size=30 * 16 * KiB, dtype=np.uint8)
+    fake.fail("cudaMemcpyAsync", 5, 700)
+    job = eng.submit_stream("s3://b/dev-bad", b"", a.nbytes, [(a.ctypes.data, a.nbytes, 0)], 0, 0)
+    taken = 0
+    while (c := job.next_chunk(10)) is not None:
+        taken += 1
+        job.release(c[0])
+    assert taken <= 5
+    assert job.wait_done(10)
+    assert job.error().startswith("s3://b/dev-bad: ") and "illegal memory access" in job.error()
+    s = eng.stats()
+    assert s["slots_free"] == s["slots_total"] and s["jobs_failed"] == 1
