@@ -367,7 +367,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             for r in reports:
                 groups.setdefault(str(r.replicated_digest), []).append(r.rank)
             raise CheckpointWriteError(
-                f"checkpoint {self.path}: ranks hold different sets of non-DTensor tensors/values "
+                f"checkpoint {self.path}: ranks hold different sets of plain (non-DTensor) tensors "
                 f"(groups of ranks with the same set: {sorted(groups.values())}), so each cannot be "
                 f"written by one rank chosen locally. Pass dedup_replicated=False to DataStatesWriter "
                 f"(needed with pipeline parallelism); this checkpoint was not committed."

@@ -123,12 +123,12 @@ if TORCHTITAN_AVAILABLE:
             sync_files: bool | None = None
             """fsync data files and the .metadata commit marker. Default: true."""
 
-            dedup_replicated: bool = False
-            """Let each rank pick, at stage time, the replicated values it writes (DataStates'
-            stage-time dedup). Off by default here: TorchTitan's dataloader state has a key per
-            data-parallel rank, which that policy refuses (the save would fail with "ranks hold
-            different sets"); DCP's planner then chooses one writer per replicated item instead.
-            Turn it on only when every rank holds the same non-DTensor values."""
+            dedup_replicated: bool | None = None
+            """Write each replicated tensor (DTensor replicas, plain tensors every rank holds)
+            from one rank chosen at stage time. Default: true. Set it to false with pipeline
+            parallelism, where ranks hold different plain tensors (the save would otherwise
+            fail with "ranks hold different sets"). Non-tensor values such as the per-rank
+            dataloader state are always written by every rank (DCP picks one copy)."""
 
             datastates_config: str | None = None
             """Optional YAML/JSON file with a Nanotron-style ``datastates:`` block or a
