@@ -11,10 +11,17 @@ way (medians of ``--reps`` repetitions):
   for the DCP methods; the call itself for the synchronous ones), measured with nothing else
   running.
 * load: into preallocated tensors of the same structure; warm (right after the save: the page
-  cache holds the files) and, where ``/proc/sys/vm/drop_caches`` can be written, cold.
+  cache holds the files) and cold (the checkpoint's files evicted with posix_fadvise, or the
+  whole page cache dropped with ``--cold drop_caches``; not on tmpfs, which is the page cache).
 * memory: resident set size sampled in a thread over ``--mem-ckpts`` back-to-back checkpoints.
 * raw: one large ``pwrite`` + ``fsync`` of a buffer of the same number of bytes, one large
   ``preadv`` of it: what the storage and memory of this machine allow.
+* slowdown: matmuls per second in the compute phase against the idle rate.
+* stage cost: ``DataStatesWriter.stage()`` and the whole ``dcp.async_save`` call on
+  ``--stage-tensors`` tiny tensors (wall, CPU, and with Python's cyclic GC paused).
+
+The table also checks the project's targets for DataStates (docs/benchmarks.md) and says how
+busy other processes kept the machine (it may be shared: busy neighbours skew every number).
 
 Methods: ``datastates`` (DataStatesWriter / DataStatesReader), ``dcp-save`` (``dcp.save`` with
 FileSystemWriter), ``dcp-async`` (``dcp.async_save`` with FileSystemWriter, DCP's default
@@ -23,6 +30,7 @@ background thread), ``torch-save`` (``torch.save`` + fsync / ``torch.load``), an
 ``torch-checkpointing`` (its ``CheckpointManager`` with asynchronous save) when installed.
 
     python -m dcp_datastates bench [--size 1GiB] [--dir /tmp/dcpds-bench] [--json out.json] [--png chart.png]
+    python -m dcp_datastates bench --from-json out.json [--png chart.png]   # print a saved run again
 """
 
 from __future__ import annotations
@@ -34,7 +42,6 @@ import dataclasses
 import gc
 import io
 import json
-import math
 import os
 import platform
 import shutil
@@ -511,6 +518,7 @@ class _Pending:
 class Method:
     name = ""
     synchronous = False  # durable when the save call returns
+    gc_probe = False  # also time loads with the cyclic GC paused (evidence for a proposed fix)
     has_children = False
     host_cache = 0  # bytes of staging memory this method keeps for its lifetime
 
@@ -529,6 +537,7 @@ class Method:
 
 class DataStatesMethod(Method):
     name = "datastates"
+    gc_probe = True
 
     def __init__(self, host_cache: int) -> None:
         self._cache_request = host_cache
@@ -816,7 +825,9 @@ def _raw_read(path: str, mv: memoryview, nbytes: int) -> float:
     return time.perf_counter() - t0
 
 
-def run_method(method: Method, state: dict, targets: dict, root: str, args, compute: Compute, model_bytes: int, cold: _Cold) -> dict:
+def run_method(
+    method: Method, state: dict, targets: dict, root: str, args, compute: Compute, model_bytes: int, cold: _Cold, load_reps: int, shared_load: bool = False
+) -> dict:
     """Measures one method: the training loop (stall, upload wait, memory), durable saves with
     nothing else running, warm and cold loads. Checkpoint folders are removed as soon as they
     are not needed (a checkpoint on /dev/shm is memory)."""
@@ -932,19 +943,39 @@ def run_method(method: Method, state: dict, targets: dict, root: str, args, comp
 
     # ---- load: warm (right after the save), then cold (the checkpoint's pages evicted).
     warm, colds = [], []
-    for r in range(args.reps):
+    for r in range(max(1, load_reps)):
         t0 = time.perf_counter()
         method.load(targets, last_path)
         warm.append(time.perf_counter() - t0)
         if r == 0:
             res["load_verified"] = states_equal(state, targets)
-    if cold:
-        for _ in range(max(1, min(args.reps, 3))):
+    if cold and not shared_load:
+        for _ in range(load_reps):
             if not cold(last_path):
                 break
             t0 = time.perf_counter()
             method.load(targets, last_path)
             colds.append(time.perf_counter() - t0)
+    if method.gc_probe and not shared_load:
+        # The same loads with Python's cyclic GC paused around them: what a collection triggered
+        # by the load's own allocations (metadata, read items) costs. Evidence, not a method.
+        for key, make_cold in (("load_warm_gc_paused_s", False), ("load_cold_gc_paused_s", True)):
+            if make_cold and not cold:
+                continue
+            samples = []
+            for _ in range(max(1, load_reps)):
+                if make_cold and not cold(last_path):
+                    break
+                was = gc.isenabled()
+                gc.disable()
+                try:
+                    t0 = time.perf_counter()
+                    method.load(targets, last_path)
+                    samples.append(time.perf_counter() - t0)
+                finally:
+                    if was:
+                        gc.enable()
+            res[key] = _median(samples)
     res["load_warm_s"] = _median(warm)
     res["load_cold_s"] = _median(colds) if colds else None
     res["load_warm_samples"] = warm
@@ -953,7 +984,6 @@ def run_method(method: Method, state: dict, targets: dict, root: str, args, comp
     method.close()
     remove(last_path)
     shutil.rmtree(root, ignore_errors=True)
-    _malloc_trim()
     res["other_processes_cores"] = meter.other_cores()
     res["method_wall_s"] = time.perf_counter() - t_method
     return res
@@ -1085,6 +1115,54 @@ def add_ratios(run: dict) -> None:
         m["compute_slowdown"] = _ratio(run.get("compute_idle_rate"), m.get("compute_rate"))
 
 
+def evaluate_targets(run: dict) -> list[dict]:
+    """The project's targets for DataStates on this run: each with the measured value and met/not."""
+    m = run["methods"]
+    ds = m.get("datastates", {})
+    if not ds.get("available"):
+        return []
+    save, stager, dasync = m.get("dcp-save", {}), m.get("dcp-async-stager", {}), m.get("dcp-async", {})
+    raw = run["raw"]
+    out: list[dict] = []
+
+    def add(name: str, value: float | None, limit: float | None, smaller_is_met: bool = True, unit: str = "x") -> None:
+        if value is None or limit is None:
+            out.append({"target": name, "value": value, "limit": limit, "met": None})
+            return
+        met = value <= limit if smaller_is_met else value >= limit
+        out.append({"target": name, "value": value, "limit": limit, "met": bool(met), "unit": unit})
+
+    add("stall < 1% of dcp.save", _ratio(ds.get("stall_s"), save.get("stall_s")), 0.01)
+    add("stall below DCP DefaultStager's", _ratio(ds.get("stall_s"), stager.get("stall_s")), 1.0)
+    add("durable within 1.2x of the raw write bound", _ratio(ds.get("durable_s"), raw.get("write_s")), 1.2)
+    add("durable never slower than dcp.async_save (default staging)", _ratio(ds.get("durable_s"), dasync.get("durable_s")), 1.0)
+    add("durable never slower than dcp.async_save (DefaultStager)", _ratio(ds.get("durable_s"), stager.get("durable_s")), 1.0)
+    add("warm load within 1.3x of the raw read bound", _ratio(ds.get("load_warm_s"), raw.get("read_warm_s")), 1.3)
+    if ds.get("load_cold_s") is not None:
+        add("cold load within 1.3x of the raw read bound", _ratio(ds.get("load_cold_s"), raw.get("read_cold_s")), 1.3)
+    add("warm load at least 3x faster than dcp.load", _ratio(save.get("load_warm_s"), ds.get("load_warm_s")), 3.0, False)
+    if ds.get("load_cold_s") is not None:
+        add("cold load at least 3x faster than dcp.load", _ratio(save.get("load_cold_s"), ds.get("load_cold_s")), 3.0, False)
+    mem = ds["memory"]
+    budget = mem["host_cache_bytes"] + mem["model_bytes"] // 10
+    add("peak RSS over the loop <= baseline + host cache + 10% of the model", _ratio(mem["rss_overhead"], budget), 1.0)
+    out.append({"target": "RSS flat from the 2nd checkpoint on", "value": mem.get("growth_after_second"), "limit": None, "met": mem.get("flat_from_second"), "unit": "bytes"})
+    return out
+
+
+def format_targets(targets: list[dict]) -> list[str]:
+    lines = []
+    for t in targets:
+        v = t["value"]
+        if t.get("unit") == "bytes":
+            shown = f"growth {_human(v)}" if v is not None else "-"
+        else:
+            shown = f"{v:.3g}x (limit {t['limit']:.3g}x)" if v is not None and t["limit"] is not None else "-"
+        verdict = {True: "met", False: "NOT met", None: "n/a"}[t["met"]]
+        lines.append(f"  [{verdict:>7}] {t['target']}: {shown}")
+    return lines
+
+
 def format_run(run: dict) -> str:
     lines = []
     raw = run["raw"]
@@ -1105,7 +1183,7 @@ def format_run(run: dict) -> str:
             f"(load average {run['loadavg_start'][0]:.1f} -> {run['loadavg_end'][0]:.1f}){warn}"
         )
     head = (
-        f"{'method':<20} {'stall ms':>9} {'vs save':>8} {'upl.wait':>8} {'compute':>7} "
+        f"{'method':<20} {'stall ms':>9} {'vs save':>8} {'upl.wait':>8} {'slowdn':>7} "
         f"{'durable s':>9} {'vs raw':>7} {'vs save':>7} {'load s':>7} {'vs raw':>7} {'vs load':>7} "
         f"{'cold s':>7} {'vs raw':>7} {'vs load':>7} {'peak-base':>10} {'flat':>5}"
     )
@@ -1125,6 +1203,11 @@ def format_run(run: dict) -> str:
             f"{_fmt(m['load_cold_s'], digits=3):>7} {_fmt_ratio(m.get('load_cold_vs_raw')):>7} {_fmt_ratio(m.get('load_cold_vs_dcp_save')):>7} "
             f"{_human(mem['rss_overhead']):>10} {('yes' if flat else 'no') if flat is not None else '-':>5}"
         )
+    targets = run.get("targets") or []
+    if targets:
+        lines.append("")
+        lines.append("targets (datastates):")
+        lines.extend(format_targets(targets))
     lines.append("")
     lines.append("memory (RSS, this process): model bytes, host cache, baseline before the first checkpoint, peak over the loop")
     for name, m in run["methods"].items():
@@ -1138,6 +1221,11 @@ def format_run(run: dict) -> str:
             f"growth after 2nd {_human(mem.get('growth_after_second', 0))}{extra}; first stall {m['first_stall_s'] * 1e3:.0f} ms; "
             f"load bitwise equal: {m.get('load_verified')}"
         )
+        if m.get("load_warm_gc_paused_s") is not None:
+            cold_part = (
+                f", cold {m['load_cold_gc_paused_s']:.3f} s" if m.get("load_cold_gc_paused_s") is not None else ""
+            )
+            lines.append(f"  {'':<20} loads with the cyclic GC paused: warm {m['load_warm_gc_paused_s']:.3f} s{cold_part}")
     return "\n".join(lines)
 
 
@@ -1155,12 +1243,14 @@ def format_report(report: dict) -> str:
             f"whole dcp.async_save call {sc['async_save_call_s'] * 1e3:.1f} ms (the same tensors as {sc['tensors']} top-level keys: "
             f"{sc['async_save_call_flat_dict_s'] * 1e3:.0f} ms); request -> durable {sc['async_save_durable_s']:.2f} s"
         )
+        verdict = "met" if sc["stage_s"] < 0.2 else "NOT met"
+        out.append(f"  [{verdict:>7}] {sc['tensors']} tiny tensors stage in under 0.2 s: {sc['stage_s']:.3f} s")
         if sc.get("profile"):
             out.append(sc["profile"])
     out.append(
         "stall = time in the save call + wait before the next optimizer step; 'vs save' columns divide by dcp.save; "
         "'vs raw' by one pwrite+fsync / one preadv of the same bytes; upl.wait = wait for the previous checkpoint "
-        "at the next request (one compute phase apart); compute = idle matmul rate / rate during the compute phase; peak-base = peak RSS "
+        "at the next request (one compute phase apart); slowdn = idle matmul rate / the rate during the compute phase; peak-base = peak RSS "
         "minus RSS before the first checkpoint; flat = no growth from the 2nd checkpoint on."
     )
     out.append(f"page cache: {report['page_cache']}")
@@ -1205,6 +1295,10 @@ def write_png(report: dict, path: str) -> str | None:
             ax.tick_params(axis="y", labelsize=7)
             if log and any(v > 0 for v in vals):
                 ax.set_yscale("log")
+            if not any(v > 0 for v in vals):
+                ax.set_yticks([])
+                ax.text(0.5, 0.5, "n/a (tmpfs: the files are the page cache)" if run.get("filesystem") == "tmpfs" else "n/a",
+                        transform=ax.transAxes, ha="center", va="center", fontsize=7)  # fmt: skip
             if raw_key and run["raw"].get(raw_key):
                 ax.axhline(run["raw"][raw_key] * scale, color="red", linestyle="--", linewidth=1, label="raw bound")
                 ax.legend(fontsize=6, loc="upper left")
@@ -1245,6 +1339,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--reps", type=int, default=5, help="repetitions per measurement; medians are reported (default 5)")
     p.add_argument("--mem-ckpts", type=int, default=10, help="back-to-back checkpoints in the training loop (default 10)")
+    p.add_argument("--load-reps", type=int, default=3, help="warm loads, and cold loads, per method (default 3)")
     p.add_argument(
         "--compute-ms",
         type=float,
@@ -1266,6 +1361,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, help="write every number to this JSON file")
     p.add_argument("--png", default=None, help="write a chart (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--from-json", default=None, metavar="FILE", help="measure nothing: print the table (and --png) of an earlier --json")
     return p
 
 
@@ -1276,6 +1372,19 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    if args.from_json:
+        try:
+            with open(args.from_json) as f:
+                report = json.load(f)
+            print(format_report(report))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"dcp-datastates bench: error: --from-json {args.from_json}: {exc}", file=sys.stderr)
+            return 1
+        if args.png:
+            why = write_png(report, args.png)
+            if why:
+                print(f"dcp-datastates bench: --png: {why}", file=sys.stderr)
+        return 0
     from .config import parse_size
 
     try:
@@ -1285,8 +1394,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [m for m in methods if m not in METHODS]
         if unknown:
             raise ValueError(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(METHODS)}")
-        if args.tensors < 1 or args.reps < 1 or args.mem_ckpts < 1:
-            raise ValueError("--tensors, --reps and --mem-ckpts must be at least 1")
+        if args.tensors < 1 or args.reps < 1 or args.mem_ckpts < 1 or args.load_reps < 1:
+            raise ValueError("--tensors, --reps, --mem-ckpts and --load-reps must be at least 1")
         tiny = args.tiny if args.tiny is not None else args.tensors - min(256, max(1, args.tensors // 2))
         if not 0 <= tiny <= args.tensors:
             raise ValueError(f"--tiny must be between 0 and --tensors ({args.tensors}), got {tiny}")
@@ -1380,8 +1489,18 @@ def main(argv: list[str] | None = None) -> int:
                     _merge_raw(run["raw"], measure_raw(os.path.join(d, "raw"), model_bytes, 1, cold))
                 log(f"{d}: {name}")
                 method = make_method(name, host_cache)
+                # dcp-async and dcp-async-stager write the very files dcp-save writes, read by the
+                # same FileSystemReader: their loads are dcp-save's (one load each checks them).
+                shared = name in ("dcp-async", "dcp-async-stager") and run["methods"].get("dcp-save", {}).get("available")
                 try:
-                    run["methods"][name] = run_method(method, state, targets, os.path.join(d, name), args, compute, model_bytes, cold)
+                    run["methods"][name] = res = run_method(
+                        method, state, targets, os.path.join(d, name), args, compute, model_bytes, cold, 1 if shared else args.load_reps, bool(shared)
+                    )
+                    if shared:
+                        base = run["methods"]["dcp-save"]
+                        res["load_shared_with"] = "dcp-save"
+                        for key in ("load_warm_s", "load_cold_s", "load_warm_samples", "load_cold_samples"):
+                            res[key] = base[key]
                 except Exception as exc:  # noqa: BLE001 - one method failing must not hide the others
                     run["methods"][name] = {"available": False, "reason": f"failed: {type(exc).__name__}: {exc}"}
                     log(f"{d}: {name} failed: {exc}")
@@ -1389,6 +1508,7 @@ def main(argv: list[str] | None = None) -> int:
                         method.close()
             run["compute_idle_rate"] = compute.idle_rate
             add_ratios(run)
+            run["targets"] = evaluate_targets(run)
             run["loadavg_end"] = os.getloadavg()
             run["other_processes_cores"] = meter.other_cores()
             report["runs"].append(run)

@@ -32,9 +32,9 @@ from .storage import RemoteFolder
 __all__ = ["submit_upload", "read_ranges", "UPLOAD_BLOCK_SIZE", "READ_REQUEST_BYTES", "READ_CONCURRENCY"]
 
 #: Part size of multipart uploads (S3 needs at least 5 MiB; GCS a multiple of 256 KiB).
-UPLOAD_BLOCK_SIZE = 32 << 20
+UPLOAD_BLOCK_SIZE = 64 << 20
 #: Largest single ranged GET on load, and the gap two ranges may have and still share one.
-READ_REQUEST_BYTES = 16 << 20
+READ_REQUEST_BYTES = 8 << 20
 READ_GAP_BYTES = 256 << 10
 #: Ranged GETs in flight per file being read.
 READ_CONCURRENCY = 16

@@ -55,7 +55,12 @@ def test_bench_smoke(tmp_path, capsys):
         assert isinstance(mem["flat_from_second"], bool)
         if run["cold_loads"].startswith("yes"):
             assert _positive(m["load_cold_s"]), name
-    assert run["methods"]["datastates"]["memory"]["host_cache_bytes"] > 0
+    ds = run["methods"]["datastates"]
+    assert ds["memory"]["host_cache_bytes"] > 0
+    assert _positive(ds["load_warm_gc_paused_s"])
+    names = [t["target"] for t in run["targets"]]
+    assert any("1% of dcp.save" in n for n in names) and any("raw write bound" in n for n in names)
+    assert all(t["met"] in (True, False, None) for t in run["targets"])
     assert run["methods"]["dcp-save"]["stall_vs_dcp_save"] == pytest.approx(1.0)
 
     sc = report["stage_cost"]
@@ -63,6 +68,8 @@ def test_bench_smoke(tmp_path, capsys):
     for key in ("stage_s", "stage_cpu_s", "stage_gc_paused_s", "async_save_call_s", "async_save_durable_s", "stage_us_per_tensor"):
         assert _positive(sc[key]), key
     assert report["page_cache"]
+    assert bench.main(["--from-json", str(out)]) == 0  # re-prints the table of a saved run
+    assert "datastates" in capsys.readouterr().out
 
 
 def test_bench_via_cli_and_bad_arguments(capsys):

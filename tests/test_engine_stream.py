@@ -279,16 +279,21 @@ from test_cuda_double import Fake, fake, fake_lib, make_engine  # noqa: E402,F40
 
 def test_device_stream_ordered_after_callers_stream_through_a_tiny_cache(fake, make_engine):
     """Device sources: copies wait for the caller's stream (a slow "kernel" writes the data just
-    before submit), chunks come through 3 slots in file order, checksums match."""
-    eng = make_engine(3 * 16 * KiB, chunk_bytes=16 * KiB, copy_threads=2, flush_threads=2)
+    before submit), chunks come through 4 slots in file order, checksums match."""
+    eng = make_engine(4 * 16 * KiB, chunk_bytes=16 * KiB, copy_threads=2, flush_threads=2)
+    assert eng.stats()["slots_total"] == 4
     stream = fake.stream()
     try:
         a = np.zeros(40 * 16 * KiB + 5, dtype=np.uint8)
         fake.fill(stream, a, 0x5A, delay_us=100_000)
         header = b"h" * 4096
         job = eng.submit_stream("gs://b/dev", header, len(header) + a.nbytes, [(a.ctypes.data, a.nbytes, len(header))], 0, stream)
+        try:
+            data = _consume(job, header, len(header) + a.nbytes, delay=0.001)
+        except BaseException:
+            job.fail("test failed")  # never leave slots held (the engine's shutdown would wait)
+            raise
         assert job.device == 0 and job.nchunks == 41
-        data = _consume(job, header, len(header) + a.nbytes, delay=0.001)
         assert data == header + b"\x5a" * a.nbytes
         assert job.wait_done(10) and job.error() is None
         grid = job.piece_size()
