@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from . import remote, storage
 from .config import DataStatesConfig
 from .errors import ChecksumMismatchError, CheckpointFormatError, IncompleteCheckpointError
+from .gcpause import gc_paused
 from .layout import name_to_dtype
 from .metadata import METADATA_NAME, FileInfo, ItemLocation, decode_metadata, piece_ranges
 from .runtime import get_engine
@@ -117,6 +118,10 @@ class DataStatesReader(StorageReader):
         return self.path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with gc_paused():  # decoding builds an object per item
+            return self._read_metadata()
+
+    def _read_metadata(self) -> Metadata:
         if self.path is None:
             raise ValueError("DataStatesReader: no checkpoint path (pass path= or checkpoint_id=)")
         if storage.is_remote(self.path):
@@ -166,6 +171,10 @@ class DataStatesReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        with gc_paused():  # per-item targets and views: no collection in the middle of a load
+            return self._read_data(plan, planner)
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         by_file: dict[str, list[ReadItem]] = defaultdict(list)
         for req in plan.items:
             by_file[self._location(req).file].append(req)

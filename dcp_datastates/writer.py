@@ -35,6 +35,7 @@ from .layout import data_file_name, plan_file
 from .metadata import ItemLocation
 from .runtime import get_engine
 from .consolidate import consolidate_results
+from .gcpause import gc_paused
 from .ownership import RankReport, select_owned
 from .stage_items import ItemKey, SourceItem, collect_items, item_key, source_for_resolved
 from .staging import tracker
@@ -228,6 +229,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     # ------------------------------------------------------------------------------ AsyncStager
     def stage(self, state_dict: dict) -> Future:
         """Enqueue this rank's copies and return a Future of the staged state dict at once."""
+        with gc_paused():  # thousands of small objects per checkpoint: no collection mid-stage
+            return self._stage(state_dict)
+
+    def _stage(self, state_dict: dict) -> Future:
         call = _async_save_arguments()
         checkpoint_type = call.get("async_checkpointer_type")
         if checkpoint_type is not None and getattr(checkpoint_type, "name", "") == "PROCESS":
