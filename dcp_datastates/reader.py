@@ -260,7 +260,8 @@ class DataStatesReader(StorageReader):
             if p.buf.numel():
                 ranges.append((p.buf.data_ptr(), p.read_start, p.buf.numel()))
         if ranges and storage.is_remote(self.path):
-            remote.read_ranges(self._remote(), name, ranges, concurrency=max(remote.READ_CONCURRENCY, self.config.read_threads))
+            concurrency = max(remote.READ_CONCURRENCY, self.config.read_threads)
+            remote.read_ranges(self._remote(), name, ranges, concurrency=concurrency)
         elif ranges:
             get_engine(self.config).read_into(full, ranges)
         checked = [p for p in pending if p.loc.crc32c] if self.config.verify else []

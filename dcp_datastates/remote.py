@@ -14,9 +14,12 @@ Uploads are started in the order their jobs were submitted, by a FIFO pool: the 
 cache slots in submission order, so the earliest unfinished job always has its uploader running,
 which is what keeps in-order consumption free of deadlock.
 
-Reads. The byte ranges a rank needs are split into requests of at most ``READ_REQUEST_BYTES``
-(neighbouring ranges merged across gaps up to ``READ_GAP_BYTES``) fetched with
-``fs.cat_file(path, start, end)`` by a bounded thread pool, and copied into the destinations.
+Reads. The byte ranges a rank needs from one object are cut into requests of about
+``1/READ_CONCURRENCY`` of their total, between ``READ_MIN_REQUEST_BYTES`` and
+``READ_REQUEST_BYTES`` (neighbouring ranges merged across gaps up to ``READ_GAP_BYTES``), fetched
+with ``fs.cat_file(path, start, end)`` by ``READ_CONCURRENCY`` threads (at least the config's
+``read_threads``) and copied into the destinations. In flight: at most concurrency x request
+bytes.
 """
 
 from __future__ import annotations
@@ -33,11 +36,12 @@ __all__ = ["submit_upload", "read_ranges", "UPLOAD_BLOCK_SIZE", "READ_REQUEST_BY
 
 #: Part size of multipart uploads (S3 needs at least 5 MiB; GCS a multiple of 256 KiB).
 UPLOAD_BLOCK_SIZE = 64 << 20
-#: Largest single ranged GET on load, and the gap two ranges may have and still share one.
-READ_REQUEST_BYTES = 8 << 20
+#: Largest and smallest ranged GET on load, and the gap two ranges may have and still share one.
+READ_REQUEST_BYTES = 32 << 20
+READ_MIN_REQUEST_BYTES = 8 << 20
 READ_GAP_BYTES = 256 << 10
 #: Ranged GETs in flight per file being read.
-READ_CONCURRENCY = 16
+READ_CONCURRENCY = 8
 #: Data files uploading at once per process (more wait, in order).
 UPLOAD_THREADS = 8
 
@@ -182,16 +186,21 @@ def read_ranges(
     name: str,
     ranges: list[tuple[int, int, int]],
     *,
-    concurrency: int = READ_CONCURRENCY,
-    request_bytes: int = READ_REQUEST_BYTES,
-    gap_bytes: int = READ_GAP_BYTES,
+    concurrency: int | None = None,
+    request_bytes: int | None = None,
+    gap_bytes: int | None = None,
 ) -> None:
     """Fill every (dst_ptr, file_offset, nbytes) range from data file ``name`` of ``folder``
     with parallel ranged requests. Raises IncompleteCheckpointError when the object is missing,
     CheckpointFormatError when it is shorter than a range, OSError (with the URL) otherwise."""
     path = folder.join(name)
     url = folder.url_of(name)
-    reqs = _requests([r for r in ranges if r[2] > 0], request_bytes, gap_bytes)
+    concurrency = concurrency or READ_CONCURRENCY
+    ranges = [r for r in ranges if r[2] > 0]
+    if request_bytes is None:  # about one request per thread, within [min, max]
+        share = -(-sum(r[2] for r in ranges) // max(1, concurrency))
+        request_bytes = min(READ_REQUEST_BYTES, max(READ_MIN_REQUEST_BYTES, -(-share // (1 << 20)) << 20))
+    reqs = _requests(ranges, request_bytes, READ_GAP_BYTES if gap_bytes is None else gap_bytes)
 
     def fetch(req) -> None:
         start, end, parts = req

@@ -63,12 +63,13 @@ def is_supported_url(path: str | os.PathLike) -> bool:
     s = os.fspath(path)
     if not is_remote(s):
         return True
-    proto = s.split("://", 1)[0]
     try:
         from fsspec.registry import known_implementations, registry  # noqa: PLC0415
     except ImportError:  # pragma: no cover - fsspec is a dependency
         return False
-    return proto in known_implementations or proto in registry
+    # Chained URLs (simplecache::s3://...) name one protocol per link.
+    protocols = [link.split("://", 1)[0] for link in s.split("::") if link]
+    return all(p in known_implementations or p in registry for p in protocols)
 
 
 class RemoteFolder:

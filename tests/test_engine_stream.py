@@ -274,7 +274,7 @@ def test_shutdown_while_a_stream_is_consumed_and_job_keeps_engine_alive():
 # device sources, against the CUDA runtime test double of test_cuda_double.py
 
 
-from test_cuda_double import Fake, fake, fake_lib, make_engine  # noqa: E402,F401 - fixtures
+from test_cuda_double import fake, fake_lib, make_engine  # noqa: E402,F401,F811 - fixtures
 
 
 def test_device_stream_ordered_after_callers_stream_through_a_tiny_cache(fake, make_engine):

@@ -52,11 +52,6 @@ def save_load(url: str, state: dict, *, asynchronous: bool = False, **options) -
     return out
 
 
-def _fix_values(expected: dict, loaded: dict) -> None:
-    """zeros_like_state puts None for non-tensor values; dcp.load fills them in place."""
-    assert_state_equal(expected, loaded)
-
-
 # ------------------------------------------------------------------------------------ memory://
 @pytest.fixture
 def mem_url():
@@ -73,7 +68,7 @@ def mem_url():
 def test_memory_save_and_load_round_trip(mem_url):
     state = make_state(big=3 * MiB)
     out = save_load(mem_url, state)
-    _fix_values(state, out)
+    assert_state_equal(state, out)
     folder = storage.remote_folder(mem_url)
     names = sorted(folder.sizes())
     assert names == [".metadata", "__0_0.safetensors"]
@@ -89,10 +84,10 @@ def test_memory_save_and_load_round_trip(mem_url):
 def test_memory_async_save_resave_and_overwrite_false(mem_url):
     state = make_state(big=MiB)
     out = save_load(mem_url, state, asynchronous=True)
-    _fix_values(state, out)
+    assert_state_equal(state, out)
     state["w"].add_(1)
     out = save_load(mem_url, state, asynchronous=True)  # re-save into the same folder
-    _fix_values(state, out)
+    assert_state_equal(state, out)
     with raises_through_dcp("already holds a committed checkpoint and overwrite=False"):
         dcp.save(state, storage_writer=DataStatesWriter(mem_url, overwrite=False))
 
@@ -150,7 +145,7 @@ def test_memory_latest_checkpoint_and_url_forms(mem_url, tmp_path):
     assert (local / ".metadata").is_file()
     out = zeros_like_state(state)
     dcp.load(out, storage_reader=DataStatesReader(f"file://{local}"))
-    _fix_values(state, out)
+    assert_state_equal(state, out)
 
 
 def test_memory_upload_error_surfaces_from_upload_completion(mem_url, monkeypatch):
@@ -182,7 +177,7 @@ def test_memory_upload_error_surfaces_from_upload_completion(mem_url, monkeypatc
     st = engine_stats()
     assert st["slots_free"] == st["slots_total"]
     fsspec.filesystem("memory")  # the store still works
-    _fix_values(state, save_load(mem_url, state))
+    assert_state_equal(state, save_load(mem_url, state))
 
 
 def test_read_requests_split_merge_and_cover_every_range():
@@ -248,9 +243,9 @@ def s3():
 def test_s3_save_async_save_and_load(s3):
     url = f"s3://{s3.bucket()}/run/step-1"
     state = make_state(big=5 * MiB)
-    _fix_values(state, save_load(url, state, storage_options=s3.options))
+    assert_state_equal(state, save_load(url, state, storage_options=s3.options))
     state["w"].mul_(2)
-    _fix_values(state, save_load(url, state, asynchronous=True, storage_options=s3.options))
+    assert_state_equal(state, save_load(url, state, asynchronous=True, storage_options=s3.options))
     bucket, key = url[5:].split("/", 1)
     listing = sorted(p.rsplit("/", 1)[1] for p in s3.fs.ls(f"{bucket}/{key}", refresh=True))
     assert listing == [".metadata", "__0_0.safetensors"]
@@ -266,7 +261,7 @@ def test_s3_fsspec_config_from_environment(s3, monkeypatch):
     monkeypatch.setitem(fsspec.config.conf, "s3", dict(s3.options))
     url = f"s3://{s3.bucket()}/env"
     state = make_state()
-    _fix_values(state, save_load(url, state))
+    assert_state_equal(state, save_load(url, state))
 
 
 def test_s3_missing_object_names_it(s3):
@@ -352,7 +347,7 @@ def test_s3_server_gone_mid_upload_fails_the_save_without_commit(s3, monkeypatch
     options = dict(_options(proxy.endpoint), config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5})
     monkeypatch.setattr(remote, "UPLOAD_BLOCK_SIZE", 5 * MiB)
     state = make_state(big=24 * MiB)
-    _fix_values(state, save_load(url, state, storage_options=options))  # a committed checkpoint first
+    assert_state_equal(state, save_load(url, state, storage_options=options))  # a committed checkpoint first
     assert commit.is_committed(url, storage_options=s3.options)
 
     proxy.arm(8 * MiB)  # the server goes away after ~8 MiB of the next upload
@@ -369,7 +364,7 @@ def test_s3_server_gone_mid_upload_fails_the_save_without_commit(s3, monkeypatch
     st = engine_stats()
     assert st["slots_free"] == st["slots_total"]
     # Everything works again through a live endpoint.
-    _fix_values(state, save_load(url, state, storage_options=s3.options))
+    assert_state_equal(state, save_load(url, state, storage_options=s3.options))
 
 
 def test_s3_dcp_save_with_unreachable_endpoint_raises_clearly():
