@@ -65,6 +65,10 @@ class _FileJob:
     def wait_staged(self, timeout: float | None = None) -> bool:
         return self.job.wait_staged(timeout)
 
+    def is_done(self) -> bool:
+        """The file is complete (or failed): written, or for remote files uploaded and closed."""
+        return self.job.is_done() and (self.upload is None or self.upload.done())
+
     def device_wait(self, stream_of) -> bool:
         """True when the caller need not wait on the host: the file is staged, or its copies are
         all queued and the caller's CUDA stream (``stream_of(device)``) now waits for them."""
@@ -171,7 +175,7 @@ def _refuse_concurrent_save(path: str) -> None:
     """Two saves writing the same folder at once could leave one's commit describing the
     other's files; refuse the second (it fails from its futures, training goes on)."""
     with _inflight_lock:
-        for done in [p for p, st in _inflight.items() if all(f.job.is_done() for f in st.files)]:
+        for done in [p for p, st in _inflight.items() if all(f.is_done() for f in st.files)]:
             del _inflight[done]
         if path in _inflight:
             raise CheckpointWriteError(
