@@ -4,7 +4,8 @@
 //     default stream);
 //   - cudaEventRecord enqueues a marker; the event completes when its stream reaches it; a wait
 //     (cudaEventSynchronize, cudaStreamWaitEvent) targets the record current at the call;
-//   - cudaStreamWaitEvent makes a stream block until that record completes;
+//   - cudaStreamWaitEvent makes a stream block until that record completes; each record is tracked
+//     on its own, so re-recording an event (on any stream) never releases an earlier wait;
 //   - events and streams belong to the device current at creation; recording an event on a
 //     stream of another device fails (cudaErrorInvalidResourceHandle), as in CUDA.
 // Test controls (extern "C", for ctypes): call counters, injected failures and delays, a "kernel"
@@ -22,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <thread>
 
@@ -41,19 +43,30 @@ struct Event {
   int device = 0;
   std::mutex mu;
   std::condition_variable cv;
-  uint64_t recorded = 0;   // records issued
-  uint64_t completed = 0;  // highest record its stream has reached
+  // Each cudaEventRecord is a distinct record, numbered 1, 2, ...; record 0 stands for "never
+  // recorded" and counts as complete. Records can complete out of order (an event may be
+  // re-recorded on another stream), so completion is tracked per record, not as a high-water mark:
+  // every record <= done_prefix is complete, and so is every record in done_rest.
+  uint64_t recorded = 0;     // most recent record issued
+  uint64_t done_prefix = 0;  // all records 1..done_prefix have completed
+  std::set<uint64_t> done_rest;  // completed records above done_prefix
 
-  void complete(uint64_t target) {
+  bool is_done(uint64_t id) const { return id <= done_prefix || done_rest.count(id) != 0; }
+  void complete(uint64_t id) {
     {
       std::lock_guard<std::mutex> g(mu);
-      if (target > completed) completed = target;
+      if (id > done_prefix) {
+        done_rest.insert(id);
+        for (auto it = done_rest.begin(); it != done_rest.end() && *it == done_prefix + 1;
+             it = done_rest.erase(it))
+          ++done_prefix;
+      }
     }
     cv.notify_all();
   }
-  void wait(uint64_t target) {
+  void wait(uint64_t id) {
     std::unique_lock<std::mutex> lk(mu);
-    cv.wait(lk, [&] { return completed >= target; });
+    cv.wait(lk, [&] { return is_done(id); });
   }
 };
 
@@ -281,7 +294,7 @@ FAKE_API int cudaEventQuery(void* eh) {
   auto ev = find_event(eh);
   if (!ev) return kInvalidHandle;
   std::lock_guard<std::mutex> g(ev->mu);
-  return ev->completed >= ev->recorded ? kSuccess : kNotReady;
+  return ev->is_done(ev->recorded) ? kSuccess : kNotReady;
 }
 
 FAKE_API int cudaEventSynchronize(void* eh) {
