@@ -74,6 +74,13 @@ std::vector<T> parse_triples(py::handle seq_obj, const char* what, const char* c
   return out;
 }
 
+// The (src_ptr, nbytes, file_offset) items of submit_write and submit_stream.
+std::vector<dcpds::WriteItem> parse_write_items(py::handle items) {
+  static const char* const names[3] = {"src_ptr", "nbytes", "file_offset"};
+  return parse_triples<dcpds::WriteItem>(
+      items, "item", names, [](uint64_t a, uint64_t b, uint64_t c) { return dcpds::WriteItem{a, b, c}; });
+}
+
 // Waits on a job in short slices with the GIL released, so Ctrl-C still works.
 template <typename Wait>
 bool wait_interruptible(Wait wait, std::optional<double> timeout) {
@@ -233,10 +240,7 @@ PYBIND11_MODULE(_engine, m) {
              int device, uint64_t stream) {
             if (e.is_shut_down()) throw std::runtime_error("engine is shut down");
             if (file_size < 0) throw py::value_error("file_size must be >= 0, got " + std::to_string(file_size));
-            static const char* const names[3] = {"src_ptr", "nbytes", "file_offset"};
-            std::vector<dcpds::WriteItem> parsed = parse_triples<dcpds::WriteItem>(
-                items, "item", names,
-                [](uint64_t a, uint64_t b, uint64_t c) { return dcpds::WriteItem{a, b, c}; });
+            std::vector<dcpds::WriteItem> parsed = parse_write_items(items);
             std::string head = header;
             // No GIL release: submitting only enqueues (microseconds), and handing the GIL to
             // another thread here would cost the training thread up to a switch interval.
@@ -254,10 +258,7 @@ PYBIND11_MODULE(_engine, m) {
              uint64_t stream) {
             if (e.is_shut_down()) throw std::runtime_error("engine is shut down");
             if (file_size < 0) throw py::value_error("file_size must be >= 0, got " + std::to_string(file_size));
-            static const char* const names[3] = {"src_ptr", "nbytes", "file_offset"};
-            std::vector<dcpds::WriteItem> parsed = parse_triples<dcpds::WriteItem>(
-                items, "item", names,
-                [](uint64_t a, uint64_t b, uint64_t c) { return dcpds::WriteItem{a, b, c}; });
+            std::vector<dcpds::WriteItem> parsed = parse_write_items(items);
             std::string head = header;
             return e.submit_stream(label, std::move(head), static_cast<uint64_t>(file_size), parsed, device, stream);
           },

@@ -13,6 +13,22 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def small_engine():
+    """A fresh process-wide engine for the test (the next writer creates it with its own config,
+    e.g. a small cache), with fault injection cleared and the engine shut down afterwards.
+    Yields a 1 MiB cache size for tests that want one."""
+    from dcp_datastates import shutdown_engine
+    from dcp_datastates.runtime import current_engine
+
+    shutdown_engine()
+    yield 1 << 20
+    eng = current_engine()
+    if eng is not None:
+        eng.set_fault("none", 0, "")
+    shutdown_engine()
+
+
 def tensors_equal_bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.dtype != b.dtype or a.shape != b.shape:
         return False

@@ -21,16 +21,6 @@ from dcp_datastates.runtime import current_engine
 CACHE, CHUNK = 1 << 20, 64 << 10
 
 
-@pytest.fixture
-def small_engine():
-    shutdown_engine()
-    yield
-    eng = current_engine()
-    if eng is not None:
-        eng.set_fault("none", 0, "")
-    shutdown_engine()
-
-
 def state_of(value: float, n: int = 6) -> dict:
     g = torch.Generator().manual_seed(int(value * 1000))
     return {f"t{i}": torch.randn(64 * 1024, generator=g) + value for i in range(n)} | {"step": value}

@@ -37,16 +37,6 @@ CAUSES = {
 }
 
 
-@pytest.fixture
-def small_engine():
-    shutdown_engine()
-    yield
-    eng = current_engine()
-    if eng is not None:
-        eng.set_fault("none", 0, "")
-    shutdown_engine()
-
-
 def model_state(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     return {f"w{i}": torch.randn(256, 256, generator=g) for i in range(6)} | {"step": seed}

@@ -96,13 +96,6 @@ def test_protect_optimizer_handle_removes_hook():
         protect_optimizer(object())
 
 
-@pytest.fixture
-def small_engine():
-    shutdown_engine()
-    yield 1 << 20
-    shutdown_engine()
-
-
 def test_checkpoint_8x_larger_than_cache_and_cache_is_reused(tmp_path, small_engine):
     cache = small_engine
     state = {f"t{i}": torch.randn(64 * 1024) for i in range(32)}  # 8 MiB through a 1 MiB cache
