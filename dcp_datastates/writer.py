@@ -184,9 +184,19 @@ def _refuse_concurrent_save(path: str) -> None:
             )
 
 
+def _retire_old_file(path: str) -> None:
+    """Move an old data file out of the way so the engine creates a new inode (a hard link or
+    symlink shared with another checkpoint must never be truncated in place). A rename is O(1)
+    on the training thread; freeing a large file's blocks happens on a background thread."""
+    aside = f"{path}.old-{uuid.uuid4().hex}"
+    try:
+        os.rename(path, aside)
+    except OSError:
+        return  # no old file (or nothing we may move): the engine's create reports real errors
+    _watchers.submit(_unlink_quietly, aside)
+
+
 def _unlink_quietly(path: str) -> None:
-    """Remove an old data file (a hard link or symlink shared with another checkpoint must not be
-    truncated in place); errors surface when the engine creates the file."""
     try:
         os.unlink(path)
     except OSError:
@@ -314,7 +324,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             )
             return self._file_job(name, job, items, layout, engine, upload)
         path = os.path.join(folder, name)
-        _unlink_quietly(path)  # a new inode: never write into a file another checkpoint links to
+        _retire_old_file(path)  # a new inode: never write into a file another checkpoint links to
         job = engine.submit_write(path, layout.header, layout.file_size, spans, self.config.sync_files, device, stream)
         return self._file_job(name, job, items, layout, engine, upload)
 
