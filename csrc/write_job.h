@@ -104,7 +104,7 @@ class WriteJob {
   enum class Next { kChunk, kEnd, kTimeout };
   // The next chunk in file order, once it is in the cache and checksummed; waits up to timeout_s
   // (negative: forever). kEnd when every chunk was handed out or the job failed (see error()).
-  // The chunk's slot stays borrowed until release(chunk.file_offset) or abort().
+  // The chunk's slot stays borrowed until release(chunk.file_offset) or until the job is aborted.
   Next next_chunk(double timeout_s, StreamChunk* out);
   // Gives back the slot of a chunk next_chunk returned. Throws std::invalid_argument when no
   // chunk handed out and not yet released starts at file_offset.
