@@ -88,30 +88,19 @@ def _checkpoint_dir(path: str) -> str:
 
 
 def _read_metadata(path: str):
-    """(DCP Metadata, per-file table) of a committed DataStates checkpoint. Raises
-    IncompleteCheckpointError / CheckpointFormatError / FileNotFoundError with clear messages."""
-    from .errors import CheckpointFormatError, IncompleteCheckpointError
-    from .metadata import METADATA_NAME, decode_metadata
+    """(DCP Metadata, per-file table) of a committed DataStates checkpoint, with a hint when the
+    folder holds a stock DCP checkpoint instead."""
+    from .commit import read_commit
+    from .errors import CheckpointFormatError
+    from .metadata import METADATA_NAME
 
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"no checkpoint at {path}: the path does not exist")
-    if not os.path.isdir(path):
-        raise ValueError(f"{path} is not a checkpoint folder")
-    marker = os.path.join(path, METADATA_NAME)
     try:
-        with open(marker, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(
-            f"incomplete checkpoint {path}: there is no {METADATA_NAME} commit marker "
-            f"(the save did not finish or is still running)"
-        ) from None
-    except IsADirectoryError:
-        raise CheckpointFormatError(f"{marker}: the commit marker is a folder, not a metadata file") from None
-    try:
-        return decode_metadata(raw, marker)
+        return read_commit(path)
     except CheckpointFormatError as exc:
-        if raw[:1] == b"\x80":  # a pickle: the metadata of DCP's own FileSystemWriter
+        marker = os.path.join(path, METADATA_NAME)
+        with open(marker, "rb") as f:
+            pickled = f.read(1) == b"\x80"  # DCP's FileSystemWriter pickles its metadata
+        if pickled:
             raise CheckpointFormatError(
                 f"{exc} - {path} looks like a stock DCP checkpoint (pickled .metadata); this tool reads "
                 f"checkpoints written by DataStatesWriter"
@@ -589,9 +578,8 @@ def _cmd_convert(args) -> int:
 
 def _convert_hf(path: str, md, out: str, max_shard: int, prefix: str | None, force: bool, progress: bool) -> int:
     from safetensors.torch import save_file
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .layout import dtype_to_name, safetensors_dtype
+    from .layout import safetensors_dtype
 
     chosen: list[tuple[str, str, int]] = []  # (fqn, output name, bytes)
     skipped: list[str] = []

@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from . import storage
 from .errors import CheckpointFormatError, CheckpointWriteError, DataStatesError, IncompleteCheckpointError
-from .metadata import METADATA_NAME, ItemLocation, decode_metadata, encode_metadata
+from .metadata import METADATA_NAME, FileInfo, ItemLocation, decode_metadata, encode_metadata
 
-__all__ = ["prepare_folder", "write_commit", "is_committed", "check_commit", "latest_checkpoint"]
+__all__ = ["prepare_folder", "write_commit", "read_commit", "check_data_files", "is_committed", "check_commit", "latest_checkpoint"]
 
 _TMP_PREFIX = f"{METADATA_NAME}.tmp-"
 
@@ -127,51 +127,62 @@ def write_commit(
         ) from exc
 
 
-def check_commit(path: str | os.PathLike, *, storage_options: dict | None = None) -> None:
-    """Raise unless ``path`` holds a complete checkpoint: the marker decodes and every data file
-    it lists exists with the recorded size. IncompleteCheckpointError when something is missing
-    or short, CheckpointFormatError when the marker is damaged. Reads no tensor data."""
+def read_commit(path: str | os.PathLike, *, storage_options: dict | None = None) -> tuple[Metadata, dict[str, FileInfo]]:
+    """Read and decode the commit marker of ``path`` (a folder or a URL): the one place that maps
+    "no folder", "no marker" and "marker is a folder" to clear errors. Returns DCP's ``Metadata``
+    and the per-file table."""
     if storage.is_remote(path):
-        _check_remote_commit(storage.remote_folder(os.fspath(path), storage_options))
-        return
+        folder = storage.remote_folder(os.fspath(path), storage_options)
+        raw = folder.read_marker()  # maps "nothing stored" and "no marker" itself
+        return decode_metadata(raw, folder.url_of(METADATA_NAME))
     path = storage.local_path(path)
     marker = os.path.join(path, METADATA_NAME)
     try:
         with open(marker, "rb") as f:
             raw = f.read()
     except (FileNotFoundError, NotADirectoryError):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no checkpoint at {path}: the folder does not exist") from None
+        if not os.path.isdir(path):
+            raise NotADirectoryError(f"no checkpoint at {path}: it is a file, not a checkpoint folder") from None
         raise IncompleteCheckpointError(
-            f"incomplete checkpoint {path}: there is no {METADATA_NAME} commit marker"
+            f"incomplete checkpoint {path}: there is no {METADATA_NAME} commit marker "
+            f"(the save did not finish or is still running)"
         ) from None
     except IsADirectoryError:
         raise CheckpointFormatError(f"{marker}: the commit marker is a folder, not a metadata file") from None
-    _, files = decode_metadata(raw, marker)
-    for name, info in files.items():
-        try:
-            size = os.stat(os.path.join(path, name)).st_size
-        except FileNotFoundError:
-            raise IncompleteCheckpointError(f"incomplete checkpoint {path}: data file {name} is missing") from None
-        if size != info.size:
-            raise IncompleteCheckpointError(
-                f"incomplete checkpoint {path}: data file {name} is {size} bytes, the metadata expects {info.size}"
-            )
+    return decode_metadata(raw, marker)
 
 
-def _check_remote_commit(folder: "storage.RemoteFolder") -> None:
-    try:
-        raw = folder.read_marker()
-    except FileNotFoundError:
-        raise IncompleteCheckpointError(f"incomplete checkpoint {folder.url}: there is no {METADATA_NAME} commit marker") from None
-    _, files = decode_metadata(raw, folder.url_of(METADATA_NAME))
-    sizes = folder.sizes()  # one listing for every data file
+def check_data_files(path: str | os.PathLike, files: dict[str, FileInfo], *, storage_options: dict | None = None) -> None:
+    """Every data file the metadata lists exists with the recorded size (one listing remotely)."""
+    if storage.is_remote(path):
+        folder = storage.remote_folder(os.fspath(path), storage_options)
+        where, sizes = folder.url, folder.sizes()
+    else:
+        where = storage.local_path(path)
+        sizes = {}
+        for name in files:
+            try:
+                sizes[name] = os.stat(os.path.join(where, name)).st_size
+            except FileNotFoundError:
+                pass
     for name, info in files.items():
         size = sizes.get(name)
         if size is None:
-            raise IncompleteCheckpointError(f"incomplete checkpoint {folder.url}: data file {name} is missing")
+            raise IncompleteCheckpointError(f"incomplete checkpoint {where}: data file {name} is missing")
         if size != info.size:
             raise IncompleteCheckpointError(
-                f"incomplete checkpoint {folder.url}: data file {name} is {size} bytes, the metadata expects {info.size}"
+                f"incomplete checkpoint {where}: data file {name} is {size} bytes, the metadata expects {info.size}"
             )
+
+
+def check_commit(path: str | os.PathLike, *, storage_options: dict | None = None) -> None:
+    """Raise unless ``path`` holds a complete checkpoint: the marker decodes and every data file
+    it lists exists with the recorded size. IncompleteCheckpointError when something is missing
+    or short, CheckpointFormatError when the marker is damaged. Reads no tensor data."""
+    _, files = read_commit(path, storage_options=storage_options)
+    check_data_files(path, files, storage_options=storage_options)
 
 
 def is_committed(path: str | os.PathLike, *, check_files: bool = False, storage_options: dict | None = None) -> bool:

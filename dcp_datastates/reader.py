@@ -14,7 +14,6 @@ import io
 import os
 import threading
 from collections import defaultdict
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,12 +23,12 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from . import remote, storage
+from . import commit, remote, storage
 from .config import DataStatesConfig
 from .errors import ChecksumMismatchError, CheckpointFormatError, IncompleteCheckpointError
 from .gcpause import gc_paused
 from .layout import name_to_dtype
-from .metadata import METADATA_NAME, FileInfo, ItemLocation, decode_metadata, piece_ranges
+from .metadata import FileInfo, ItemLocation, piece_ranges
 from .runtime import get_engine
 
 __all__ = ["DataStatesReader"]
@@ -124,30 +123,7 @@ class DataStatesReader(StorageReader):
     def _read_metadata(self) -> Metadata:
         if self.path is None:
             raise ValueError("DataStatesReader: no checkpoint path (pass path= or checkpoint_id=)")
-        if storage.is_remote(self.path):
-            folder = self._remote()
-            marker = folder.url_of(METADATA_NAME)
-            raw = folder.read_marker()
-            md, files = decode_metadata(raw, marker)
-            return self._with_index(md, files)
-        marker = os.path.join(self.path, METADATA_NAME)
-        try:
-            with open(marker, "rb") as f:
-                raw = f.read()
-        except FileNotFoundError:
-            if not os.path.exists(self.path):
-                raise FileNotFoundError(f"no checkpoint at {self.path}: the folder does not exist") from None
-            if not os.path.isdir(self.path):
-                raise NotADirectoryError(f"no checkpoint at {self.path}: it is a file, not a checkpoint folder") from None
-            raise IncompleteCheckpointError(
-                f"incomplete checkpoint {self.path}: there is no {METADATA_NAME} commit marker "
-                f"(the save did not finish or is still running)"
-            ) from None
-        except NotADirectoryError:
-            raise NotADirectoryError(f"no checkpoint at {self.path}: it is a file, not a checkpoint folder") from None
-        except IsADirectoryError:
-            raise CheckpointFormatError(f"{marker}: the commit marker is a folder, not a metadata file") from None
-        md, files = decode_metadata(raw, marker)
+        md, files = commit.read_commit(self.path, storage_options=self.config.storage_options)
         return self._with_index(md, files)
 
     def _with_index(self, md: Metadata, files: dict[str, FileInfo]) -> Metadata:

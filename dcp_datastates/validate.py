@@ -18,9 +18,10 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .errors import CheckpointFormatError, IncompleteCheckpointError
+from .errors import CheckpointFormatError
 from .layout import safetensors_dtype
-from .metadata import METADATA_NAME, ItemLocation, _DuplicateKey, _no_duplicate_keys, decode_metadata
+from .commit import check_data_files, read_commit
+from .metadata import ItemLocation, _DuplicateKey, _no_duplicate_keys
 
 __all__ = [
     "DataFileItem",
@@ -308,26 +309,11 @@ def validate_checkpoint(path: str | os.PathLike, *, cross_check: bool = False) -
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata  # noqa: PLC0415
 
     path = os.fspath(path)
-    marker = os.path.join(path, METADATA_NAME)
-    try:
-        with open(marker, "rb") as f:
-            raw = f.read()
-    except (FileNotFoundError, NotADirectoryError):
-        raise IncompleteCheckpointError(f"incomplete checkpoint {path}: there is no {METADATA_NAME} commit marker") from None
-    except IsADirectoryError:
-        raise CheckpointFormatError(f"{marker}: the commit marker is a folder, not a metadata file") from None
-    md, files = decode_metadata(raw, marker)
+    md, files = read_commit(path)
+    check_data_files(path, files)
     out: dict[str, list[DataFileItem]] = {}
     for name, info in files.items():
         full = os.path.join(path, name)
-        try:
-            size = os.stat(full).st_size
-        except FileNotFoundError:
-            raise IncompleteCheckpointError(f"incomplete checkpoint {path}: data file {name} is missing") from None
-        if size != info.size:
-            raise IncompleteCheckpointError(
-                f"incomplete checkpoint {path}: data file {name} is {size} bytes, the metadata expects {info.size}"
-            )
         header = read_header(full)
         if header.data_start != info.data_start:
             raise CheckpointFormatError(
