@@ -19,6 +19,7 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat
 import uuid
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -155,25 +156,31 @@ def read_commit(path: str | os.PathLike, *, storage_options: dict | None = None)
 
 
 def check_data_files(path: str | os.PathLike, files: dict[str, FileInfo], *, storage_options: dict | None = None) -> None:
-    """Every data file the metadata lists exists with the recorded size (one listing remotely)."""
+    """Every data file in ``files`` exists (a regular file) with the recorded size; one listing
+    for remote folders."""
     if storage.is_remote(path):
         folder = storage.remote_folder(os.fspath(path), storage_options)
         where, sizes = folder.url, folder.sizes()
     else:
-        where = storage.local_path(path)
-        sizes = {}
+        where, sizes = storage.local_path(path), {}
         for name in files:
             try:
-                sizes[name] = os.stat(os.path.join(where, name)).st_size
-            except FileNotFoundError:
-                pass
+                st = os.stat(os.path.join(where, name))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                raise CheckpointFormatError(f"checkpoint {where}: data file {name} is not a regular file")
+            sizes[name] = st.st_size
     for name, info in files.items():
         size = sizes.get(name)
         if size is None:
-            raise IncompleteCheckpointError(f"incomplete checkpoint {where}: data file {name} is missing")
+            raise IncompleteCheckpointError(
+                f"incomplete checkpoint {where}: data file {name} is missing (the metadata lists it)"
+            )
         if size != info.size:
             raise IncompleteCheckpointError(
-                f"incomplete checkpoint {where}: data file {name} is {size} bytes, the metadata expects {info.size}"
+                f"incomplete checkpoint {where}: data file {name} is {size} bytes, the metadata expects "
+                f"{info.size} ({'truncated' if size < info.size else 'replaced or appended to'})"
             )
 
 

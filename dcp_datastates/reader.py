@@ -202,28 +202,13 @@ class DataStatesReader(StorageReader):
             )
 
     def _check_file(self, name: str) -> str:
-        import stat  # noqa: PLC0415 - kept local to this method
-
         if storage.is_remote(self.path):
-            self._check_remote_file(name)
+            self._check_remote_file(name)  # sizes from one listing per load
             return name
-
-        full = os.path.join(self.path, name)
         info = self.storage_data.files.get(name)
-        try:
-            st = os.stat(full)
-        except (FileNotFoundError, NotADirectoryError):
-            raise IncompleteCheckpointError(
-                f"incomplete checkpoint {self.path}: data file {name} is missing (the metadata lists it)"
-            ) from None
-        if not stat.S_ISREG(st.st_mode):
-            raise CheckpointFormatError(f"checkpoint {self.path}: data file {name} is not a regular file")
-        if info is not None and st.st_size != info.size:
-            raise IncompleteCheckpointError(
-                f"incomplete checkpoint {self.path}: data file {name} is {st.st_size} bytes, the metadata expects "
-                f"{info.size} ({'truncated' if st.st_size < info.size else 'replaced or appended to'})"
-            )
-        return full
+        if info is not None:
+            commit.check_data_files(self.path, {name: info})
+        return os.path.join(self.path, name)
 
     def _read_file(self, name: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
         full = self._check_file(name)

@@ -427,9 +427,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             key = item_key(item.index)
             f = known[key]
             loc = f.locations[key]
-            final = ItemLocation(
-                loc.file, loc.offset, loc.length, loc.dtype, loc.shape, tuple(checksums[id(f)][key]), loc.data_start, loc.piece_size
-            )
+            final = dataclasses.replace(loc, crc32c=tuple(checksums[id(f)][key]))
             out.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=final))
         group, distributed, coordinator = _dcp_save_group()
         if distributed and self.config.hierarchical_consolidation:
