@@ -20,27 +20,13 @@
 
 #include "crc32c.h"
 #include "engine.h"
+#include "tests/stress_check.h"
 
 using namespace dcpds;
+using stress::g_failures;
+using stress::read_file;
 
 namespace {
-
-std::atomic<int> g_failures{0};
-
-#define CHECK(cond, ...)                               \
-  do {                                                 \
-    if (!(cond)) {                                     \
-      std::fprintf(stderr, "CHECK failed: %s: ", #cond); \
-      std::fprintf(stderr, __VA_ARGS__);               \
-      std::fprintf(stderr, "\n");                      \
-      g_failures.fetch_add(1);                         \
-    }                                                  \
-  } while (0)
-
-std::string read_file(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-}
 
 // One planned file: header, sources, expected bytes.
 struct Planned {
