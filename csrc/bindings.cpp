@@ -330,8 +330,12 @@ PYBIND11_MODULE(_engine, m) {
              d["d2h_bytes"] = s.d2h_bytes;
              d["device_waits"] = s.device_waits;
              d["host_waits"] = s.host_waits;
+             d["flush_ns"] = s.flush_ns;
+             d["checksum_ns"] = s.checksum_ns;
              return d;
            })
+      .def("set_checksums", &Engine::set_checksums, py::arg("on"),
+           "Benchmark hook: False skips the per-piece CRC32C (checksums then read 0), to measure its cost.")
       .def("set_fault", &Engine::set_fault, py::arg("kind"), py::arg("after_bytes") = 0,
            py::arg("path_substring") = "", "Test hook: none, eio, enospc, short_write or fsync_eio.")
       .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>(),
@@ -344,5 +348,11 @@ PYBIND11_MODULE(_engine, m) {
     std::string_view v = data;
     return dcpds::crc32c_software(v.data(), v.size(), seed_arg(seed));
   }, py::arg("data"), py::arg("seed") = 0, "Portable implementation, for tests.");
-  m.def("hw_crc32c", &dcpds::crc32c_hardware_available, "True when CRC32C uses the SSE4.2 instruction.");
+  m.def("_crc32c_using", [](const std::string& name, py::bytes data, long long seed) {
+    std::string_view v = data;
+    return dcpds::crc32c_using(name, v.data(), v.size(), seed_arg(seed));
+  }, py::arg("name"), py::arg("data"), py::arg("seed") = 0, "One named implementation, for tests.");
+  m.def("crc32c_implementations", &dcpds::crc32c_implementations,
+        "The CRC32C implementations this CPU runs, the one in use first.");
+  m.def("hw_crc32c", &dcpds::crc32c_hardware_available, "True when CRC32C uses a hardware path.");
 }

@@ -68,13 +68,13 @@ def get_engine(config: DataStatesConfig):
         st = _engine.stats()
         log.info(
             "dcp_datastates engine: %s, host cache %d bytes (chunk %d bytes, %d copy / %d flush "
-            "threads, hardware CRC32C: %s)",
+            "threads, CRC32C: %s)",
             engine_mode(_engine),
             st["cache_bytes"],
             st["chunk_bytes"],
             st["copy_threads"],
             st["flush_threads"],
-            bool(st["hw_crc32c"]),
+            ext.crc32c_implementations()[0],
         )
         if st["cuda"] and config.pin_host_cache and not st["pinned"]:
             log.warning("dcp_datastates engine: host cache not pinned (%s); copies from GPUs are slower", _engine.cuda_status)

@@ -151,13 +151,23 @@ def test_crc32c_matches_reference_all_lengths_and_alignments():
         for shift in range(0, 9):
             piece = base[shift : shift + n]
             assert E.crc32c(piece) == py_crc32c(piece)
-    # large (covers the 3-stream hardware path and its tails): hardware vs software
-    for n in (24 * KiB - 1, 24 * KiB, 24 * KiB + 9, 49_153, 131_072, 199_990):
+    # large, through every implementation this CPU runs (the 3-stream crc32 path with its 24 KiB
+    # blocks, the AVX-512 folding from 1 KiB in 256-byte steps, and their tails) vs software
+    impls = E.crc32c_implementations()
+    assert impls[-1] == "software" and E.hw_crc32c() == (impls[0] != "software")
+    sizes = (1023, 1024, 1025, 1279, 1280, 1300, 4097, 24 * KiB - 1, 24 * KiB, 24 * KiB + 9, 49_153, 131_072, 199_990)
+    for n in sizes:
         for shift in (0, 3, 8):
             piece = base[shift : shift + n]
-            assert E.crc32c(piece) == E._crc32c_software(piece)
-            assert E.crc32c(piece, 0xDEADBEEF) == E._crc32c_software(piece, 0xDEADBEEF)
+            want = E._crc32c_software(piece)
+            want_seeded = E._crc32c_software(piece, 0xDEADBEEF)
+            assert E.crc32c(piece) == want and E.crc32c(piece, 0xDEADBEEF) == want_seeded
+            for name in impls:
+                assert E._crc32c_using(name, piece) == want, (name, n, shift)
+                assert E._crc32c_using(name, piece, 0xDEADBEEF) == want_seeded, (name, n, shift)
     assert E.crc32c(base[:5000]) == py_crc32c(base[:5000])
+    with pytest.raises(ValueError, match="CRC32C implementation 'nope' is not available"):
+        E._crc32c_using("nope", b"x")
 
 
 def test_engine_crc32c_on_pointer():
@@ -289,6 +299,34 @@ def test_piece_checksums_follow_the_grid(tmp_path):
         # a reader can verify a piece of a big item without reading the whole item
         off, n = layout.piece_ranges(4, grid)[2]
         assert crcs[4][2] == E.crc32c(data[off : off + n])
+    finally:
+        eng.shutdown()
+
+
+def test_piece_checksums_span_flush_blocks(tmp_path):
+    """A slot is checksummed and written in 256 KiB blocks: pieces that start, end or lie inside
+    a block, with gaps between them, still get the CRC of exactly their bytes."""
+    rng = np.random.default_rng(14)
+    sizes = [3, 300 * KiB, 17, 0, 256 * KiB, 1 * MiB + 5, 40, 700 * KiB]
+    gaps = [0, 1000, 256 * KiB - 7, 0, 3, 0, 12345, 1]
+    arrays = [rand_array(rng, n) for n in sizes]
+    layout = Layout(b"h" * 777, arrays, gaps=gaps)
+    eng = E.Engine(8 * MiB, chunk_bytes=2 * MiB)
+    try:
+        path = tmp_path / "blocks.bin"
+        job = eng.submit_write(str(path), layout.header, layout.file_size, layout.items())
+        wait(job)
+        assert job.error() is None
+        data = check_file(path, layout)
+        assert job.piece_size() == 2 * MiB
+        check_checksums(job, layout, data)
+
+        eng.set_checksums(False)  # the benchmark hook: same bytes, no checksums
+        path2 = tmp_path / "nocrc.bin"
+        job2 = eng.submit_write(str(path2), layout.header, layout.file_size, layout.items())
+        wait(job2)
+        assert job2.error() is None and check_file(path2, layout) == data
+        assert all(c == 0 for crcs in job2.checksums() for c in crcs)
     finally:
         eng.shutdown()
 
