@@ -184,7 +184,8 @@ DCPDS_CLMUL_TARGET inline __m128i fold128(__m128i x, const FoldKeys& k, __m128i 
 }
 
 DCPDS_CLMUL_TARGET inline __m512i broadcast_keys(const FoldKeys& k) {
-  return _mm512_broadcast_i32x4(_mm_set_epi64x(static_cast<long long>(k.hi), static_cast<long long>(k.lo)));
+  const long long lo = static_cast<long long>(k.lo), hi = static_cast<long long>(k.hi);
+  return _mm512_set_epi64(hi, lo, hi, lo, hi, lo, hi, lo);  // (set, not a broadcast: see lanes below)
 }
 
 DCPDS_CLMUL_TARGET uint32_t update_clmul(uint32_t crc32, const unsigned char* p, size_t n) {
@@ -194,7 +195,7 @@ DCPDS_CLMUL_TARGET uint32_t update_clmul(uint32_t crc32, const unsigned char* p,
   // bytes' XOR (a raw CRC update from register c equals one from 0 over data ^ c).
   __m512i x0 = _mm512_loadu_si512(p), x1 = _mm512_loadu_si512(p + 64);
   __m512i x2 = _mm512_loadu_si512(p + 128), x3 = _mm512_loadu_si512(p + 192);
-  x0 = _mm512_xor_si512(x0, _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(crc32))));
+  x0 = _mm512_xor_si512(x0, _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, static_cast<int>(crc32)));
   p += 256;
   n -= 256;
   const __m512i k256 = broadcast_keys(K.by256);
@@ -211,10 +212,11 @@ DCPDS_CLMUL_TARGET uint32_t update_clmul(uint32_t crc32, const unsigned char* p,
   x1 = fold512(x0, k64, x1);
   x2 = fold512(x1, k64, x2);
   x3 = fold512(x2, k64, x3);
-  __m128i lane = _mm512_extracti32x4_epi32(x3, 3);
-  lane = fold128(_mm512_extracti32x4_epi32(x3, 0), K.by48, lane);
-  lane = fold128(_mm512_extracti32x4_epi32(x3, 1), K.by32, lane);
-  lane = fold128(_mm512_extracti32x4_epi32(x3, 2), K.by16, lane);
+  alignas(64) __m128i lanes[4];  // through memory: GCC's extract intrinsics warn at -O1 (-Werror)
+  _mm512_store_si512(lanes, x3);
+  __m128i lane = fold128(lanes[0], K.by48, lanes[3]);
+  lane = fold128(lanes[1], K.by32, lane);
+  lane = fold128(lanes[2], K.by16, lane);
   uint64_t crc = _mm_crc32_u64(0, static_cast<uint64_t>(_mm_cvtsi128_si64(lane)));
   crc = _mm_crc32_u64(crc, static_cast<uint64_t>(_mm_extract_epi64(lane, 1)));
   return update_hardware(static_cast<uint32_t>(crc), p, n);  // the last < 256 bytes
