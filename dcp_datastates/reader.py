@@ -212,40 +212,22 @@ class DataStatesReader(StorageReader):
 
     def _read_file(self, name: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
         full = self._check_file(name)
-        pending: list[_Pending] = []
-        ranges = []
-        for req in reqs:
-            loc = self._location(req)
-            p = self._target(req, loc, planner)
-            pending.append(p)
-            if p.buf.numel():
-                ranges.append((p.buf.data_ptr(), p.read_start, p.buf.numel()))
+        pending = [self._target(req, self._location(req), planner) for req in reqs]
+        reading = [p for p in pending if p.buf.numel()]
+        ranges = [(p.buf.data_ptr(), p.read_start, p.buf.numel()) for p in reading]
         if ranges and storage.is_remote(self.path):
             concurrency = max(remote.READ_CONCURRENCY, self.config.read_threads)
             remote.read_ranges(self._remote(), name, ranges, concurrency=concurrency)
-        elif ranges:
-            get_engine(self.config).read_into(full, ranges)
-        checked = [p for p in pending if p.loc.crc32c] if self.config.verify else []
-        nbytes = sum(p.buf.numel() for p in checked)
-        if nbytes >= (64 << 20) and (os.cpu_count() or 1) > 1:
-            # Verify in two halves at once (crc32c releases the GIL on large buffers): a serial
-            # pass costs about as much as the parallel reads before it.
-            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 - kept local to this method
-
-            acc, cut = 0, len(checked)
-            for i, p in enumerate(checked):
-                acc += p.buf.numel()
-                if 2 * acc >= nbytes:
-                    cut = i + 1
-                    break
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-datastates-verify") as pool:
-                other = pool.submit(lambda: [self._verify(p) for p in checked[cut:]])
-                for p in checked[:cut]:
+            if self.config.verify:
+                for p in reading:
                     self._verify(p)
-                other.result()
-        else:
-            for p in checked:
-                self._verify(p)
+        elif ranges:
+            # The engine checks each piece right after reading it, while its bytes are hot.
+            checks = self._checks(reading) if self.config.verify else None
+            bad = get_engine(self.config).read_into(full, ranges, checks, self.config.read_threads)
+            if bad is not None:
+                index, off, length, expected, got = bad
+                raise self._mismatch(reading[index], off, length, expected, got)
         for p in pending:
             if p.dst is None:
                 planner.load_bytes(p.req, io.BytesIO(ctypes.string_at(p.buf.data_ptr(), p.loc.length) if p.loc.length else b""))
@@ -300,7 +282,26 @@ class DataStatesReader(StorageReader):
         src = torch.as_strided(flat, tuple(req.lengths), tuple(strides), flat.storage_offset())
         return _Pending(req, loc, buf, dst, False, lo, src)
 
+    @staticmethod
+    def _checks(reading: list[_Pending]) -> list[tuple[int, int, int, int]]:
+        """(range index, file offset, length, crc32c) of every stored piece each read covers
+        (a resharding read may skip pieces of its item)."""
+        out = []
+        for i, p in enumerate(reading):
+            if not p.loc.crc32c:
+                continue
+            start, end = p.read_start, p.read_end
+            out.extend(
+                (i, off, length, expected)
+                for expected, (off, length) in zip(p.loc.crc32c, piece_ranges(p.loc))
+                if off >= start and off + length <= end
+            )
+        return out
+
     def _verify(self, p: _Pending) -> None:
+        """Check the pieces of one read in Python (remote reads do not go through the engine)."""
+        if not p.loc.crc32c:
+            return
         engine = get_engine(self.config)
         base = p.buf.data_ptr()
         for expected, (off, length) in zip(p.loc.crc32c, piece_ranges(p.loc)):
@@ -308,8 +309,11 @@ class DataStatesReader(StorageReader):
                 continue  # a piece this rank did not need to read
             got = engine.crc32c(base + (off - p.read_start), length)
             if got != expected:
-                raise ChecksumMismatchError(
-                    f"checkpoint {self.path}: checksum mismatch in {p.loc.file}, item "
-                    f"{p.req.storage_index.fqn!r} (chunk offsets {list(p.req.storage_index.offset or [])}), "
-                    f"bytes [{off}, {off + length}): stored crc32c {expected:#010x}, read {got:#010x}"
-                )
+                raise self._mismatch(p, off, length, expected, got)
+
+    def _mismatch(self, p: _Pending, off: int, length: int, expected: int, got: int) -> ChecksumMismatchError:
+        return ChecksumMismatchError(
+            f"checkpoint {self.path}: checksum mismatch in {p.loc.file}, item "
+            f"{p.req.storage_index.fqn!r} (chunk offsets {list(p.req.storage_index.offset or [])}), "
+            f"bytes [{off}, {off + length}): stored crc32c {expected:#010x}, read {got:#010x}"
+        )
