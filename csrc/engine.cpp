@@ -445,7 +445,8 @@ std::optional<ReadMismatch> Engine::read_into(const std::string& path, const std
                              std::to_string(r.nbytes) + " bytes, file has " + std::to_string(fsize));
   }
   const int workers = threads > 0 ? std::min(threads, cfg_.read_threads) : cfg_.read_threads;
-  auto batch = std::make_shared<ReadBatch>(path, ranges, checks, chunk_bytes(), static_cast<size_t>(workers),
+  ReadFile file{path, static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), fsize};
+  auto batch = std::make_shared<ReadBatch>(std::move(file), ranges, checks, chunk_bytes(), static_cast<size_t>(workers),
                                            &bytes_read_);
   if (batch->empty()) return std::nullopt;
 
@@ -459,7 +460,7 @@ std::optional<ReadMismatch> Engine::read_into(const std::string& path, const std
   if (helpers > 0) read_cv_.notify_all();
   batch->run();  // the caller works too; after shutdown it does everything alone
   batch->wait_all();
-  return batch->result(fsize);
+  return batch->result();
 }
 
 // ---------------------------------------------------------------------------------------------

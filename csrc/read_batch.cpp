@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "crc32c.h"
@@ -35,9 +36,9 @@ void add_plain_units(std::vector<ReadUnit>& out, const ReadRange& r, uint64_t ra
 
 }  // namespace
 
-ReadBatch::ReadBatch(std::string path, const std::vector<ReadRange>& ranges, const std::vector<ReadCheck>& checks,
+ReadBatch::ReadBatch(ReadFile file, const std::vector<ReadRange>& ranges, const std::vector<ReadCheck>& checks,
                      uint64_t unit_bytes, size_t groups, std::atomic<uint64_t>* bytes_read)
-    : path_(std::move(path)), bytes_read_(bytes_read) {
+    : file_(std::move(file)), bytes_read_(bytes_read) {
   plan_units(ranges, checks, std::max<uint64_t>(unit_bytes, 1));
   plan_groups(std::max<size_t>(groups, 1));
 }
@@ -106,16 +107,32 @@ void ReadBatch::run() {
   cv_.notify_all();
 }
 
-// One group: its own descriptor, so the kernel sees one sequential stream per worker.
-void ReadBatch::read_group(size_t g) {
+// A new descriptor (its own file position and readahead state) for the file read_into checked;
+// -1 after recording why not.
+int ReadBatch::open_same_file() {
   int fd;
   do {
-    fd = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC);
+    fd = ::open(file_.path.c_str(), O_RDONLY | O_CLOEXEC);
   } while (fd < 0 && errno == EINTR);
   if (fd < 0) {
-    record_error(errno, false, 0, 0, 0);
-    return;
+    const int e = errno;
+    record_error(e, false, file_.path + ": open for reading failed: " + errno_text(e));
+    return -1;
   }
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_dev) != file_.dev ||
+      static_cast<uint64_t>(st.st_ino) != file_.ino) {
+    ::close(fd);
+    record_error(ESTALE, false, file_.path + ": the file was replaced while it was being read");
+    return -1;
+  }
+  return fd;
+}
+
+// One group: its own descriptor, so the kernel sees one sequential stream per worker.
+void ReadBatch::read_group(size_t g) {
+  const int fd = open_same_file();
+  if (fd < 0) return;
   for (size_t i = group_begin_[g]; i < group_begin_[g + 1]; ++i) {
     if (failed_.load(std::memory_order_acquire) || !read_unit(fd, units_[i])) break;
   }
@@ -130,8 +147,15 @@ bool ReadBatch::read_unit(int fd, const ReadUnit& u) {
     size_t got = 0;
     const int e = pread_full(fd, u.dst + done, want, u.off + done, &got);
     bytes_read_->fetch_add(got, std::memory_order_relaxed);
-    if (e != 0 || got < want) {
-      record_error(e, e == 0, u.off, u.len, done + got);
+    if (e != 0) {
+      record_error(e, false, file_.path + ": pread of " + std::to_string(u.len) + " bytes at offset " +
+                                 std::to_string(u.off) + " failed: " + errno_text(e));
+      return false;
+    }
+    if (got < want) {  // the file shrank after read_into checked its size
+      const uint64_t at = u.off + done + got;
+      record_error(0, true, file_.path + ": short read at offset " + std::to_string(at) + ": wanted " +
+                                std::to_string(u.off + u.len - at) + " bytes, file has " + std::to_string(file_.size));
       return false;
     }
     if (u.checked) crc = crc32c(u.dst + done, want, crc);
@@ -144,14 +168,12 @@ bool ReadBatch::read_unit(int fd, const ReadUnit& u) {
   return true;
 }
 
-void ReadBatch::record_error(int err, bool short_read, uint64_t off, uint64_t len, uint64_t got) {
+void ReadBatch::record_error(int err, bool short_read, std::string message) {
   std::lock_guard<std::mutex> g(mu_);
   if (!failed_.load(std::memory_order_relaxed)) {
     err_ = err;
     short_read_ = short_read;
-    err_off_ = off;
-    err_len_ = len;
-    err_got_ = got;
+    message_ = std::move(message);
   }
   failed_.store(true, std::memory_order_release);
 }
@@ -170,15 +192,11 @@ void ReadBatch::wait_all() {
   finished_ = true;
 }
 
-std::optional<ReadMismatch> ReadBatch::result(uint64_t file_size) const {
+std::optional<ReadMismatch> ReadBatch::result() const {
   std::lock_guard<std::mutex> g(mu_);
   if (!failed_.load() || mismatch_) return mismatch_;
-  if (short_read_)
-    throw ShortReadError(path_ + ": short read at offset " + std::to_string(err_off_ + err_got_) + ": wanted " +
-                         std::to_string(err_len_ - err_got_) + " bytes, file has " + std::to_string(file_size));
-  if (err_len_ == 0) throw IoError(err_, path_ + ": open for reading failed: " + errno_text(err_));
-  throw IoError(err_, path_ + ": pread of " + std::to_string(err_len_) + " bytes at offset " +
-                          std::to_string(err_off_) + " failed: " + errno_text(err_));
+  if (short_read_) throw ShortReadError(message_);
+  throw IoError(err_, message_);
 }
 
 }  // namespace dcpds

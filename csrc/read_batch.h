@@ -63,12 +63,19 @@ struct ReadUnit {
   bool checked;
 };
 
+// The file read_into opened and checked: workers open it again by path and must find the same
+// inode (a save into the same folder replaces files with new ones).
+struct ReadFile {
+  std::string path;
+  uint64_t dev = 0, ino = 0, size = 0;
+};
+
 class ReadBatch {
  public:
   // Throws std::invalid_argument for a check outside its range or overlapping another.
   // Units are sorted by file offset and cut into at most `groups` contiguous runs of about equal
   // bytes: each worker then reads one sequential stream with its own descriptor (and readahead).
-  ReadBatch(std::string path, const std::vector<ReadRange>& ranges, const std::vector<ReadCheck>& checks,
+  ReadBatch(ReadFile file, const std::vector<ReadRange>& ranges, const std::vector<ReadCheck>& checks,
             uint64_t unit_bytes, size_t groups, std::atomic<uint64_t>* bytes_read);
 
   size_t groups() const { return group_begin_.size() - 1; }
@@ -78,19 +85,20 @@ class ReadBatch {
   void run();
   // Waits until every claimed group is over; workers arriving later do nothing.
   void wait_all();
-  // After wait_all: throws IoError / ShortReadError for a failed read (file_size for the
-  // message), returns the first checksum mismatch, or nothing.
-  std::optional<ReadMismatch> result(uint64_t file_size) const;
+  // After wait_all: throws IoError / ShortReadError for a failed read, returns the first
+  // checksum mismatch, or nothing.
+  std::optional<ReadMismatch> result() const;
 
  private:
   void plan_units(const std::vector<ReadRange>& ranges, const std::vector<ReadCheck>& checks, uint64_t unit_bytes);
   void plan_groups(size_t groups);
   void read_group(size_t g);
+  int open_same_file();
   bool read_unit(int fd, const ReadUnit& u);
-  void record_error(int err, bool short_read, uint64_t off, uint64_t len, uint64_t got);
+  void record_error(int err, bool short_read, std::string message);
   void record_mismatch(const ReadUnit& u, uint32_t found);
 
-  std::string path_;
+  const ReadFile file_;
   std::vector<ReadUnit> units_;
   std::vector<size_t> group_begin_;  // group g is units_[group_begin_[g], group_begin_[g + 1])
   std::atomic<size_t> next_group_{0};
@@ -103,7 +111,7 @@ class ReadBatch {
   bool finished_ = false;  // set by the caller; late workers must not touch dst after it
   int err_ = 0;
   bool short_read_ = false;
-  uint64_t err_off_ = 0, err_len_ = 0, err_got_ = 0;
+  std::string message_;
   std::optional<ReadMismatch> mismatch_;
 };
 
