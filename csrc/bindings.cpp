@@ -3,6 +3,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <optional>
 #include <string>
@@ -48,37 +49,59 @@ uint64_t as_u64(PyObject* o, const char* what, size_t index, const char* field) 
   return static_cast<uint64_t>(v);
 }
 
-// Parses a list of 3-int tuples with the raw C API: 20,000 items must take about a millisecond.
-template <typename T, typename Make>
-std::vector<T> parse_triples(py::handle seq_obj, const char* what, const char* const names[3], Make make) {
-  std::string msg = std::string(what) + "s must be a list of (" + names[0] + ", " + names[1] + ", " + names[2] +
-                    ") tuples";
+// Parses a list of N-int tuples with the raw C API: 20,000 items must take about a millisecond.
+template <size_t N>
+std::vector<std::array<uint64_t, N>> parse_tuples(py::handle seq_obj, const char* what,
+                                                  const std::array<const char*, N>& names) {
+  std::string fields = names[0];
+  for (size_t k = 1; k < N; ++k) fields += std::string(", ") + names[k];
+  std::string msg = std::string(what) + "s must be a list of (" + fields + ") tuples";
   py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(seq_obj.ptr(), msg.c_str()));
   if (!seq) throw py::error_already_set();
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
   PyObject** elems = PySequence_Fast_ITEMS(seq.ptr());
-  std::vector<T> out;
+  std::vector<std::array<uint64_t, N>> out;
   out.reserve(static_cast<size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     const size_t idx = static_cast<size_t>(i);
     py::object t = py::reinterpret_steal<py::object>(PySequence_Fast(elems[i], ""));
-    if (!t || PySequence_Fast_GET_SIZE(t.ptr()) != 3) {
+    if (!t || static_cast<size_t>(PySequence_Fast_GET_SIZE(t.ptr())) != N) {
       PyErr_Clear();
-      throw py::value_error(std::string(what) + " " + std::to_string(idx) + " must be a tuple (" + names[0] + ", " +
-                            names[1] + ", " + names[2] + ")");
+      throw py::value_error(std::string(what) + " " + std::to_string(idx) + " must be a tuple (" + fields + ")");
     }
     PyObject** f = PySequence_Fast_ITEMS(t.ptr());
-    out.push_back(make(as_u64(f[0], what, idx, names[0]), as_u64(f[1], what, idx, names[1]),
-                       as_u64(f[2], what, idx, names[2])));
+    std::array<uint64_t, N> row;
+    for (size_t k = 0; k < N; ++k) row[k] = as_u64(f[k], what, idx, names[k]);
+    out.push_back(row);
   }
   return out;
 }
 
 // The (src_ptr, nbytes, file_offset) items of submit_write and submit_stream.
 std::vector<dcpds::WriteItem> parse_write_items(py::handle items) {
-  static const char* const names[3] = {"src_ptr", "nbytes", "file_offset"};
-  return parse_triples<dcpds::WriteItem>(
-      items, "item", names, [](uint64_t a, uint64_t b, uint64_t c) { return dcpds::WriteItem{a, b, c}; });
+  std::vector<dcpds::WriteItem> out;
+  for (const auto& r : parse_tuples<3>(items, "item", {"src_ptr", "nbytes", "file_offset"}))
+    out.push_back(dcpds::WriteItem{r[0], r[1], r[2]});
+  return out;
+}
+
+// read_into's (dst_ptr, file_offset, nbytes) ranges.
+std::vector<dcpds::ReadRange> parse_read_ranges(py::handle ranges) {
+  std::vector<dcpds::ReadRange> out;
+  for (const auto& r : parse_tuples<3>(ranges, "range", {"dst_ptr", "file_offset", "nbytes"}))
+    out.push_back(dcpds::ReadRange{r[0], r[1], r[2]});
+  return out;
+}
+
+// read_into's (range_index, file_offset, nbytes, crc32c) checks.
+std::vector<dcpds::ReadCheck> parse_read_checks(py::handle checks) {
+  std::vector<dcpds::ReadCheck> out;
+  if (checks.is_none()) return out;
+  for (const auto& r : parse_tuples<4>(checks, "check", {"range_index", "file_offset", "nbytes", "crc32c"})) {
+    if (r[3] > 0xFFFFFFFFull) throw py::value_error("check " + std::to_string(out.size()) + ": crc32c is not 32-bit");
+    out.push_back(dcpds::ReadCheck{r[0], r[1], r[2], r[3]});
+  }
+  return out;
 }
 
 // Waits on a job in short slices with the GIL released, so Ctrl-C still works.
@@ -277,15 +300,23 @@ PYBIND11_MODULE(_engine, m) {
                              "CPU mode: why there is no CUDA; CUDA mode: why the cache is not pinned ('' if it is)")
       .def(
           "read_into",
-          [](Engine& e, const std::string& path, py::handle ranges) {
-            static const char* const names[3] = {"dst_ptr", "file_offset", "nbytes"};
-            std::vector<dcpds::ReadRange> parsed = parse_triples<dcpds::ReadRange>(
-                ranges, "range", names,
-                [](uint64_t a, uint64_t b, uint64_t c) { return dcpds::ReadRange{a, b, c}; });
-            py::gil_scoped_release nogil;
-            e.read_into(path, parsed);
+          [](Engine& e, const std::string& path, py::handle ranges, py::handle checks, int threads) -> py::object {
+            std::vector<dcpds::ReadRange> parsed = parse_read_ranges(ranges);
+            std::vector<dcpds::ReadCheck> wanted = parse_read_checks(checks);
+            std::optional<dcpds::ReadMismatch> bad;
+            {
+              py::gil_scoped_release nogil;
+              bad = e.read_into(path, parsed, wanted, threads);
+            }
+            if (!bad) return py::none();
+            return py::make_tuple(bad->range, bad->file_offset, bad->nbytes, bad->expected, bad->found);
           },
-          py::arg("path"), py::arg("ranges"), "Parallel pread of (dst_ptr, file_offset, nbytes) ranges.")
+          py::arg("path"), py::arg("ranges"), py::arg("checks") = py::none(), py::arg("threads") = 0,
+          "Parallel pread of (dst_ptr, file_offset, nbytes) ranges by up to `threads` workers (0: all\n"
+          "read threads), each reading a contiguous part of the file with its own descriptor.\n"
+          "checks: (range_index, file_offset, nbytes, crc32c) pieces of those ranges, verified right after\n"
+          "they are read. Returns None, or the first mismatch as (range_index, file_offset, nbytes,\n"
+          "expected, found); reading stops at it.")
       .def(
           "crc32c",
           [](Engine&, uint64_t ptr, int64_t nbytes, long long seed) {

@@ -35,75 +35,6 @@ void lower_thread_priority() {
 
 namespace dcpds {
 
-// ---------------------------------------------------------------------------------------------
-// Read path: one batch per read_into call. The caller and up to read_threads-1 pool workers
-// claim tasks from it with an atomic cursor; the caller returns once every claimed task is over.
-
-struct ReadTask {
-  char* dst;
-  uint64_t off;
-  uint64_t len;
-};
-
-struct ReadBatch {
-  int fd = -1;
-  std::string path;
-  std::vector<ReadTask> tasks;
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::atomic<uint64_t>* bytes_read = nullptr;
-
-  std::mutex mu;
-  std::condition_variable cv;
-  int active = 0;
-  bool finished = false;  // set by the caller; late workers must not touch fd or dst after it
-  int err = 0;
-  bool short_read = false;
-  uint64_t err_off = 0, err_len = 0, err_got = 0;
-
-  void run() {
-    {
-      std::lock_guard<std::mutex> g(mu);
-      if (finished) return;
-      ++active;
-    }
-    while (!failed.load(std::memory_order_acquire)) {
-      size_t i = next.fetch_add(1, std::memory_order_relaxed);
-      if (i >= tasks.size()) break;
-      const ReadTask& t = tasks[i];
-      size_t got = 0;
-      int e = pread_full(fd, t.dst, static_cast<size_t>(t.len), t.off, &got);
-      bytes_read->fetch_add(got, std::memory_order_relaxed);
-      if (e != 0 || got < t.len) record_error(e, t, got);
-    }
-    {
-      std::lock_guard<std::mutex> g(mu);
-      --active;
-    }
-    cv.notify_all();
-  }
-
-  void record_error(int e, const ReadTask& t, size_t got) {
-    std::lock_guard<std::mutex> g(mu);
-    if (!failed.load(std::memory_order_relaxed)) {
-      err = e;
-      short_read = e == 0;
-      err_off = t.off;
-      err_len = t.len;
-      err_got = got;
-    }
-    failed.store(true, std::memory_order_release);
-  }
-
-  void wait_all() {
-    std::unique_lock<std::mutex> lk(mu);
-    cv.wait(lk, [&] {
-      return active == 0 && (failed.load(std::memory_order_acquire) || next.load() >= tasks.size());
-    });
-    finished = true;
-  }
-};
-
 namespace {
 
 struct FdCloser {
@@ -522,7 +453,8 @@ void Engine::read_loop() {
   }
 }
 
-void Engine::read_into(const std::string& path, const std::vector<ReadRange>& ranges) {
+std::optional<ReadMismatch> Engine::read_into(const std::string& path, const std::vector<ReadRange>& ranges,
+                                             const std::vector<ReadCheck>& checks, int threads) {
   for (size_t i = 0; i < ranges.size(); ++i)
     if (ranges[i].nbytes > 0 && ranges[i].dst == 0)
       throw std::invalid_argument("range " + std::to_string(i) + ": dst_ptr is null for " +
@@ -542,26 +474,20 @@ void Engine::read_into(const std::string& path, const std::vector<ReadRange>& ra
     throw IoError(e, path + ": fstat failed: " + errno_text(e));
   }
   const uint64_t fsize = static_cast<uint64_t>(st.st_size);
-
-  auto batch = std::make_shared<ReadBatch>();
-  batch->fd = fd;
-  batch->path = path;
-  batch->bytes_read = &bytes_read_;
-  // Cut big ranges into chunk-sized tasks so one large tensor is read by several threads.
-  const uint64_t piece = chunk_bytes();
   // Only regular files have a meaningful size; anything else finds out through pread.
-  const bool sized = S_ISREG(st.st_mode);
-  for (const ReadRange& r : ranges) {
-    if (sized && (r.file_offset > fsize || r.nbytes > fsize - r.file_offset))
-      throw ShortReadError(path + ": short read at offset " + std::to_string(r.file_offset) + ": wanted " +
-                           std::to_string(r.nbytes) + " bytes, file has " + std::to_string(fsize));
-    for (uint64_t done = 0; done < r.nbytes; done += piece)
-      batch->tasks.push_back(ReadTask{reinterpret_cast<char*>(static_cast<uintptr_t>(r.dst + done)), r.file_offset + done,
-                                      std::min(piece, r.nbytes - done)});
+  if (S_ISREG(st.st_mode)) {
+    for (const ReadRange& r : ranges)
+      if (r.file_offset > fsize || r.nbytes > fsize - r.file_offset)
+        throw ShortReadError(path + ": short read at offset " + std::to_string(r.file_offset) + ": wanted " +
+                             std::to_string(r.nbytes) + " bytes, file has " + std::to_string(fsize));
   }
-  if (batch->tasks.empty()) return;
+  const int workers = threads > 0 ? std::min(threads, cfg_.read_threads) : cfg_.read_threads;
+  ReadFile file{path, static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), fsize};
+  auto batch = std::make_shared<ReadBatch>(std::move(file), ranges, checks, chunk_bytes(), static_cast<size_t>(workers),
+                                           &bytes_read_);
+  if (batch->empty()) return std::nullopt;
 
-  const size_t helpers = std::min<size_t>(static_cast<size_t>(cfg_.read_threads), batch->tasks.size()) - 1;
+  const size_t helpers = batch->groups() - 1;
   if (helpers > 0) {
     std::lock_guard<std::mutex> g(read_mu_);
     if (!stop_read_) {
@@ -571,15 +497,7 @@ void Engine::read_into(const std::string& path, const std::vector<ReadRange>& ra
   if (helpers > 0) read_cv_.notify_all();
   batch->run();  // the caller works too; after shutdown it does everything alone
   batch->wait_all();
-
-  if (batch->failed.load()) {
-    if (batch->short_read)
-      throw ShortReadError(path + ": short read at offset " + std::to_string(batch->err_off + batch->err_got) +
-                           ": wanted " + std::to_string(batch->err_len - batch->err_got) + " bytes, file has " +
-                           std::to_string(fsize));
-    throw IoError(batch->err, path + ": pread of " + std::to_string(batch->err_len) + " bytes at offset " +
-                                  std::to_string(batch->err_off) + " failed: " + errno_text(batch->err));
-  }
+  return batch->result();
 }
 
 // ---------------------------------------------------------------------------------------------

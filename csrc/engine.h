@@ -8,6 +8,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -17,6 +18,7 @@
 #include "cuda_runtime.h"
 #include "fault.h"
 #include "host_cache.h"
+#include "read_batch.h"
 #include "write_job.h"
 
 namespace dcpds {
@@ -32,29 +34,6 @@ struct EngineConfig {
   bool pin = true;  // cudaHostRegister the cache when a CUDA runtime is loaded
 };
 
-// A failed system call on the read path (bindings raise OSError / FileNotFoundError).
-class IoError : public std::runtime_error {
- public:
-  IoError(int err, const std::string& msg) : std::runtime_error(msg), err_(err) {}
-  int err() const { return err_; }
-
- private:
-  int err_;
-};
-
-// Fewer bytes in the file than a read asked for (bindings raise ValueError).
-class ShortReadError : public std::runtime_error {
- public:
-  using std::runtime_error::runtime_error;
-};
-
-// One read: nbytes at file_offset into dst.
-struct ReadRange {
-  uint64_t dst;
-  uint64_t file_offset;
-  uint64_t nbytes;
-};
-
 struct EngineStats {
   uint64_t cache_bytes, chunk_bytes, alignment, cache_address, cache_allocations;
   uint64_t slots_total, slots_free, peak_slots_used;
@@ -65,8 +44,6 @@ struct EngineStats {
   // Wall time flush workers spent on chunks, and the part of it spent checksumming.
   uint64_t flush_ns, checksum_ns;
 };
-
-struct ReadBatch;
 
 class Engine {
  public:
@@ -116,8 +93,12 @@ class Engine {
   // when pinning was not asked for).
   const std::string& cuda_status() const { return cuda_status_; }
 
-  // Blocking parallel pread of every range. Throws IoError or ShortReadError.
-  void read_into(const std::string& path, const std::vector<ReadRange>& ranges);
+  // Blocking parallel pread of every range by up to `threads` workers (0: read_threads), each
+  // reading a contiguous, file-ordered part with its own descriptor. Each check is verified
+  // right after its bytes are read; the first mismatch is returned (reading stops there).
+  // Throws IoError or ShortReadError, std::invalid_argument for bad ranges or checks.
+  std::optional<ReadMismatch> read_into(const std::string& path, const std::vector<ReadRange>& ranges,
+                                        const std::vector<ReadCheck>& checks = {}, int threads = 0);
 
   void set_fault(const std::string& kind, uint64_t after_bytes, const std::string& path_substring);
   // Benchmark hook: false skips the per-piece CRC32C (checksums() then reads 0), so the

@@ -133,7 +133,13 @@ class _Check:
     def fail(self, what: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"{self.source}: {what}")
 
+    # Each accessor first tries the common case with exact-type tests (JSON gives exactly int,
+    # list, dict, str), and only otherwise runs the full checks that name what is wrong: decoding
+    # a large checkpoint's metadata is on every load's critical path.
     def get(self, obj: dict, key: str, typ: type | tuple, where: str) -> Any:
+        value = obj.get(key) if type(obj) is dict else None
+        if type(value) is typ:
+            return value
         if not isinstance(obj, dict) or key not in obj:
             raise self.fail(f"missing field {key!r} in {where}")
         value = obj[key]
@@ -142,6 +148,9 @@ class _Check:
         return value
 
     def nonneg(self, obj: dict, key: str, where: str) -> int:
+        value = obj.get(key) if type(obj) is dict else None
+        if type(value) is int and 0 <= value <= _MAX_INT:
+            return value
         value = self.get(obj, key, int, where)
         if value < 0:
             raise self.fail(f"field {key!r} in {where} is negative ({value})")
@@ -150,6 +159,9 @@ class _Check:
         return value
 
     def dims(self, obj: dict, key: str, where: str) -> tuple[int, ...]:
+        value = obj.get(key) if type(obj) is dict else None
+        if type(value) is list and len(value) <= _MAX_DIMS and _all_dims(value):
+            return tuple(value)
         value = self.get(obj, key, list, where)
         if len(value) > _MAX_DIMS or not all(
             isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= _MAX_INT for v in value
@@ -164,6 +176,21 @@ class _Check:
         if value is not None and not isinstance(value, str):
             raise self.fail(f"field {key!r} in {where} should be a string or null, found {type(value).__name__}")
         return value
+
+
+def _all_dims(values: list) -> bool:
+    """Every value an exact int in [0, 2**63) (a plain loop: faster than all() on short lists)."""
+    for v in values:
+        if type(v) is not int or v < 0 or v > _MAX_INT:
+            return False
+    return True
+
+
+def _all_crcs(values: list) -> bool:
+    for v in values:
+        if type(v) is not int or v < 0 or v > 0xFFFFFFFF:
+            return False
+    return True
 
 
 def _tname(typ: type | tuple) -> str:
@@ -211,80 +238,19 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
         if files[name].data_start > files[name].size:
             raise c.fail(f"{where}: data_start {files[name].data_start} lies past the file size {files[name].size}")
 
-    def location(entry: dict, where: str, dtype: str, shape: tuple[int, ...]) -> ItemLocation:
-        fname = c.get(entry, "file", str, where)
-        if fname not in files:
-            raise c.fail(f"{where} refers to file {fname!r}, which the metadata does not list")
-        info = files[fname]
-        offset, length = c.nonneg(entry, "offset", where), c.nonneg(entry, "length", where)
-        if offset < info.data_start or offset + length > info.size:
-            raise c.fail(
-                f"{where}: byte range [{offset}, {offset + length}) lies outside the data region "
-                f"[{info.data_start}, {info.size}) of {fname}"
-            )
-        crcs = c.get(entry, "crc32c", list, where)
-        if not all(isinstance(x, int) and 0 <= x < (1 << 32) for x in crcs):
-            raise c.fail(f"{where}: crc32c must be a list of 32-bit integers")
-        if crcs and len(crcs) != _piece_count(offset, length, info):
-            raise c.fail(f"{where}: {len(crcs)} checksums for {_piece_count(offset, length, info)} pieces")
-        return ItemLocation(fname, offset, length, dtype, shape, tuple(crcs), info.data_start, info.piece_size)
-
     state: dict[str, Any] = {}
     storage: dict[MetadataIndex, ItemLocation] = {}
     for fqn, item in c.get(doc, "items", dict, "the document").items():
         where = f"item {fqn!r}"
         kind = c.get(item, "type", str, where)
-        if kind == "bytes":
+        if kind == "tensor":
+            _decode_tensor(c, fqn, item, where, files, state, storage)
+        elif kind == "bytes":
             state[fqn] = BytesStorageMetadata()
-            loc = location(item, where, "uint8", ())
+            loc = _location(c, item, where, files, "uint8", ())
             storage[MetadataIndex(fqn)] = ItemLocation(**{**loc.__dict__, "shape": (loc.length,)})
-            continue
-        if kind != "tensor":
+        else:
             raise c.fail(f"{where}: unknown item type {kind!r}")
-        try:
-            dtype = name_to_dtype(c.get(item, "dtype", str, where))
-        except ValueError as exc:
-            raise c.fail(f"{where}: {exc}") from None
-        size = c.dims(item, "size", where)
-        total = _numel(size)
-        if total > _MAX_NUMEL:
-            raise c.fail(f"{where}: absurd number of elements {total} for size {list(size)}")
-        requires_grad = item.get("requires_grad", False)
-        if not isinstance(requires_grad, bool):
-            raise c.fail(f"field 'requires_grad' in {where} should be bool, found {type(requires_grad).__name__}")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        chunks = []
-        covered = 0
-        for i, chunk in enumerate(c.get(item, "chunks", list, where)):
-            cwhere = f"{where} chunk {i}"
-            offsets, sizes = c.dims(chunk, "offsets", cwhere), c.dims(chunk, "sizes", cwhere)
-            if len(offsets) != len(size) or len(sizes) != len(size):
-                raise c.fail(f"{cwhere}: rank of offsets/sizes does not match the tensor's {len(size)} dims")
-            if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
-                raise c.fail(f"{cwhere}: chunk {list(offsets)}+{list(sizes)} exceeds the tensor size {list(size)}")
-            numel = _numel(sizes)
-            if numel > _MAX_NUMEL:
-                raise c.fail(f"{cwhere}: absurd number of elements {numel}")
-            covered += numel
-            loc = location(chunk, cwhere, dtype_to_name(dtype), sizes)
-            if loc.length != numel * itemsize:
-                raise c.fail(
-                    f"{cwhere}: stored length {loc.length} bytes does not match shape {list(sizes)} of "
-                    f"{dtype_to_name(dtype)} ({numel * itemsize} bytes)"
-                )
-            chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
-            storage[MetadataIndex(fqn, offsets, i)] = loc
-        # DCP's save planners only commit plans whose chunks tile the tensor exactly; anything
-        # else would leave parts of a destination silently unloaded.
-        if covered != total:
-            raise c.fail(f"{where}: its chunks hold {covered} elements, the tensor of size {list(size)} has {total}")
-        if len(chunks) <= _MAX_OVERLAP_CHECK:
-            for a in range(len(chunks)):
-                for b in range(a + 1, len(chunks)):
-                    if _overlap(chunks[a], chunks[b]):
-                        raise c.fail(f"{where}: chunks {a} and {b} overlap")
-        props = TensorProperties(dtype=dtype, requires_grad=requires_grad)
-        state[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
 
     planner_data = doc.get("planner_data")
     if planner_data is not None:
@@ -318,16 +284,93 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
     return md, files
 
 
+def _location(c: _Check, entry: dict, where: str, files: dict[str, FileInfo], dtype: str, shape: tuple[int, ...]) -> ItemLocation:
+    fname = c.get(entry, "file", str, where)
+    info = files.get(fname)
+    if info is None:
+        raise c.fail(f"{where} refers to file {fname!r}, which the metadata does not list")
+    offset, length = c.nonneg(entry, "offset", where), c.nonneg(entry, "length", where)
+    if offset < info.data_start or offset + length > info.size:
+        raise c.fail(
+            f"{where}: byte range [{offset}, {offset + length}) lies outside the data region "
+            f"[{info.data_start}, {info.size}) of {fname}"
+        )
+    crcs = c.get(entry, "crc32c", list, where)
+    if not _all_crcs(crcs) and not all(isinstance(x, int) and 0 <= x < (1 << 32) for x in crcs):
+        raise c.fail(f"{where}: crc32c must be a list of 32-bit integers")
+    if crcs and len(crcs) != _piece_count(offset, length, info):
+        raise c.fail(f"{where}: {len(crcs)} checksums for {_piece_count(offset, length, info)} pieces")
+    return ItemLocation(fname, offset, length, dtype, shape, tuple(crcs), info.data_start, info.piece_size)
+
+
+def _decode_tensor(
+    c: _Check,
+    fqn: str,
+    item: dict,
+    where: str,
+    files: dict[str, FileInfo],
+    state: dict[str, Any],
+    storage: dict[MetadataIndex, ItemLocation],
+) -> None:
+    try:
+        dtype = name_to_dtype(c.get(item, "dtype", str, where))
+    except ValueError as exc:
+        raise c.fail(f"{where}: {exc}") from None
+    size = c.dims(item, "size", where)
+    total = _numel(size)
+    if total > _MAX_NUMEL:
+        raise c.fail(f"{where}: absurd number of elements {total} for size {list(size)}")
+    requires_grad = item.get("requires_grad", False)
+    if not isinstance(requires_grad, bool):
+        raise c.fail(f"field 'requires_grad' in {where} should be bool, found {type(requires_grad).__name__}")
+    itemsize = dtype.itemsize
+    name = dtype_to_name(dtype)
+    chunks = []
+    covered = 0
+    for i, chunk in enumerate(c.get(item, "chunks", list, where)):
+        cwhere = f"{where} chunk {i}"
+        offsets, sizes = c.dims(chunk, "offsets", cwhere), c.dims(chunk, "sizes", cwhere)
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            raise c.fail(f"{cwhere}: rank of offsets/sizes does not match the tensor's {len(size)} dims")
+        if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
+            raise c.fail(f"{cwhere}: chunk {list(offsets)}+{list(sizes)} exceeds the tensor size {list(size)}")
+        numel = _numel(sizes)
+        if numel > _MAX_NUMEL:
+            raise c.fail(f"{cwhere}: absurd number of elements {numel}")
+        covered += numel
+        loc = _location(c, chunk, cwhere, files, name, sizes)
+        if loc.length != numel * itemsize:
+            raise c.fail(
+                f"{cwhere}: stored length {loc.length} bytes does not match shape {list(sizes)} of "
+                f"{name} ({numel * itemsize} bytes)"
+            )
+        chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
+        storage[MetadataIndex(fqn, offsets, i)] = loc
+    # DCP's save planners only commit plans whose chunks tile the tensor exactly; anything
+    # else would leave parts of a destination silently unloaded.
+    if covered != total:
+        raise c.fail(f"{where}: its chunks hold {covered} elements, the tensor of size {list(size)} has {total}")
+    if 1 < len(chunks) <= _MAX_OVERLAP_CHECK:
+        for a in range(len(chunks)):
+            for b in range(a + 1, len(chunks)):
+                if _overlap(chunks[a], chunks[b]):
+                    raise c.fail(f"{where}: chunks {a} and {b} overlap")
+    props = TensorProperties(dtype=dtype, requires_grad=requires_grad)
+    state[fqn] = TensorStorageMetadata(properties=props, size=torch.Size(size), chunks=chunks)
+
+
 class _DuplicateKey(Exception):
     pass
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise _DuplicateKey(k)
-        out[k] = v
+    out = dict(pairs)  # in C; a duplicate shows as a shorter dict
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for k, _ in pairs:
+            if k in seen:
+                raise _DuplicateKey(k)
+            seen.add(k)
     return out
 
 

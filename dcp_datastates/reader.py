@@ -45,15 +45,17 @@ class _StorageIndex(dict):
 class _Pending:
     req: ReadItem
     loc: ItemLocation
-    buf: torch.Tensor  # where the stored bytes land (the destination itself on the direct path)
+    ptr: int  # where the stored bytes land (the destination's own memory on the direct path)
+    nbytes: int  # how many are read there
     dst: torch.Tensor | None  # tensor destination (None for bytes items)
     direct: bool
-    read_start: int = 0  # file offset of buf[0]
+    read_start: int = 0  # file offset of the byte at ptr
     src: torch.Tensor | None = None  # the requested sub-box, a view into buf (non-direct tensors)
+    buf: torch.Tensor | None = None  # owns the memory at ptr when it is not the destination's
 
     @property
     def read_end(self) -> int:
-        return self.read_start + self.buf.numel()
+        return self.read_start + self.nbytes
 
 
 # Restores into CUDA tensors: each copy runs from a pinned buffer on a side stream per device, so
@@ -151,11 +153,12 @@ class DataStatesReader(StorageReader):
             return self._read_data(plan, planner)
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
-        by_file: dict[str, list[ReadItem]] = defaultdict(list)
+        by_file: dict[str, list[tuple[ReadItem, ItemLocation]]] = defaultdict(list)
         for req in plan.items:
-            by_file[self._location(req).file].append(req)
-        for name, reqs in by_file.items():
-            self._read_file(name, reqs, planner)
+            loc = self._location(req)
+            by_file[loc.file].append((req, loc))
+        for name, items in by_file.items():
+            self._read_file(name, items, planner)
         _finish_device_copies()
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
@@ -210,45 +213,27 @@ class DataStatesReader(StorageReader):
             commit.check_data_files(self.path, {name: info})
         return os.path.join(self.path, name)
 
-    def _read_file(self, name: str, reqs: list[ReadItem], planner: LoadPlanner) -> None:
+    def _read_file(self, name: str, items: list[tuple[ReadItem, ItemLocation]], planner: LoadPlanner) -> None:
         full = self._check_file(name)
-        pending: list[_Pending] = []
-        ranges = []
-        for req in reqs:
-            loc = self._location(req)
-            p = self._target(req, loc, planner)
-            pending.append(p)
-            if p.buf.numel():
-                ranges.append((p.buf.data_ptr(), p.read_start, p.buf.numel()))
+        pending = [self._target(req, loc, planner) for req, loc in items]
+        reading = [p for p in pending if p.nbytes]
+        ranges = [(p.ptr, p.read_start, p.nbytes) for p in reading]
         if ranges and storage.is_remote(self.path):
             concurrency = max(remote.READ_CONCURRENCY, self.config.read_threads)
             remote.read_ranges(self._remote(), name, ranges, concurrency=concurrency)
-        elif ranges:
-            get_engine(self.config).read_into(full, ranges)
-        checked = [p for p in pending if p.loc.crc32c] if self.config.verify else []
-        nbytes = sum(p.buf.numel() for p in checked)
-        if nbytes >= (64 << 20) and (os.cpu_count() or 1) > 1:
-            # Verify in two halves at once (crc32c releases the GIL on large buffers): a serial
-            # pass costs about as much as the parallel reads before it.
-            from concurrent.futures import ThreadPoolExecutor  # noqa: PLC0415 - kept local to this method
-
-            acc, cut = 0, len(checked)
-            for i, p in enumerate(checked):
-                acc += p.buf.numel()
-                if 2 * acc >= nbytes:
-                    cut = i + 1
-                    break
-            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-datastates-verify") as pool:
-                other = pool.submit(lambda: [self._verify(p) for p in checked[cut:]])
-                for p in checked[:cut]:
+            if self.config.verify:
+                for p in reading:
                     self._verify(p)
-                other.result()
-        else:
-            for p in checked:
-                self._verify(p)
+        elif ranges:
+            # The engine checks each piece right after reading it, while its bytes are hot.
+            checks = self._checks(reading) if self.config.verify else None
+            bad = get_engine(self.config).read_into(full, ranges, checks, self.config.read_threads)
+            if bad is not None:
+                index, off, length, expected, got = bad
+                raise self._mismatch(reading[index], off, length, expected, got)
         for p in pending:
             if p.dst is None:
-                planner.load_bytes(p.req, io.BytesIO(ctypes.string_at(p.buf.data_ptr(), p.loc.length) if p.loc.length else b""))
+                planner.load_bytes(p.req, io.BytesIO(ctypes.string_at(p.ptr, p.loc.length) if p.loc.length else b""))
                 continue
             if not p.direct:
                 if p.dst.is_cuda:
@@ -259,32 +244,31 @@ class DataStatesReader(StorageReader):
 
     def _target(self, req: ReadItem, loc: ItemLocation, planner: LoadPlanner) -> _Pending:
         if req.type == LoadItemType.BYTE_IO:
-            return _Pending(req, loc, torch.empty(loc.length, dtype=torch.uint8), None, False, loc.offset)
+            buf = torch.empty(loc.length, dtype=torch.uint8)
+            return _Pending(req, loc, buf.data_ptr(), loc.length, None, False, loc.offset, buf=buf)
         dst = planner.resolve_tensor(req)
-        whole = all(o == 0 for o in req.storage_offsets) and tuple(req.lengths) == tuple(loc.shape)
         direct = (
-            whole
+            not any(req.storage_offsets)
+            and tuple(req.lengths) == loc.shape
             and dst.device.type == "cpu"
             and dst.is_contiguous()
             and dst.dtype == name_to_dtype(loc.dtype)
-            and dst.numel() * dst.element_size() == loc.length
+            and dst.nbytes == loc.length
         )
-        if direct:
-            buf = dst.view(-1).view(torch.uint8) if loc.length else torch.empty(0, dtype=torch.uint8)
-            return _Pending(req, loc, buf, dst, True, loc.offset)
+        if direct:  # read straight into the destination's memory
+            return _Pending(req, loc, dst.data_ptr() if loc.length else 0, loc.length, dst, True, loc.offset)
         return self._span_target(req, loc, dst)
 
     def _span_target(self, req: ReadItem, loc: ItemLocation, dst: torch.Tensor) -> _Pending:
         """Read only the bytes between the first and last element of the requested sub-box
         (resharding), widened to whole checksum pieces when verifying."""
         dtype = name_to_dtype(loc.dtype)
-        esize = torch.empty((), dtype=dtype).element_size()
+        esize = dtype.itemsize
         strides = [1] * len(loc.shape)
         for d in range(len(loc.shape) - 2, -1, -1):
             strides[d] = strides[d + 1] * loc.shape[d + 1]
         if any(n == 0 for n in req.lengths):
-            empty = torch.empty(0, dtype=torch.uint8)
-            return _Pending(req, loc, empty, dst, False, loc.offset, torch.empty(tuple(req.lengths), dtype=dtype))
+            return _Pending(req, loc, 0, 0, dst, False, loc.offset, torch.empty(tuple(req.lengths), dtype=dtype))
         first = sum(o * st for o, st in zip(req.storage_offsets, strides))
         last = sum((o + n - 1) * st for o, n, st in zip(req.storage_offsets, req.lengths, strides))
         lo, hi = loc.offset + first * esize, loc.offset + (last + 1) * esize
@@ -298,18 +282,40 @@ class DataStatesReader(StorageReader):
         begin = loc.offset + first * esize - lo
         flat = buf[begin : begin + (last - first + 1) * esize].view(dtype)
         src = torch.as_strided(flat, tuple(req.lengths), tuple(strides), flat.storage_offset())
-        return _Pending(req, loc, buf, dst, False, lo, src)
+        return _Pending(req, loc, buf.data_ptr(), buf.numel(), dst, False, lo, src, buf)
+
+    @staticmethod
+    def _checks(reading: list[_Pending]) -> list[tuple[int, int, int, int]]:
+        """(range index, file offset, length, crc32c) of every stored piece each read covers
+        (a resharding read may skip pieces of its item)."""
+        out = []
+        for i, p in enumerate(reading):
+            if not p.loc.crc32c:
+                continue
+            start, end = p.read_start, p.read_end
+            out.extend(
+                (i, off, length, expected)
+                for expected, (off, length) in zip(p.loc.crc32c, piece_ranges(p.loc))
+                if off >= start and off + length <= end
+            )
+        return out
 
     def _verify(self, p: _Pending) -> None:
+        """Check the pieces of one read in Python (remote reads do not go through the engine)."""
+        if not p.loc.crc32c:
+            return
         engine = get_engine(self.config)
-        base = p.buf.data_ptr()
+        base = p.ptr
         for expected, (off, length) in zip(p.loc.crc32c, piece_ranges(p.loc)):
             if off < p.read_start or off + length > p.read_end:
                 continue  # a piece this rank did not need to read
             got = engine.crc32c(base + (off - p.read_start), length)
             if got != expected:
-                raise ChecksumMismatchError(
-                    f"checkpoint {self.path}: checksum mismatch in {p.loc.file}, item "
-                    f"{p.req.storage_index.fqn!r} (chunk offsets {list(p.req.storage_index.offset or [])}), "
-                    f"bytes [{off}, {off + length}): stored crc32c {expected:#010x}, read {got:#010x}"
-                )
+                raise self._mismatch(p, off, length, expected, got)
+
+    def _mismatch(self, p: _Pending, off: int, length: int, expected: int, got: int) -> ChecksumMismatchError:
+        return ChecksumMismatchError(
+            f"checkpoint {self.path}: checksum mismatch in {p.loc.file}, item "
+            f"{p.req.storage_index.fqn!r} (chunk offsets {list(p.req.storage_index.offset or [])}), "
+            f"bytes [{off}, {off + length}): stored crc32c {expected:#010x}, read {got:#010x}"
+        )

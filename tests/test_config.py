@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -25,6 +26,7 @@ def test_defaults_are_documented_values():
     assert 256 << 20 <= c.host_cache_size <= 8 << 30
     assert c.pin_host_cache is True and c.sync_files is True and c.verify is True and c.overwrite is True
     assert c.gpu_cache_size == 0
+    assert c.read_threads == min(4, 2 * (os.cpu_count() or 1))
 
 
 def test_nanotron_yaml_block(tmp_path):

@@ -493,6 +493,44 @@ def test_read_into_round_trip_parallel(tmp_path):
         eng.shutdown()
 
 
+def test_read_into_checks_pieces_while_reading(tmp_path):
+    rng = np.random.default_rng(21)
+    blob = rand_array(rng, 3 * MiB + 999).tobytes()
+    path = tmp_path / "blob.bin"
+    path.write_bytes(blob)
+    eng = E.Engine(1 * MiB, read_threads=4)  # 256 KiB units: several groups, each its own stream
+    try:
+        big = np.empty(3 * MiB, dtype=np.uint8)
+        small = np.empty(500, dtype=np.uint8)
+        ranges = [(ptr(small), 5, small.nbytes), (ptr(big), 999, big.nbytes)]
+        step = 300 * 1024  # pieces that do not line up with the 256 KiB units
+        checks = [(1, off, min(step, 999 + big.nbytes - off), 0) for off in range(999, 999 + big.nbytes, step)]
+        checks = [(i, o, n, E.crc32c(blob[o : o + n])) for i, o, n, _ in checks]
+        checks.append((0, 105, 100, E.crc32c(blob[105:205])))  # part of a range: the rest is unchecked
+        for threads in (0, 1, 2, 4, 9):
+            big[:] = 0
+            assert eng.read_into(str(path), ranges, checks, threads) is None
+            assert big.tobytes() == blob[999:] and small.tobytes() == blob[5:505]
+        bad = list(checks)
+        i, o, n, crc = bad[5]
+        bad[5] = (i, o, n, crc ^ 1)
+        assert eng.read_into(str(path), ranges, bad) == (1, o, n, crc ^ 1, crc)
+        assert eng.read_into(str(path), ranges, None) is None  # no checks: plain reads
+
+        with pytest.raises(ValueError, match="outside the range or overlapping"):
+            eng.read_into(str(path), ranges, [(0, 0, 10, 0)])  # starts before its range
+        with pytest.raises(ValueError, match="outside the range or overlapping"):
+            eng.read_into(str(path), ranges, [(0, 5, 10, 0), (0, 10, 10, 0)])
+        with pytest.raises(ValueError, match="names range 7 of 2"):
+            eng.read_into(str(path), ranges, [(7, 5, 10, 0)])
+        with pytest.raises(ValueError, match="crc32c is not 32-bit"):
+            eng.read_into(str(path), ranges, [(0, 5, 10, 1 << 32)])
+        with pytest.raises(ValueError, match="check 0 must be a tuple"):
+            eng.read_into(str(path), ranges, [(0, 5, 10)])
+    finally:
+        eng.shutdown()
+
+
 def test_read_into_errors(tmp_path):
     path = tmp_path / "short.bin"
     path.write_bytes(b"a" * 1000)

@@ -221,6 +221,48 @@ def test_flipped_byte_is_detected(tmp_path):
     assert torch.equal(dest["v"], state["v"]) and not torch.equal(dest["w"], state["w"])
 
 
+def _multi_piece_checkpoint(tmp_path, cache):
+    """A 1.5 MiB tensor over six 256 KiB checksum pieces (1 MiB cache), plus small items."""
+    g = torch.Generator().manual_seed(5)
+    state = {"big": torch.randn(512, 768, generator=g), "small": torch.randn(10, generator=g), "step": 3}
+    dcp.save(state, storage_writer=DataStatesWriter(tmp_path / "c", host_cache_size=cache))
+    doc = json.loads((tmp_path / "c" / ".metadata").read_bytes())
+    big = doc["items"]["big"]["chunks"][0]
+    assert len(big["crc32c"]) >= 6
+    return state, big, doc["files"][big["file"]]
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])  # direct reads, and reads into a buffer
+def test_multi_piece_load_and_flipped_byte_in_the_middle(tmp_path, small_engine, layout):
+    state, big, info = _multi_piece_checkpoint(tmp_path, small_engine)
+
+    def dest():
+        b = torch.zeros(512, 768) if layout == "contiguous" else torch.zeros(768, 512).t()
+        return {"big": b, "small": torch.zeros(10), "step": None}
+
+    for threads in (1, 4):
+        out = dest()
+        dcp.load(out, storage_reader=DataStatesReader(tmp_path / "c", read_threads=threads))
+        assert torch.equal(out["big"], state["big"]) and torch.equal(out["small"], state["small"]) and out["step"] == 3
+
+    start, piece = info["data_start"], info["piece_size"]
+    lo = start + ((big["offset"] - start) // piece + 3) * piece  # the item's 4th piece
+    f = tmp_path / "c" / "__0_0.safetensors"
+    raw = bytearray(f.read_bytes())
+    raw[lo + 777] ^= 0x01
+    f.write_bytes(bytes(raw))
+    message = (
+        rf"ChecksumMismatchError: checkpoint {tmp_path / 'c'}: checksum mismatch in __0_0.safetensors, "
+        rf"item 'big' \(chunk offsets \[0, 0\]\), bytes \[{lo}, {lo + piece}\): stored crc32c {big['crc32c'][3]:#010x}, read 0x"
+    )
+    with raises_through_dcp(message):
+        dcp.load(dest(), storage_reader=DataStatesReader(tmp_path / "c"))
+    out = dest()
+    dcp.load(out, storage_reader=DataStatesReader(tmp_path / "c", verify=False))
+    diff = (out["big"] != state["big"]).nonzero()
+    assert diff.shape[0] == 1 and torch.equal(out["small"], state["small"])
+
+
 def test_sync_files_off_still_roundtrips(tmp_path):
     state = {"w": torch.randn(100)}
     dcp.save(state, storage_writer=DataStatesWriter(tmp_path / "c", sync_files=False))
