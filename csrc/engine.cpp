@@ -171,6 +171,9 @@ Engine::Engine(const EngineConfig& cfg) : cfg_(cfg) {
     stop_threads();
     throw;
   }
+  // After pinning: a pinned cache is resident already. Never waited for: copies are correct
+  // either way, and shutdown stops it between two steps.
+  if (cfg.prefault) cache_->start_prefault();
 }
 
 Engine::~Engine() { shutdown(); }
@@ -552,6 +555,7 @@ void Engine::set_fault(const std::string& kind, uint64_t after_bytes, const std:
 }
 
 void Engine::stop_threads() {
+  cache_->stop_prefault();  // an engine shut down right after start must not fault in GBs first
   // Copy workers first: they drain their queue (blocking on slots that flush workers free),
   // then flush workers drain theirs, so every submitted job ends done.
   {
@@ -605,6 +609,7 @@ EngineStats Engine::stats() const {
   s.slots_total = static_cast<uint64_t>(cache_->slots_total());
   s.slots_free = static_cast<uint64_t>(cache_->slots_free());
   s.peak_slots_used = static_cast<uint64_t>(cache_->peak_used());
+  s.cache_prefaulted_bytes = cache_->prefaulted_bytes();
   s.bytes_staged = bytes_staged_.load();
   s.bytes_flushed = bytes_flushed_.load();
   s.bytes_read = bytes_read_.load();

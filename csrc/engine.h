@@ -30,6 +30,7 @@ struct EngineConfig {
   int64_t alignment = 4096;
   double cache_wait_timeout_s = 600.0;
   bool pin = true;  // cudaHostRegister the cache when a CUDA runtime is loaded
+  bool prefault = true;  // fault the whole cache in on a background thread at start
 };
 
 // A failed system call on the read path (bindings raise OSError / FileNotFoundError).
@@ -57,7 +58,7 @@ struct ReadRange {
 
 struct EngineStats {
   uint64_t cache_bytes, chunk_bytes, alignment, cache_address, cache_allocations;
-  uint64_t slots_total, slots_free, peak_slots_used;
+  uint64_t slots_total, slots_free, peak_slots_used, cache_prefaulted_bytes;
   uint64_t bytes_staged, bytes_flushed, bytes_read, chunks_staged, chunks_flushed;
   uint64_t jobs_submitted, jobs_done, jobs_failed, backpressure_waits;
   uint64_t copy_threads, flush_threads, read_threads, hw_crc32c;

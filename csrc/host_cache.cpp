@@ -1,8 +1,54 @@
 #include "host_cache.h"
 
+#include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <stdexcept>
+#include <system_error>
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older C library headers lack the name
+#endif
+
+namespace {
+
+// Bytes per prefault step: the stop flag is checked between steps (a few ms each).
+constexpr uintptr_t kPrefaultStep = uintptr_t(8) << 20;
+
+// Stores into one byte of every page of [lo, hi) without changing it: a compare-and-swap of a
+// byte with itself is a write to the kernel (the page is faulted in writable), and a copy worker
+// storing into the same byte meanwhile wins either way (the swap then fails and writes nothing new).
+void touch_pages(uintptr_t lo, uintptr_t hi, uintptr_t page) {
+  for (uintptr_t a = lo; a < hi; a = (a / page + 1) * page) {
+    char* b = reinterpret_cast<char*>(a);
+    char v = __atomic_load_n(b, __ATOMIC_RELAXED);
+    __atomic_compare_exchange_n(b, &v, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  }
+}
+
+// Makes the pages of [lo, hi) (lo page aligned, clipped to [first, hi) for touching) resident
+// and writable. MADV_POPULATE_WRITE does it in the kernel without touching the bytes; kernels
+// without it (EINVAL) get touched pages. False when memory ran out: touching would only wake
+// the OOM killer, so the rest of the cache is left to fault in on first use.
+bool populate(uintptr_t lo, uintptr_t hi, uintptr_t first, uintptr_t page, bool* use_madvise) {
+  if (*use_madvise) {
+    if (::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE) == 0) return true;
+    if (errno == ENOMEM || errno == EFAULT) return false;  // also EHWPOISON, below
+    if (errno == EINVAL || errno == EPERM) {
+      *use_madvise = false;  // not supported here
+    } else if (errno != EINTR && errno != EAGAIN) {
+      return false;  // a poisoned page or another failure: leave the rest to first use
+    }
+  }
+  touch_pages(std::max(lo, first), hi, page);  // no madvise, or interrupted (EINTR, EAGAIN)
+  return true;
+}
+
+}  // namespace
 
 namespace dcpds {
 
@@ -28,6 +74,7 @@ HostCache::HostCache(uint64_t cache_bytes, uint64_t slot_bytes, uint64_t alignme
 }
 
 HostCache::~HostCache() {
+  stop_prefault();
   unpin();
   std::free(base_);
 }
@@ -46,6 +93,41 @@ void HostCache::unpin() {
   if (!pinned_by_) return;
   pinned_by_->HostUnregister(base_);
   pinned_by_ = nullptr;
+}
+
+void HostCache::start_prefault() {
+  if (prefault_thread_.joinable() || stop_prefault_.load()) return;
+  if (pinned()) {  // cudaHostRegister locked every page in already
+    prefaulted_.store(bytes_, std::memory_order_relaxed);
+    return;
+  }
+  try {
+    prefault_thread_ = std::thread([this] { prefault_loop(); });
+  } catch (const std::system_error&) {
+    // No thread to spare: pages fault in on first use, as without prefaulting.
+  }
+}
+
+void HostCache::stop_prefault() {
+  stop_prefault_.store(true, std::memory_order_relaxed);
+  if (prefault_thread_.joinable()) prefault_thread_.join();
+}
+
+void HostCache::prefault_loop() {
+  const long sys_page = ::sysconf(_SC_PAGESIZE);
+  const uintptr_t page = sys_page > 0 ? static_cast<uintptr_t>(sys_page) : 4096;
+  const uintptr_t first = reinterpret_cast<uintptr_t>(base_);
+  const uintptr_t end = first + bytes_;
+  // DCP_DATASTATES_PREFAULT=touch: the fallback of kernels without MADV_POPULATE_WRITE (tests).
+  const char* mode = std::getenv("DCP_DATASTATES_PREFAULT");
+  bool use_madvise = !(mode && std::string(mode) == "touch");
+  // Steps start on page boundaries (madvise needs that); the first may begin before the buffer.
+  for (uintptr_t lo = first - first % page; lo < end; lo += kPrefaultStep) {
+    if (stop_prefault_.load(std::memory_order_relaxed)) return;
+    const uintptr_t hi = std::min(end, lo + kPrefaultStep);
+    if (!populate(lo, hi, first, page, &use_madvise)) return;
+    prefaulted_.store(hi - first, std::memory_order_relaxed);
+  }
 }
 
 int HostCache::acquire(double timeout_s, bool* waited) {

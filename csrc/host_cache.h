@@ -2,12 +2,14 @@
 // flush workers return in any order. Acquire blocks when all slots are out (backpressure).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
 #include <new>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda_runtime.h"
@@ -58,7 +60,20 @@ class HostCache {
   void unpin();
   bool pinned() const { return pinned_by_ != nullptr; }
 
+  // Makes every page of the buffer resident and writable on a background thread, once, so the
+  // first checkpoint pays no page faults and RSS is the whole cache from the start (flat). The
+  // bytes are never changed, so copies may run into the buffer meanwhile. Call after pin():
+  // a pinned buffer is resident already and is only counted as done.
+  void start_prefault();
+  // Stops the prefault thread between two steps (a few ms) and joins it. Idempotent.
+  void stop_prefault();
+  // Bytes made resident so far (the whole buffer once done, or at once when pinned).
+  uint64_t prefaulted_bytes() const { return prefaulted_.load(std::memory_order_relaxed); }
+
  private:
+  void prefault_loop();
+
+
   char* base_ = nullptr;
   uint64_t bytes_;
   uint64_t slot_bytes_;
@@ -70,6 +85,10 @@ class HostCache {
   std::condition_variable cv_;
   std::vector<int> free_;  // LIFO: the most recently written slot is the warmest in CPU caches
   int peak_used_ = 0;
+
+  std::thread prefault_thread_;
+  std::atomic<bool> stop_prefault_{false};
+  std::atomic<uint64_t> prefaulted_{0};
 };
 
 }  // namespace dcpds

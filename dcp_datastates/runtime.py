@@ -62,6 +62,7 @@ def get_engine(config: DataStatesConfig):
             read_threads=config.read_threads,
             cache_wait_timeout_s=float(config.cache_wait_timeout),
             pin=bool(config.pin_host_cache),
+            prefault=config.prefault_enabled(),
         )
         _engine_config = config
         _warned_cache_size = False
