@@ -121,12 +121,17 @@ void HostCache::prefault_loop() {
   // DCP_DATASTATES_PREFAULT=touch: the fallback of kernels without MADV_POPULATE_WRITE (tests).
   const char* mode = std::getenv("DCP_DATASTATES_PREFAULT");
   bool use_madvise = !(mode && std::string(mode) == "touch");
-  // Steps start on page boundaries (madvise needs that); the first may begin before the buffer.
-  for (uintptr_t lo = first - first % page; lo < end; lo += kPrefaultStep) {
+  // Steps start on page boundaries (madvise needs that; the first may begin before the buffer)
+  // and go from the end of the buffer down: copies take slots from its start, so a first
+  // checkpoint running meanwhile and the prefault fault in different pages instead of queueing
+  // on the same ones.
+  const uintptr_t start = first - first % page;
+  for (uintptr_t k = (end - start + kPrefaultStep - 1) / kPrefaultStep; k-- > 0;) {
     if (stop_prefault_.load(std::memory_order_relaxed)) return;
+    const uintptr_t lo = start + k * kPrefaultStep;
     const uintptr_t hi = std::min(end, lo + kPrefaultStep);
     if (!populate(lo, hi, first, page, &use_madvise)) return;
-    prefaulted_.store(hi - first, std::memory_order_relaxed);
+    prefaulted_.fetch_add(hi - std::max(lo, first), std::memory_order_relaxed);
   }
 }
 
