@@ -173,7 +173,7 @@ Engine::Engine(const EngineConfig& cfg) : cfg_(cfg) {
   }
   // After pinning: a pinned cache is resident already. Never waited for: copies are correct
   // either way, and shutdown stops it between two steps.
-  if (cfg.prefault) cache_->start_prefault();
+  if (cfg.prefault) cache_->start_prefault([this] { return copies_pending_.load(std::memory_order_relaxed) > 0; });
 }
 
 Engine::~Engine() { shutdown(); }
@@ -204,6 +204,7 @@ std::shared_ptr<WriteJob> Engine::submit(std::shared_ptr<WriteJob> job, uint64_t
     if (stop_copy_) throw std::runtime_error("engine is shut down");
     if (job->device() != kHostDevice) stager_->begin_job(*job, stream);  // the ordering point
     for (size_t k = 0; k < job->chunks_.size(); ++k) copy_q_.push_back(ChunkRef{job, k});
+    copies_pending_.fetch_add(static_cast<int64_t>(job->chunks_.size()), std::memory_order_relaxed);
     jobs_submitted_.fetch_add(1, std::memory_order_relaxed);
   }
   copy_cv_.notify_all();
@@ -244,12 +245,13 @@ void Engine::copy_loop() {
     WriteJob& job = *ref.job;
     if (job.device_ != kHostDevice) {
       stage_device_chunk(std::move(ref));  // handed on by the device's completion thread
-      continue;
+    } else {
+      stage_chunk(job, job.chunks_[ref.index]);
+      job.chunk_enqueued();
+      job.chunk_staged();
+      push_flush(std::move(ref));
     }
-    stage_chunk(job, job.chunks_[ref.index]);
-    job.chunk_enqueued();
-    job.chunk_staged();
-    push_flush(std::move(ref));
+    copies_pending_.fetch_sub(1, std::memory_order_relaxed);
   }
 }
 

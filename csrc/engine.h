@@ -180,6 +180,8 @@ class Engine {
   std::atomic<uint64_t> chunks_staged_{0}, chunks_flushed_{0};
   std::atomic<uint64_t> jobs_submitted_{0}, jobs_done_{0}, jobs_failed_{0}, backpressure_waits_{0};
   std::atomic<uint64_t> d2h_bytes_{0}, device_waits_{0}, host_waits_{0};
+  // Chunks submitted and not yet handled by a copy worker: the prefault waits while any are.
+  std::atomic<int64_t> copies_pending_{0};
 };
 
 }  // namespace dcpds

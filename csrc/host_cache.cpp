@@ -95,14 +95,14 @@ void HostCache::unpin() {
   pinned_by_ = nullptr;
 }
 
-void HostCache::start_prefault() {
+void HostCache::start_prefault(std::function<bool()> busy) {
   if (prefault_thread_.joinable() || stop_prefault_.load()) return;
   if (pinned()) {  // cudaHostRegister locked every page in already
     prefaulted_.store(bytes_, std::memory_order_relaxed);
     return;
   }
   try {
-    prefault_thread_ = std::thread([this] { prefault_loop(); });
+    prefault_thread_ = std::thread([this, busy = std::move(busy)] { prefault_loop(busy); });
   } catch (const std::system_error&) {
     // No thread to spare: pages fault in on first use, as without prefaulting.
   }
@@ -113,7 +113,16 @@ void HostCache::stop_prefault() {
   if (prefault_thread_.joinable()) prefault_thread_.join();
 }
 
-void HostCache::prefault_loop() {
+// False once stopped; polls `busy` every millisecond while it says true.
+bool HostCache::wait_while(const std::function<bool()>& busy) {
+  while (busy && busy()) {
+    if (stop_prefault_.load(std::memory_order_relaxed)) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return !stop_prefault_.load(std::memory_order_relaxed);
+}
+
+void HostCache::prefault_loop(const std::function<bool()>& busy) {
   const long sys_page = ::sysconf(_SC_PAGESIZE);
   const uintptr_t page = sys_page > 0 ? static_cast<uintptr_t>(sys_page) : 4096;
   const uintptr_t first = reinterpret_cast<uintptr_t>(base_);
@@ -127,7 +136,7 @@ void HostCache::prefault_loop() {
   // on the same ones.
   const uintptr_t start = first - first % page;
   for (uintptr_t k = (end - start + kPrefaultStep - 1) / kPrefaultStep; k-- > 0;) {
-    if (stop_prefault_.load(std::memory_order_relaxed)) return;
+    if (!wait_while(busy)) return;
     const uintptr_t lo = start + k * kPrefaultStep;
     const uintptr_t hi = std::min(end, lo + kPrefaultStep);
     if (!populate(lo, hi, first, page, &use_madvise)) return;

@@ -6,6 +6,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <new>
 #include <string>
@@ -63,15 +64,18 @@ class HostCache {
   // Makes every page of the buffer resident and writable on a background thread, once, so the
   // first checkpoint pays no page faults and RSS is the whole cache from the start (flat). The
   // bytes are never changed, so copies may run into the buffer meanwhile. Call after pin():
-  // a pinned buffer is resident already and is only counted as done.
-  void start_prefault();
+  // a pinned buffer is resident already and is only counted as done. `busy` is asked between
+  // steps: while it says true (copies are running), the thread waits instead of taking CPU and
+  // page-table locks from them; they fault in what they touch themselves.
+  void start_prefault(std::function<bool()> busy = nullptr);
   // Stops the prefault thread between two steps (a few ms) and joins it. Idempotent.
   void stop_prefault();
   // Bytes made resident so far (the whole buffer once done, or at once when pinned).
   uint64_t prefaulted_bytes() const { return prefaulted_.load(std::memory_order_relaxed); }
 
  private:
-  void prefault_loop();
+  void prefault_loop(const std::function<bool()>& busy);
+  bool wait_while(const std::function<bool()>& busy);
 
 
   char* base_ = nullptr;

@@ -103,3 +103,24 @@ def test_engine_prefaults_an_explicitly_sized_cache(small_engine, tmp_path):
     while engine_stats()["cache_prefaulted_bytes"] < cache and time.monotonic() < deadline:
         time.sleep(0.01)
     assert engine_stats()["cache_prefaulted_bytes"] == cache
+
+
+def test_start_engine_at_setup_prefaults_before_the_first_checkpoint(small_engine, tmp_path):
+    import time
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import engine_stats, start_engine
+
+    cache = 16 << 20
+    st = start_engine(host_cache_size=cache)
+    assert st["cache_bytes"] == cache
+    deadline = time.monotonic() + 30
+    while engine_stats()["cache_prefaulted_bytes"] < cache and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine_stats()["cache_prefaulted_bytes"] == cache
+    assert start_engine()["cache_address"] == st["cache_address"]  # the running engine, reused
+    state = {"w": torch.ones(100)}
+    dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c", host_cache_size=cache)).upload_completion.result()
+    assert engine_stats()["cache_address"] == st["cache_address"] and engine_stats()["jobs_done"] == 1

@@ -721,3 +721,24 @@ def test_shutdown_right_after_start_does_not_wait_for_prefault():
         assert took < 1.0, f"shutdown took {took:.3f} s"
         assert done < cache  # stopped part way: 2 GiB take seconds to fault in here
         eng.shutdown()  # still idempotent
+
+
+def test_prefault_waits_while_copies_run():
+    """A checkpoint that is copying does its own page faults; the prefault thread waits for it
+    instead of competing for the CPU. Here the copies cannot finish (a stream nobody consumes,
+    larger than the cache), so the prefault stays paused until the job fails."""
+    cache, chunk = 256 * MiB, 1 * MiB
+    src = np.ones(chunk, dtype=np.uint8)
+    eng = E.Engine(cache, chunk_bytes=chunk, cache_wait_timeout_s=60.0)
+    try:
+        items = [(ptr(src), chunk, 4096 + k * chunk) for k in range(300)]  # 300 chunks, 256 slots
+        job = eng.submit_stream("mem://stalled", b"h" * 4096, 4096 + 300 * chunk, items)
+        assert _until(lambda: eng.stats()["slots_free"] == 0)
+        time.sleep(0.3)
+        paused = eng.stats()["cache_prefaulted_bytes"]
+        time.sleep(0.3)
+        assert eng.stats()["cache_prefaulted_bytes"] == paused < cache
+        job.fail("test: nobody consumes this stream")
+        assert _until(lambda: eng.stats()["cache_prefaulted_bytes"] == cache)
+    finally:
+        eng.shutdown()
