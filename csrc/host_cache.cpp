@@ -1,51 +1,27 @@
 #include "host_cache.h"
 
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstdlib>
 #include <stdexcept>
 #include <system_error>
 
-#include <sys/mman.h>
 #include <unistd.h>
-
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14; older C library headers lack the name
-#endif
 
 namespace {
 
 // Bytes per prefault step: the stop flag is checked between steps (a few ms each).
 constexpr uintptr_t kPrefaultStep = uintptr_t(8) << 20;
 
-// Stores into one byte of every page of [lo, hi) without changing it: a compare-and-swap of a
-// byte with itself is a write to the kernel (the page is faulted in writable), and a copy worker
-// storing into the same byte meanwhile wins either way (the swap then fails and writes nothing new).
+// Writes one byte of every page of [lo, hi) without changing any: a compare-and-swap of 0 with 0
+// is a write access (one write fault maps a fresh page, whose bytes are 0), and a byte a copy
+// worker has set is not 0 and is left alone (its page is resident already).
 void touch_pages(uintptr_t lo, uintptr_t hi, uintptr_t page) {
   for (uintptr_t a = lo; a < hi; a = (a / page + 1) * page) {
-    char* b = reinterpret_cast<char*>(a);
-    char v = __atomic_load_n(b, __ATOMIC_RELAXED);
-    __atomic_compare_exchange_n(b, &v, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+    char zero = 0;
+    __atomic_compare_exchange_n(reinterpret_cast<char*>(a), &zero, char(0), false, __ATOMIC_RELAXED,
+                                __ATOMIC_RELAXED);
   }
-}
-
-// Makes the pages of [lo, hi) (lo page aligned, clipped to [first, hi) for touching) resident
-// and writable. MADV_POPULATE_WRITE does it in the kernel without touching the bytes; kernels
-// without it (EINVAL) get touched pages. False when memory ran out: touching would only wake
-// the OOM killer, so the rest of the cache is left to fault in on first use.
-bool populate(uintptr_t lo, uintptr_t hi, uintptr_t first, uintptr_t page, bool* use_madvise) {
-  if (*use_madvise) {
-    if (::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE) == 0) return true;
-    if (errno == ENOMEM || errno == EFAULT) return false;  // also EHWPOISON, below
-    if (errno == EINVAL || errno == EPERM) {
-      *use_madvise = false;  // not supported here
-    } else if (errno != EINTR && errno != EAGAIN) {
-      return false;  // a poisoned page or another failure: leave the rest to first use
-    }
-  }
-  touch_pages(std::max(lo, first), hi, page);  // no madvise, or interrupted (EINTR, EAGAIN)
-  return true;
 }
 
 }  // namespace
@@ -122,25 +98,23 @@ bool HostCache::wait_while(const std::function<bool()>& busy) {
   return !stop_prefault_.load(std::memory_order_relaxed);
 }
 
+// Touches rather than madvise(MADV_POPULATE_WRITE): that holds the process's mmap lock for a
+// whole step, so every mmap/munmap of the training thread (Python and torch allocations) waited
+// for it, which made the first checkpoint's call 1.5-5x slower here; page faults take only the
+// cache's own VMA lock.
 void HostCache::prefault_loop(const std::function<bool()>& busy) {
   const long sys_page = ::sysconf(_SC_PAGESIZE);
   const uintptr_t page = sys_page > 0 ? static_cast<uintptr_t>(sys_page) : 4096;
   const uintptr_t first = reinterpret_cast<uintptr_t>(base_);
   const uintptr_t end = first + bytes_;
-  // DCP_DATASTATES_PREFAULT=touch: the fallback of kernels without MADV_POPULATE_WRITE (tests).
-  const char* mode = std::getenv("DCP_DATASTATES_PREFAULT");
-  bool use_madvise = !(mode && std::string(mode) == "touch");
-  // Steps start on page boundaries (madvise needs that; the first may begin before the buffer)
-  // and go from the end of the buffer down: copies take slots from its start, so a first
-  // checkpoint running meanwhile and the prefault fault in different pages instead of queueing
-  // on the same ones.
-  const uintptr_t start = first - first % page;
-  for (uintptr_t k = (end - start + kPrefaultStep - 1) / kPrefaultStep; k-- > 0;) {
+  // From the end of the buffer down, in steps: copies take slots from its start, and the stop
+  // flag and `busy` are checked between steps.
+  for (uintptr_t hi = end; hi > first;) {
     if (!wait_while(busy)) return;
-    const uintptr_t lo = start + k * kPrefaultStep;
-    const uintptr_t hi = std::min(end, lo + kPrefaultStep);
-    if (!populate(lo, hi, first, page, &use_madvise)) return;
-    prefaulted_.fetch_add(hi - std::max(lo, first), std::memory_order_relaxed);
+    const uintptr_t lo = hi - first > kPrefaultStep ? hi - kPrefaultStep : first;
+    touch_pages(lo, hi, page);
+    prefaulted_.fetch_add(hi - lo, std::memory_order_relaxed);
+    hi = lo;
   }
 }
 

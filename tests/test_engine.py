@@ -658,10 +658,7 @@ def _until(cond, timeout: float = 60.0) -> bool:
     return True
 
 
-@pytest.mark.parametrize("mode", ["madvise", "touch"])
-def test_prefault_makes_the_cache_resident_without_a_checkpoint(monkeypatch, mode):
-    if mode == "touch":
-        monkeypatch.setenv("DCP_DATASTATES_PREFAULT", "touch")  # the path of kernels before 5.14
+def test_prefault_makes_the_cache_resident_without_a_checkpoint():
     cache = 128 * MiB
     before = _rss()
     eng = E.Engine(cache, chunk_bytes=8 * MiB)
@@ -686,12 +683,9 @@ def test_prefault_off_leaves_the_cache_untouched():
         eng.shutdown()
 
 
-@pytest.mark.parametrize("mode", ["madvise", "touch"])
-def test_copies_while_prefaulting_are_correct(tmp_path, monkeypatch, mode):
-    """Jobs submitted right after start fill slots the prefault thread is still walking: it must
-    never change a byte a copy worker wrote."""
-    if mode == "touch":
-        monkeypatch.setenv("DCP_DATASTATES_PREFAULT", "touch")
+def test_copies_while_prefaulting_are_correct(tmp_path):
+    """Jobs submitted right after start fill slots the prefault thread may still be walking: it
+    must never change a byte a copy worker wrote."""
     rng = np.random.default_rng(21)
     eng = E.Engine(512 * MiB, chunk_bytes=1 * MiB)
     try:
