@@ -238,7 +238,8 @@ PYBIND11_MODULE(_engine, m) {
 
   py::class_<Engine>(m, "Engine", "Process-wide write/read engine with one preallocated host cache.")
       .def(py::init([](int64_t cache_bytes, int64_t chunk_bytes, int copy_threads, int flush_threads,
-                       int read_threads, int64_t alignment, double cache_wait_timeout_s, bool pin) {
+                       int read_threads, int64_t alignment, double cache_wait_timeout_s, bool pin,
+                       bool prefault) {
              dcpds::EngineConfig cfg;
              cfg.cache_bytes = cache_bytes;
              cfg.chunk_bytes = chunk_bytes;
@@ -248,15 +249,19 @@ PYBIND11_MODULE(_engine, m) {
              cfg.alignment = alignment;
              cfg.cache_wait_timeout_s = cache_wait_timeout_s;
              cfg.pin = pin;
+             cfg.prefault = prefault;
              py::gil_scoped_release nogil;  // a large allocation (and pinning it) can take a while
              return std::make_unique<Engine>(cfg);
            }),
            py::arg("cache_bytes"), py::arg("chunk_bytes") = int64_t(64) << 20, py::arg("copy_threads") = 2,
            py::arg("flush_threads") = 2, py::arg("read_threads") = 4, py::arg("alignment") = 4096,
            py::arg("cache_wait_timeout_s") = 600.0, py::arg("pin") = true,
+           py::arg("prefault") = true,
            "Allocates the host cache and starts the threads. Loads the CUDA runtime named by\n"
            "$DCP_DATASTATES_CUDART (\"none\": CPU mode), else the libcudart PyTorch loaded, else\n"
-           "libcudart.so(.13/.12); with it and pin=True the cache is page-locked once.")
+           "libcudart.so(.13/.12); with it and pin=True the cache is page-locked once. With\n"
+           "prefault=True a background thread then faults the whole cache in (stats:\n"
+           "cache_prefaulted_bytes); construction never waits for it.")
       .def(
           "submit_write",
           [](Engine& e, const std::string& path, py::bytes header, int64_t file_size, py::handle items, bool sync,
@@ -343,6 +348,7 @@ PYBIND11_MODULE(_engine, m) {
              d["slots_total"] = s.slots_total;
              d["slots_free"] = s.slots_free;
              d["peak_slots_used"] = s.peak_slots_used;
+             d["cache_prefaulted_bytes"] = s.cache_prefaulted_bytes;
              d["bytes_staged"] = s.bytes_staged;
              d["bytes_flushed"] = s.bytes_flushed;
              d["bytes_read"] = s.bytes_read;

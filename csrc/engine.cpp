@@ -112,6 +112,9 @@ Engine::Engine(const EngineConfig& cfg) : cfg_(cfg) {
     stop_threads();
     throw;
   }
+  // After pinning: a pinned cache is resident already. Never waited for: copies are correct
+  // either way, and shutdown stops it between two steps.
+  if (cfg.prefault) cache_->start_prefault([this] { return copies_pending_.load(std::memory_order_relaxed) > 0; });
 }
 
 Engine::~Engine() { shutdown(); }
@@ -142,6 +145,7 @@ std::shared_ptr<WriteJob> Engine::submit(std::shared_ptr<WriteJob> job, uint64_t
     if (stop_copy_) throw std::runtime_error("engine is shut down");
     if (job->device() != kHostDevice) stager_->begin_job(*job, stream);  // the ordering point
     for (size_t k = 0; k < job->chunks_.size(); ++k) copy_q_.push_back(ChunkRef{job, k});
+    copies_pending_.fetch_add(static_cast<int64_t>(job->chunks_.size()), std::memory_order_relaxed);
     jobs_submitted_.fetch_add(1, std::memory_order_relaxed);
   }
   copy_cv_.notify_all();
@@ -182,12 +186,13 @@ void Engine::copy_loop() {
     WriteJob& job = *ref.job;
     if (job.device_ != kHostDevice) {
       stage_device_chunk(std::move(ref));  // handed on by the device's completion thread
-      continue;
+    } else {
+      stage_chunk(job, job.chunks_[ref.index]);
+      job.chunk_enqueued();
+      job.chunk_staged();
+      push_flush(std::move(ref));
     }
-    stage_chunk(job, job.chunks_[ref.index]);
-    job.chunk_enqueued();
-    job.chunk_staged();
-    push_flush(std::move(ref));
+    copies_pending_.fetch_sub(1, std::memory_order_relaxed);
   }
 }
 
@@ -507,6 +512,7 @@ void Engine::set_fault(const std::string& kind, uint64_t after_bytes, const std:
 }
 
 void Engine::stop_threads() {
+  cache_->stop_prefault();  // an engine shut down right after start must not fault in GBs first
   // Copy workers first: they drain their queue (blocking on slots that flush workers free),
   // then flush workers drain theirs, so every submitted job ends done.
   {
@@ -560,6 +566,7 @@ EngineStats Engine::stats() const {
   s.slots_total = static_cast<uint64_t>(cache_->slots_total());
   s.slots_free = static_cast<uint64_t>(cache_->slots_free());
   s.peak_slots_used = static_cast<uint64_t>(cache_->peak_used());
+  s.cache_prefaulted_bytes = cache_->prefaulted_bytes();
   s.bytes_staged = bytes_staged_.load();
   s.bytes_flushed = bytes_flushed_.load();
   s.bytes_read = bytes_read_.load();

@@ -32,11 +32,12 @@ struct EngineConfig {
   int64_t alignment = 4096;
   double cache_wait_timeout_s = 600.0;
   bool pin = true;  // cudaHostRegister the cache when a CUDA runtime is loaded
+  bool prefault = true;  // fault the whole cache in on a background thread at start
 };
 
 struct EngineStats {
   uint64_t cache_bytes, chunk_bytes, alignment, cache_address, cache_allocations;
-  uint64_t slots_total, slots_free, peak_slots_used;
+  uint64_t slots_total, slots_free, peak_slots_used, cache_prefaulted_bytes;
   uint64_t bytes_staged, bytes_flushed, bytes_read, chunks_staged, chunks_flushed;
   uint64_t jobs_submitted, jobs_done, jobs_failed, backpressure_waits;
   uint64_t copy_threads, flush_threads, read_threads, hw_crc32c;
@@ -170,6 +171,8 @@ class Engine {
   std::atomic<uint64_t> jobs_submitted_{0}, jobs_done_{0}, jobs_failed_{0}, backpressure_waits_{0};
   std::atomic<uint64_t> d2h_bytes_{0}, device_waits_{0}, host_waits_{0};
   std::atomic<uint64_t> flush_ns_{0}, checksum_ns_{0};
+  // Chunks submitted and not yet handled by a copy worker: the prefault waits while any are.
+  std::atomic<int64_t> copies_pending_{0};
 };
 
 }  // namespace dcpds

@@ -2,12 +2,15 @@
 // flush workers return in any order. Acquire blocks when all slots are out (backpressure).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <new>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "cuda_runtime.h"
@@ -58,7 +61,23 @@ class HostCache {
   void unpin();
   bool pinned() const { return pinned_by_ != nullptr; }
 
+  // Makes every page of the buffer resident and writable on a background thread, once, so the
+  // first checkpoint pays no page faults and RSS is the whole cache from the start (flat). The
+  // bytes are never changed, so copies may run into the buffer meanwhile. Call after pin():
+  // a pinned buffer is resident already and is only counted as done. `busy` is asked between
+  // steps: while it says true (copies are running), the thread waits instead of taking CPU and
+  // page-table locks from them; they fault in what they touch themselves.
+  void start_prefault(std::function<bool()> busy = nullptr);
+  // Stops the prefault thread between two steps (a few ms) and joins it. Idempotent.
+  void stop_prefault();
+  // Bytes made resident so far (the whole buffer once done, or at once when pinned).
+  uint64_t prefaulted_bytes() const { return prefaulted_.load(std::memory_order_relaxed); }
+
  private:
+  void prefault_loop(const std::function<bool()>& busy);
+  bool wait_while(const std::function<bool()>& busy);
+
+
   char* base_ = nullptr;
   uint64_t bytes_;
   uint64_t slot_bytes_;
@@ -70,6 +89,10 @@ class HostCache {
   std::condition_variable cv_;
   std::vector<int> free_;  // LIFO: the most recently written slot is the warmest in CPU caches
   int peak_used_ = 0;
+
+  std::thread prefault_thread_;
+  std::atomic<bool> stop_prefault_{false};
+  std::atomic<uint64_t> prefaulted_{0};
 };
 
 }  // namespace dcpds

@@ -21,7 +21,7 @@ from .errors import (
 )
 from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
-from .runtime import engine_stats, shutdown_engine
+from .runtime import engine_stats, shutdown_engine, start_engine
 from .staging import protect_optimizer, wait_staged
 from .validate import validate_checkpoint, validate_data_file
 from .writer import DataStatesWriter
@@ -44,6 +44,7 @@ __all__ = [
     "validate_data_file",
     "checkpoint_error_cause",
     "engine_stats",
+    "start_engine",
     "shutdown_engine",
     "DataStatesError",
     "IncompleteCheckpointError",

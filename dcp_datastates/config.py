@@ -102,6 +102,12 @@ class DataStatesConfig:
             GB). Default: a quarter of RAM, between 256 MiB and 8 GiB. A checkpoint larger than
             the cache streams through it.
         pin_host_cache: page-lock the cache with ``cudaHostRegister`` when CUDA is present.
+        prefault_host_cache: fault the whole cache in on a background thread when the engine
+            starts, so the first checkpoint pays no page faults and resident memory is flat from
+            it on. None (default): only when ``host_cache_size`` was chosen (a cache of the
+            built-in default size, a guess of a quarter of RAM per process, is left to fault in
+            as checkpoints use it: several ranks per node would otherwise commit more than the
+            machine has). A pinned cache is resident anyway.
         gpu_cache_size: optional device-side snapshot tier (bytes, 0 = off).
         chunk_size: unit of copy, flush and checksum (bytes). Clamped to a quarter of the cache.
         copy_threads: threads copying tensors into the cache (seeds: ``parser_threads``).
@@ -122,6 +128,7 @@ class DataStatesConfig:
 
     host_cache_size: int = field(default_factory=_default_cache_size)
     pin_host_cache: bool = True
+    prefault_host_cache: bool | None = None
     gpu_cache_size: int = 0
     chunk_size: int = 16 << 20
     copy_threads: int = 2
@@ -152,6 +159,8 @@ class DataStatesConfig:
         for name in ("pin_host_cache", "sync_files", "overwrite", "verify", "dedup_replicated", "hierarchical_consolidation"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
+        if self.prefault_host_cache is not None and not isinstance(self.prefault_host_cache, bool):
+            raise ValueError(f"prefault_host_cache: expected true, false or null, got {self.prefault_host_cache!r}")
 
     # ----------------------------------------------------------------- construction helpers
     @classmethod
@@ -210,6 +219,12 @@ class DataStatesConfig:
         if not options:
             return base
         return dataclasses.replace(base, **_normalize(options, bare_sizes_in_gb=False))
+
+    def prefault_enabled(self) -> bool:
+        """Whether the engine should fault its cache in at start (see ``prefault_host_cache``)."""
+        if self.prefault_host_cache is not None:
+            return self.prefault_host_cache
+        return self.host_cache_size != _default_cache_size()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

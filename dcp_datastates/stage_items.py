@@ -8,6 +8,7 @@ the planner's ``WriteItem.index``, so the two always agree.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import logging
 from collections.abc import Mapping
@@ -23,7 +24,7 @@ from torch.distributed.checkpoint.utils import find_tensor_shard
 
 from .layout import FileEntry, dtype_to_name
 
-__all__ = ["ItemKey", "SourceItem", "collect_items", "item_key", "source_for_resolved"]
+__all__ = ["ItemKey", "SourceItem", "bytes_source", "collect_items", "flatten", "items_of_flat", "item_key", "source_for_resolved"]
 
 log = logging.getLogger("dcp_datastates")
 
@@ -62,7 +63,7 @@ def _tensor_source(key: ItemKey, name: str, tensor: torch.Tensor) -> SourceItem:
     return SourceItem(key=key, entry=entry, ptr=t.data_ptr() if nbytes else 0, keepalive=t, device=device)
 
 
-def _bytes_source(key: ItemKey, name: str, data: bytes) -> SourceItem:
+def bytes_source(key: ItemKey, name: str, data: bytes) -> SourceItem:
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     entry = FileEntry(name=name, kind="bytes", dtype="uint8", shape=(len(data),), nbytes=len(data))
     return SourceItem(key=key, entry=entry, ptr=buf.data_ptr() if data else 0, keepalive=buf)
@@ -122,16 +123,24 @@ def _flatten(state_dict: dict) -> tuple[dict, dict]:
     return flat, mappings
 
 
-def collect_items(state_dict: dict) -> tuple[list[SourceItem], dict, dict]:
-    """Flatten like ``DefaultSavePlanner`` and return (items, flat state dict, mappings).
+def flatten(state_dict: dict) -> tuple[dict, dict]:
+    """(flat state dict, mappings), exactly as DCP's ``flatten_state_dict``."""
+    return _flatten(state_dict)
 
-    Plain tensors take a fast path; DTensor and ShardedTensor go through DCP's own
-    ``_create_write_items`` so their chunk offsets are exactly DCP's.
-    """
+
+def collect_items(state_dict: dict) -> tuple[list[SourceItem], dict, dict]:
+    """Flatten like ``DefaultSavePlanner`` and return (items, flat state dict, mappings)."""
     flat, mappings = _flatten(state_dict)
+    return items_of_flat(flat), flat, mappings
+
+
+def items_of_flat(flat: dict, serialized: dict[int, SourceItem] | None = None) -> list[SourceItem]:
+    """The items of a flat state dict, in its order. Plain tensors take a fast path; DTensor and
+    ShardedTensor go through DCP's own ``_create_write_items`` so their chunk offsets are exactly
+    DCP's. ``serialized``: non-tensor values already serialized in this stage(), by position."""
     items: list[SourceItem] = []
     taken: set[str] = set()
-    for fqn, obj in flat.items():
+    for pos, (fqn, obj) in enumerate(flat.items()):
         if type(obj) is torch.Tensor or (isinstance(obj, torch.nn.Parameter) and type(obj.data) is torch.Tensor):
             key = (fqn, (0,) * obj.dim())
             items.append(_tensor_source(key, _unique_name(fqn, None, taken), obj))
@@ -142,8 +151,15 @@ def collect_items(state_dict: dict) -> tuple[list[SourceItem], dict, dict]:
                 items.append(_tensor_source(key, _unique_name(fqn, key[1], taken), local))
         else:
             key = (fqn, None)
-            items.append(_bytes_source(key, _unique_name(fqn, None, taken), serialize_object(obj)))
-    return items, flat, mappings
+            name = _unique_name(fqn, None, taken)
+            done = serialized.get(pos) if serialized else None
+            items.append(_renamed(done, key, name) if done is not None else bytes_source(key, name, serialize_object(obj)))
+    return items
+
+
+def _renamed(item: SourceItem, key: ItemKey, name: str) -> SourceItem:
+    """An already serialized value under its final key and file name."""
+    return SourceItem(key=key, entry=dataclasses.replace(item.entry, name=name), ptr=item.ptr, keepalive=item.keepalive)
 
 
 def source_for_resolved(item: WriteItem, data: Any, taken: set[str]) -> SourceItem:
@@ -152,7 +168,7 @@ def source_for_resolved(item: WriteItem, data: Any, taken: set[str]) -> SourceIt
     name = _unique_name(item.index.fqn, key[1], taken)
     if item.type == WriteItemType.BYTE_IO:
         raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
-        return _bytes_source(key, name, raw)
+        return bytes_source(key, name, raw)
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"planner.resolve_data returned {type(data).__name__} for tensor item {item.index.fqn!r}")
     return _tensor_source(key, name, data)

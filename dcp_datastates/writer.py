@@ -17,6 +17,7 @@ import sys
 import threading
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +38,8 @@ from .runtime import get_engine
 from .consolidate import consolidate_results
 from .gcpause import gc_paused
 from .ownership import RankReport, select_owned
-from .stage_items import ItemKey, SourceItem, collect_items, item_key, source_for_resolved
+from .stage_items import ItemKey, SourceItem, flatten, item_key, items_of_flat, source_for_resolved
+from .stage_plan import build_plan, find_plan, scan_state
 from .staging import tracker
 
 __all__ = ["DataStatesWriter"]
@@ -54,8 +56,8 @@ class _FileJob:
 
     name: str
     job: Any
-    keys: list[ItemKey]
-    locations: dict[ItemKey, ItemLocation]
+    keys: Sequence[ItemKey]
+    locations: Mapping[ItemKey, ItemLocation]  # shared with a cached stage plan: never mutated
     keepalive: list[Any] | None
     data_start: int
     piece_size: int
@@ -263,15 +265,19 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         target = storage.normalize(target)
         try:
             _refuse_concurrent_save(target)
-            items, flat, mappings = collect_items(state_dict)
+            flat, mappings = flatten(state_dict)
             group, no_dist = call.get("process_group"), bool(call.get("no_dist", False))
             rank, world = _rank_of(group, no_dist), _world_of(group, no_dist)
-            staged = _StagedSave(path=target)
-            if world > 1 and self.config.dedup_replicated:
-                items, staged.skipped, staged.replicated_digest = select_owned(items, flat, rank, world)
-            commit.prepare_folder(target, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
-            for k, group in enumerate(_by_device(items)):  # one engine job (and file) per device
-                staged.files.append(self._submit(target, data_file_name(rank, k), group))
+            dedup = world > 1 and self.config.dedup_replicated
+            engine = get_engine(self.config)
+            context = (rank, world, dedup, engine.cuda_devices > 0)
+            scan = scan_state(flat)
+            plan = find_plan(context, scan)
+            if plan is not None:  # the same structure as a checkpoint before: only pointers are new
+                commit.prepare_folder(target, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
+                staged = self._stage_planned(target, plan, scan)
+            else:
+                staged = self._stage_full(target, flat, rank, world, dedup, context, scan)
         except Exception as exc:  # noqa: BLE001 - surfaces from the futures, as DCP users expect
             future.set_exception(exc)
             return future
@@ -280,14 +286,40 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         with _inflight_lock:
             _inflight[target] = staged
         tracker().add(staged)
-        # The staged dict: same structure, live tensors (the engine owns their bytes now), and the
-        # non-tensor values already serialized into the job.
-        staged_dict = unflatten_state_dict(flat, mappings)
-        _watchers.submit(self._finish_staging, staged, staged_dict, future)
+        _watchers.submit(self._finish_staging, staged, flat, mappings, future)
         return future
 
+    def _stage_full(self, target: str, flat: dict, rank: int, world: int, dedup: bool, context: tuple, scan) -> _StagedSave:
+        """Lay out and submit every file from the items themselves; cache what depends only on
+        the structure when the scan covered the state."""
+        items = items_of_flat(flat, scan.payloads if scan is not None else None)
+        staged = _StagedSave(path=target)
+        if dedup:
+            items, staged.skipped, staged.replicated_digest = select_owned(items, flat, rank, world)
+        commit.prepare_folder(target, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
+        record: list = []
+        for k, group in enumerate(_by_device(items)):  # one engine job (and file) per device
+            staged.files.append(self._submit(target, data_file_name(rank, k), group, record))
+        if scan is not None and staged.files:
+            piece = staged.files[0].piece_size
+            build_plan(context, scan, flat, record, staged.skipped, staged.replicated_digest, piece)
+        return staged
+
+    def _stage_planned(self, target: str, plan, scan) -> _StagedSave:
+        """Submit every file of a cached plan with this checkpoint's pointers."""
+        staged = _StagedSave(path=target, skipped=plan.skipped, replicated_digest=plan.digest)
+        engine = get_engine(self.config)
+        for fp in plan.files:
+            job, upload = self._start(engine, target, fp.name, fp.layout, fp.spans(scan), fp.device)
+            piece = job.piece_size()
+            keepalive = fp.keepalive(scan)
+            staged.files.append(
+                _FileJob(fp.name, job, fp.keys, fp.locations_for(piece), keepalive, fp.layout.data_start, piece, engine, upload)
+            )
+        return staged
+
     @staticmethod
-    def _finish_staging(staged: _StagedSave, staged_dict: dict, future: Future) -> None:
+    def _finish_staging(staged: _StagedSave, flat: dict, mappings: dict, future: Future) -> None:
         try:
             staged.wait_staged(None)
         finally:
@@ -300,7 +332,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 f.job.wait_done(None)  # let the engine wind the failed jobs down first
             future.set_exception(CheckpointWriteError("; ".join(errors)))
         else:
-            future.set_result(staged_dict)
+            # The staged dict: the structure as of stage() (our own flat copy of it), live
+            # tensors (the engine owns their bytes now), non-tensor values serialized into the
+            # job. Built here, off the training thread.
+            future.set_result(unflatten_state_dict(flat, mappings))
 
     def synchronize_staging(self) -> None:
         """Wait until every checkpoint staged by this writer is in the host cache."""
@@ -311,31 +346,35 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """Nothing to release per writer: the engine is process-wide."""
 
     # ---------------------------------------------------------------------------- engine submit
-    def _submit(self, folder: str, name: str, items: list[SourceItem]) -> _FileJob:
+    def _submit(self, folder: str, name: str, items: list[SourceItem], record: list | None = None) -> _FileJob:
+        """Lay out one file of ``items`` and submit it. ``record`` collects (name, device, layout,
+        items, locations) for a stage plan."""
         engine = get_engine(self.config)
         device, items = _on_one_device(engine, items)
         layout = plan_file([it.entry for it in items])
         spans = [(it.ptr, it.entry.nbytes, off) for it, off in zip(items, layout.offsets)]
-        stream = _current_stream(device) if device >= 0 else 0
-        upload = None
-        if storage.is_remote(folder):  # streamed to the object store by an uploader thread
-            job, upload = remote.submit_upload(
-                engine, self._remote(folder), name, layout.header, layout.file_size, spans, device, stream
-            )
-            return self._file_job(name, job, items, layout, engine, upload)
-        path = os.path.join(folder, name)
-        _retire_old_file(path)  # a new inode: never write into a file another checkpoint links to
-        job = engine.submit_write(path, layout.header, layout.file_size, spans, self.config.sync_files, device, stream)
-        return self._file_job(name, job, items, layout, engine, upload)
-
-    def _file_job(self, name: str, job, items: list[SourceItem], layout, engine, upload) -> _FileJob:
+        job, upload = self._start(engine, folder, name, layout, spans, device)
         piece = job.piece_size()
         locations = {
             it.key: ItemLocation(name, off, it.entry.nbytes, it.entry.dtype, it.entry.shape, (), layout.data_start, piece)
             for it, off in zip(items, layout.offsets)
         }
+        if record is not None:
+            record.append((name, device, layout, items, locations))
         keepalive = [it.keepalive for it in items]
         return _FileJob(name, job, [it.key for it in items], locations, keepalive, layout.data_start, piece, engine, upload)
+
+    def _start(self, engine, folder: str, name: str, layout, spans: list, device: int):
+        """Hand one file to the engine: (job, upload Future for remote folders, else None)."""
+        stream = _current_stream(device) if device >= 0 else 0
+        if storage.is_remote(folder):  # streamed to the object store by an uploader thread
+            return remote.submit_upload(
+                engine, self._remote(folder), name, layout.header, layout.file_size, spans, device, stream
+            )
+        path = os.path.join(folder, name)
+        _retire_old_file(path)  # a new inode: never write into a file another checkpoint links to
+        job = engine.submit_write(path, layout.header, layout.file_size, spans, self.config.sync_files, device, stream)
+        return job, None
 
     def _remote(self, folder: str) -> storage.RemoteFolder:
         """The fsspec folder of a remote checkpoint (one per URL, reused by this writer)."""

@@ -75,3 +75,54 @@ def test_writer_keyword_options_are_bytes_and_override_config(tmp_path):
     w = DataStatesWriter(tmp_path / "ck", config=str(cfg), sync_files=False, host_cache_size=64 << 20)
     assert w.config.sync_files is False
     assert w.config.host_cache_size == 64 << 20
+
+
+def test_prefault_host_cache_auto_follows_an_explicit_cache_size(tmp_path):
+    assert DataStatesConfig().prefault_host_cache is None
+    assert DataStatesConfig().prefault_enabled() is False  # the built-in size is a guess per process
+    assert DataStatesConfig(host_cache_size="64MiB").prefault_enabled() is True
+    assert DataStatesConfig(host_cache_size="64MiB", prefault_host_cache=False).prefault_enabled() is False
+    assert DataStatesConfig(prefault_host_cache=True).prefault_enabled() is True
+    p = tmp_path / "c.yaml"
+    p.write_text("datastates:\n  host_cache_size: 1\n  prefault_host_cache: false\n")
+    assert DataStatesConfig.from_file(p).prefault_enabled() is False
+    with pytest.raises(ValueError, match="prefault_host_cache"):
+        DataStatesConfig(prefault_host_cache="yes")
+
+
+def test_engine_prefaults_an_explicitly_sized_cache(small_engine, tmp_path):
+    import time
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import engine_stats
+
+    cache = 32 << 20
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c", host_cache_size=cache)).upload_completion.result()
+    deadline = time.monotonic() + 30
+    while engine_stats()["cache_prefaulted_bytes"] < cache and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine_stats()["cache_prefaulted_bytes"] == cache
+
+
+def test_start_engine_at_setup_prefaults_before_the_first_checkpoint(small_engine, tmp_path):
+    import time
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import engine_stats, start_engine
+
+    cache = 16 << 20
+    st = start_engine(host_cache_size=cache)
+    assert st["cache_bytes"] == cache
+    deadline = time.monotonic() + 30
+    while engine_stats()["cache_prefaulted_bytes"] < cache and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engine_stats()["cache_prefaulted_bytes"] == cache
+    assert start_engine()["cache_address"] == st["cache_address"]  # the running engine, reused
+    state = {"w": torch.ones(100)}
+    dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c", host_cache_size=cache)).upload_completion.result()
+    assert engine_stats()["cache_address"] == st["cache_address"] and engine_stats()["jobs_done"] == 1

@@ -576,3 +576,17 @@ def test_async_save_of_device_tensors_through_the_writer(tmp_path, fake, monkeyp
     finally:
         runtime.shutdown_engine()
         fake.destroy(s)
+
+
+def test_prefault_skips_a_pinned_cache_and_runs_on_an_unpinned_one(fake, make_engine):
+    # Registration page-locks (and so faults in) every page: nothing left to prefault.
+    eng = make_engine(4 * MiB)
+    s = eng.stats()
+    assert s["pinned"] == 1 and s["cache_prefaulted_bytes"] == s["cache_bytes"]
+    assert fake.count("cudaHostRegister") == 1
+    # Not pinned (off, or registration failed): the background thread faults the cache in.
+    fake.fail("cudaHostRegister", 0, 2)
+    for eng in (make_engine(4 * MiB, pin=False), make_engine(4 * MiB)):
+        assert eng.stats()["pinned"] == 0
+        assert until(lambda: eng.stats()["cache_prefaulted_bytes"] == 4 * MiB)
+    assert make_engine(4 * MiB, pin=False, prefault=False).stats()["cache_prefaulted_bytes"] == 0

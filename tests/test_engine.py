@@ -716,3 +716,101 @@ def test_concurrent_shutdown_calls_and_job_outlives_engine(tmp_path):
     del eng  # the job keeps its own state
     assert job.error() is None and len(job.checksums()[0]) == 32  # 2 MiB on a 64 KiB grid
     assert (tmp_path / "c.bin").read_bytes() == a.tobytes()
+
+
+# --------------------------------------------------------------------------------------------
+# host cache prefault: the whole cache is made resident once, in the background, at start
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _until(cond, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
+
+
+def test_prefault_makes_the_cache_resident_without_a_checkpoint():
+    cache = 128 * MiB
+    before = _rss()
+    eng = E.Engine(cache, chunk_bytes=8 * MiB)
+    try:
+        assert _until(lambda: eng.stats()["cache_prefaulted_bytes"] == cache)
+        grown = _rss() - before
+        assert 0.9 * cache <= grown <= cache + 32 * MiB, grown
+        assert eng.stats()["bytes_staged"] == 0  # resident with no job at all
+    finally:
+        eng.shutdown()
+
+
+def test_prefault_off_leaves_the_cache_untouched():
+    cache = 128 * MiB
+    before = _rss()
+    eng = E.Engine(cache, prefault=False)
+    try:
+        time.sleep(0.2)
+        assert eng.stats()["cache_prefaulted_bytes"] == 0
+        assert _rss() - before < 32 * MiB
+    finally:
+        eng.shutdown()
+
+
+def test_copies_while_prefaulting_are_correct(tmp_path):
+    """Jobs submitted right after start fill slots the prefault thread may still be walking: it
+    must never change a byte a copy worker wrote."""
+    rng = np.random.default_rng(21)
+    eng = E.Engine(512 * MiB, chunk_bytes=1 * MiB)
+    try:
+        jobs = []
+        for j in range(4):
+            sizes = [int(s) for s in rng.integers(1, 3 * MiB, size=24)]
+            layout = Layout(b"h" * 4096, [rand_array(rng, n) for n in sizes])
+            path = tmp_path / f"__{j}_0.safetensors"
+            jobs.append((path, layout, eng.submit_write(str(path), layout.header, layout.file_size, layout.items())))
+        for path, layout, job in jobs:
+            wait(job, 60)
+            assert job.error() is None
+            check_checksums(job, layout, check_file(path, layout))
+    finally:
+        eng.shutdown()
+
+
+def test_shutdown_right_after_start_does_not_wait_for_prefault():
+    cache = 2048 * MiB
+    for pause in (0.0, 0.05):
+        eng = E.Engine(cache)
+        time.sleep(pause)
+        t0 = time.perf_counter()
+        eng.shutdown()
+        took = time.perf_counter() - t0
+        done = eng.stats()["cache_prefaulted_bytes"]
+        assert took < 1.0, f"shutdown took {took:.3f} s"
+        assert done < cache  # stopped part way: 2 GiB take seconds to fault in here
+        eng.shutdown()  # still idempotent
+
+
+def test_prefault_waits_while_copies_run():
+    """A checkpoint that is copying does its own page faults; the prefault thread waits for it
+    instead of competing for the CPU. Here the copies cannot finish (a stream nobody consumes,
+    larger than the cache), so the prefault stays paused until the job fails."""
+    cache, chunk = 256 * MiB, 1 * MiB
+    src = np.ones(chunk, dtype=np.uint8)
+    eng = E.Engine(cache, chunk_bytes=chunk, cache_wait_timeout_s=60.0)
+    try:
+        items = [(ptr(src), chunk, 4096 + k * chunk) for k in range(300)]  # 300 chunks, 256 slots
+        job = eng.submit_stream("mem://stalled", b"h" * 4096, 4096 + 300 * chunk, items)
+        assert _until(lambda: eng.stats()["slots_free"] == 0)
+        time.sleep(0.3)
+        paused = eng.stats()["cache_prefaulted_bytes"]
+        time.sleep(0.3)
+        assert eng.stats()["cache_prefaulted_bytes"] == paused < cache
+        job.fail("test: nobody consumes this stream")
+        assert _until(lambda: eng.stats()["cache_prefaulted_bytes"] == cache)
+    finally:
+        eng.shutdown()

@@ -1,0 +1,204 @@
+"""What ``stage()`` derives from the structure of a state dict alone, cached across checkpoints.
+
+The checkpoints of a training run save the same structure every time: the same names, dtypes,
+shapes, devices and shardings. Everything that depends only on that structure (item names and
+keys, which rank writes which replicated value, the files and their safetensors headers and
+offsets, the item-locations table) is computed once by the full path and reused while a
+signature of the structure, recomputed at every ``stage()``, is unchanged. What is read fresh
+every time is only what a checkpoint captures: each tensor's memory (pointer and storage) and the
+serialized non-tensor values, whose lengths are part of the signature.
+
+States the fast scan does not cover (non-contiguous views, tensors on devices other than CPU and
+CUDA, ShardedTensor, tensor subclasses) are never cached: they take the full path every time.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from .layout import FileLayout
+from .metadata import ItemLocation
+from .stage_items import ItemKey, SourceItem, bytes_source, serialize_object
+
+__all__ = ["Scan", "FilePlan", "StagePlan", "scan_state", "find_plan", "build_plan", "plan_stats"]
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch builds without distributed
+    DTensor = None
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_MAX_PLANS = 4  # a run may save a few structures (model, optimizer, ...) with separate writers
+
+
+@dataclass
+class Scan:
+    """One pass over the flat state dict: the structure signature and, per value in flat order,
+    the pointer to copy from and what keeps that memory alive."""
+
+    signature: list
+    ptrs: list[int]
+    keeps: list
+    devices: list[int]  # CUDA device index per value; -1 for host memory
+    payloads: dict[int, SourceItem]  # the non-tensor values, serialized now, by flat position
+
+
+def _host_or_cuda(t: torch.Tensor) -> int | None:
+    """-1 on the CPU, the device index on CUDA, None elsewhere (the full path copies those)."""
+    if t.is_cpu:
+        return -1
+    return t.get_device() if t.is_cuda else None
+
+
+def _dtensor_entry(v) -> tuple | None:
+    """(local tensor, signature element) of a DTensor whose shard is a plain dense tensor."""
+    local = v.to_local()
+    if type(local) is not _Tensor:
+        return None
+    return local, (v.dtype, v.shape, v.placements, v.device_mesh, local.shape)
+
+
+def scan_state(flat: dict) -> Scan | None:
+    """The signature of ``flat``'s structure and its memory, or None when the state holds values
+    the scan does not cover (see the module docstring). Costs a few attribute reads per tensor.
+
+    The signature holds, per value: its name, then dtype, shape and device of a tensor (and the
+    global shape, placements and mesh of a DTensor), or the length of a non-tensor value's bytes.
+    """
+    sig: list = []
+    ptrs: list[int] = []
+    keeps: list = []
+    devices: list[int] = []
+    payloads: dict[int, SourceItem] = {}
+    for i, (name, v) in enumerate(flat.items()):
+        tp = type(v)
+        if tp is _Tensor or (tp is _Parameter and type(v.data) is _Tensor):
+            t, extra = v, None
+        elif DTensor is not None and tp is DTensor:
+            entry = _dtensor_entry(v)
+            if entry is None:
+                return None
+            t, extra = entry
+        elif isinstance(v, _Tensor):
+            return None  # ShardedTensor, subclasses: DCP's own write items, every time
+        else:
+            item = bytes_source((name, None), name, serialize_object(v))
+            payloads[i] = item
+            sig.append((name, item.entry.nbytes))
+            ptrs.append(item.ptr)
+            keeps.append(item.keepalive)
+            devices.append(-1)
+            continue
+        dev = _host_or_cuda(t)
+        if dev is None or not t.is_contiguous():
+            return None
+        sig.append((name, t.dtype, t.shape, dev, extra))
+        ptrs.append(t.data_ptr())
+        keeps.append(t.untyped_storage())  # the memory itself, even if the tensor's .data is swapped
+        devices.append(dev)
+    return Scan(sig, ptrs, keeps, devices, payloads)
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """One data file of a cached plan: its layout and, in file order, which scanned value each
+    item comes from."""
+
+    name: str
+    device: int
+    layout: FileLayout
+    template: tuple[tuple[int, int, int], ...]  # per item: (flat position, nbytes, file offset)
+    keys: tuple[ItemKey, ...]
+    locations: Mapping[ItemKey, ItemLocation]  # read-only; for checksum grid step ``piece``
+    piece: int
+
+    def spans(self, scan: Scan) -> list[tuple[int, int, int]]:
+        """(pointer, nbytes, file offset) of each item, for the engine."""
+        ptrs = scan.ptrs
+        return [(ptrs[i], n, off) for i, n, off in self.template]
+
+    def keepalive(self, scan: Scan) -> list:
+        keeps = scan.keeps
+        return [keeps[i] for i, _, _ in self.template]
+
+    def locations_for(self, piece: int) -> Mapping[ItemKey, ItemLocation]:
+        """The locations table for an engine whose checksum grid step is ``piece``."""
+        if piece == self.piece:
+            return self.locations
+        return {k: _with_piece(loc, piece) for k, loc in self.locations.items()}
+
+
+def _with_piece(loc: ItemLocation, piece: int) -> ItemLocation:
+    return ItemLocation(loc.file, loc.offset, loc.length, loc.dtype, loc.shape, loc.crc32c, loc.data_start, piece)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Everything a stage() derives from one structure, for one (rank, world, policy) context."""
+
+    signature: list
+    files: tuple[FilePlan, ...]
+    skipped: frozenset
+    digest: str | None
+
+
+_plans: dict[tuple, list[StagePlan]] = {}
+_plans_lock = threading.Lock()
+_hits = [0, 0]  # hits, misses (process-wide; tests read them through plan_stats)
+
+
+def find_plan(context: tuple, scan: Scan | None) -> StagePlan | None:
+    """The cached plan for this context and structure, or None (also counted as a miss)."""
+    plan = None
+    with _plans_lock:
+        plans = _plans.get(context, []) if scan is not None else []
+        for k, p in enumerate(plans):
+            if p.signature == scan.signature:
+                plan = plans.pop(k)
+                plans.insert(0, plan)  # most recently used first; the least is evicted
+                break
+        _hits[0 if plan is not None else 1] += 1
+    return plan
+
+
+def build_plan(context: tuple, scan: Scan, flat: dict, files: list[tuple[str, int, FileLayout, list[SourceItem], Mapping]],
+               skipped: set, digest: str | None, piece: int) -> StagePlan | None:
+    """Record what the full path just did for this structure, after checking that each item
+    comes from exactly the memory the scan found (else nothing is cached). ``files`` holds, per
+    data file: name, device, layout, items in file order, locations."""
+    position = {name: i for i, name in enumerate(flat)}
+    seen: set[int] = set()
+    file_plans = []
+    for name, device, layout, items, locations in files:
+        template = []
+        for it, off in zip(items, layout.offsets):
+            i = position.get(it.key[0])
+            if i is None or i in seen or not _same_source(scan, i, it):
+                return None
+            seen.add(i)
+            template.append((i, it.entry.nbytes, off))
+        keys = tuple(it.key for it in items)
+        file_plans.append(FilePlan(name, device, layout, tuple(template), keys, types.MappingProxyType(dict(locations)), piece))
+    plan = StagePlan(scan.signature, tuple(file_plans), frozenset(skipped), digest)
+    with _plans_lock:
+        kept = [p for p in _plans.get(context, ()) if p.signature != scan.signature]
+        _plans[context] = [plan] + kept[: _MAX_PLANS - 1]
+    return plan
+
+
+def _same_source(scan: Scan, i: int, it: SourceItem) -> bool:
+    if i in scan.payloads:
+        return it.entry.kind == "bytes" and it.entry.nbytes == scan.payloads[i].entry.nbytes
+    same_memory = it.entry.nbytes == 0 or it.ptr == scan.ptrs[i]  # the engine skips empty items
+    return it.entry.kind == "tensor" and same_memory and it.device == scan.devices[i]
+
+
+def plan_stats() -> dict:
+    """Process-wide counts of stage() calls that reused a cached plan, and that did not."""
+    return {"hits": _hits[0], "misses": _hits[1]}
