@@ -1,11 +1,12 @@
 """Checksum cost: the engine writing 1 GiB with and without its per-piece CRC32C, alternating.
 
-    python scripts/crc_cost.py [--dir /dev/shm] [--dir /tmp] [--reps 9]
+    python scripts/crc_cost.py [--dir /dev/shm] [--dir /tmp] [--reps 9] [--sync]
 
 Each round submits the same 1 GiB (one item, random bytes) as one engine job twice, once with
 checksums (as every checkpoint does) and once with them switched off (`Engine.set_checksums`,
 a benchmark hook), in alternating order, and times the job from submit to done (copy into the
-host cache, CRC32C, pwrite; no fsync, which would only add a constant), in wall time and in
+host cache, CRC32C, pwrite; fsync only with --sync: without it the flush time is smallest and
+the share largest), in wall time and in
 the process's CPU time. Medians per directory; the cost is (with - without) / without. Also prints the speed of a bare CRC32C of 1 GiB.
 """
 import argparse
@@ -20,13 +21,13 @@ import dcp_datastates._engine as E
 GiB = 1 << 30
 
 
-def timed_job(eng, path: str, src: torch.Tensor) -> tuple[float, float, float]:
+def timed_job(eng, path: str, src: torch.Tensor, sync: bool) -> tuple[float, float, float]:
     """(wall, CPU) seconds of one job, and the checksum's share of the flush workers' time as
     the engine measured it. CPU is the whole process's (the engine's threads: this thread only
     sleeps in wait_done), steadier than wall time on a shared machine."""
     s0 = eng.stats()
     t, cpu = time.perf_counter(), time.process_time()
-    job = eng.submit_write(path, b"", src.numel(), [(src.data_ptr(), src.numel(), 0)], False)
+    job = eng.submit_write(path, b"", src.numel(), [(src.data_ptr(), src.numel(), 0)], sync)
     job.wait_done()
     dt, dcpu = time.perf_counter() - t, time.process_time() - cpu
     s1 = eng.stats()
@@ -49,6 +50,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", action="append", help="where to write (repeatable; default /dev/shm and /tmp)")
     ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--sync", action="store_true", help="fsync each file, as checkpoints do by default")
     args = ap.parse_args()
     dirs = args.dir or ["/dev/shm", "/tmp"]
     src = torch.randint(0, 255, (GiB,), dtype=torch.uint8)
@@ -63,14 +65,17 @@ def main() -> None:
         print(f"bare CRC32C of 1 GiB, one thread: {c * 1e3:.0f} ms ({GiB / c / 1e9:.1f} GB/s)")
         for d in dirs:
             path = os.path.join(d, f"crc_cost_{os.getpid()}.bin")
-            timed_job(eng, path, src)  # warm-up: first touch of the cache and the file system
+            timed_job(eng, path, src, args.sync)  # warm-up: first touch of the cache and the file system
             on, off = [], []
             for r in range(args.reps):
                 for checks in ((True, False) if r % 2 == 0 else (False, True)):
                     eng.set_checksums(checks)
-                    (on if checks else off).append(timed_job(eng, path, src))
+                    (on if checks else off).append(timed_job(eng, path, src, args.sync))
             eng.set_checksums(True)
-            print(f"{d}: 1 GiB engine job (2 copy + 2 flush threads, 16 MiB slots), medians of {args.reps}:")
+            print(
+                f"{d}: 1 GiB engine job (2 copy + 2 flush threads, 16 MiB slots, {'with' if args.sync else 'no'} fsync), "
+                f"medians of {args.reps}:"
+            )
             print(cost_line("wall", [w for w, _, _ in on], [w for w, _, _ in off]))
             print(cost_line("CPU ", [c for _, c, _ in on], [c for _, c, _ in off]))
             shares = [x for _, _, x in on]
