@@ -109,6 +109,14 @@ def wait(job, timeout: float = 20.0) -> None:
     assert job.wait_done(timeout), f"{job.path} not done after {timeout}s"
 
 
+def write_checked(eng, path, layout: Layout):
+    """Writes `layout` to `path` as one job; returns the job and the file's bytes, checked."""
+    job = eng.submit_write(str(path), layout.header, layout.file_size, layout.items())
+    wait(job)
+    assert job.error() is None
+    return job, check_file(path, layout)
+
+
 # --------------------------------------------------------------------------------------------
 # CRC32C
 
@@ -287,11 +295,7 @@ def test_piece_checksums_follow_the_grid(tmp_path):
     layout = Layout(b"x" * 100, arrays)  # data_start 100: the grid is not page aligned
     eng = E.Engine(64 * KiB, chunk_bytes=grid)
     try:
-        path = tmp_path / "grid.bin"
-        job = eng.submit_write(str(path), layout.header, layout.file_size, layout.items())
-        wait(job)
-        assert job.error() is None
-        data = check_file(path, layout)
+        job, data = write_checked(eng, tmp_path / "grid.bin", layout)
         crcs = job.checksums()
         assert crcs[2] == [] and crcs[6] == []
         assert len(crcs[1]) == 2 and len(crcs[4]) == 4
@@ -313,19 +317,13 @@ def test_piece_checksums_span_flush_blocks(tmp_path):
     layout = Layout(b"h" * 777, arrays, gaps=gaps)
     eng = E.Engine(8 * MiB, chunk_bytes=2 * MiB)
     try:
-        path = tmp_path / "blocks.bin"
-        job = eng.submit_write(str(path), layout.header, layout.file_size, layout.items())
-        wait(job)
-        assert job.error() is None
-        data = check_file(path, layout)
+        job, data = write_checked(eng, tmp_path / "blocks.bin", layout)
         assert job.piece_size() == 2 * MiB
         check_checksums(job, layout, data)
 
         eng.set_checksums(False)  # the benchmark hook: same bytes, no checksums
-        path2 = tmp_path / "nocrc.bin"
-        job2 = eng.submit_write(str(path2), layout.header, layout.file_size, layout.items())
-        wait(job2)
-        assert job2.error() is None and check_file(path2, layout) == data
+        job2, data2 = write_checked(eng, tmp_path / "nocrc.bin", layout)
+        assert data2 == data
         assert all(c == 0 for crcs in job2.checksums() for c in crcs)
     finally:
         eng.shutdown()
