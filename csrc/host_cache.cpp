@@ -13,15 +13,10 @@ namespace {
 // Bytes per prefault step: the stop flag is checked between steps (a few ms each).
 constexpr uintptr_t kPrefaultStep = uintptr_t(8) << 20;
 
-// Writes one byte of every page of [lo, hi) without changing any: a compare-and-swap of 0 with 0
-// is a write access (one write fault maps a fresh page, whose bytes are 0), and a byte a copy
-// worker has set is not 0 and is left alone (its page is resident already).
+// Writes one byte of every page of [lo, hi): one write fault each maps a fresh page. Only for
+// memory no copy can be writing (a slot the prefault thread holds, or the tail past the slots).
 void touch_pages(uintptr_t lo, uintptr_t hi, uintptr_t page) {
-  for (uintptr_t a = lo; a < hi; a = (a / page + 1) * page) {
-    char zero = 0;
-    __atomic_compare_exchange_n(reinterpret_cast<char*>(a), &zero, char(0), false, __ATOMIC_RELAXED,
-                                __ATOMIC_RELAXED);
-  }
+  for (uintptr_t a = lo; a < hi; a = (a / page + 1) * page) *reinterpret_cast<volatile char*>(a) = 0;
 }
 
 }  // namespace
@@ -102,20 +97,47 @@ bool HostCache::wait_while(const std::function<bool()>& busy) {
 // whole step, so every mmap/munmap of the training thread (Python and torch allocations) waited
 // for it, which made the first checkpoint's call 1.5-5x slower here; page faults take only the
 // cache's own VMA lock.
+// A slot is touched only while this thread holds it (taken off the free list), so no copy
+// writes into it meanwhile; a slot in use is skipped: its copy faulted its pages in.
 void HostCache::prefault_loop(const std::function<bool()>& busy) {
   const long sys_page = ::sysconf(_SC_PAGESIZE);
   const uintptr_t page = sys_page > 0 ? static_cast<uintptr_t>(sys_page) : 4096;
   const uintptr_t first = reinterpret_cast<uintptr_t>(base_);
-  const uintptr_t end = first + bytes_;
-  // From the end of the buffer down, in steps: copies take slots from its start, and the stop
-  // flag and `busy` are checked between steps.
-  for (uintptr_t hi = end; hi > first;) {
+  const uintptr_t slots_end = first + static_cast<uintptr_t>(slots_total_) * slot_bytes_;
+  touch_pages(slots_end, first + bytes_, page);  // the tail no slot covers: never handed out
+  prefaulted_.fetch_add(first + bytes_ - slots_end, std::memory_order_relaxed);
+  // From the last slot down (copies take slot 0 first), in steps: the stop flag and `busy` are
+  // checked between steps.
+  for (int s = slots_total_ - 1; s >= 0; --s) {
     if (!wait_while(busy)) return;
-    const uintptr_t lo = hi - first > kPrefaultStep ? hi - kPrefaultStep : first;
-    touch_pages(lo, hi, page);
-    prefaulted_.fetch_add(hi - lo, std::memory_order_relaxed);
-    hi = lo;
+    const bool held = take_for_prefault(s);
+    const uintptr_t lo = reinterpret_cast<uintptr_t>(slot_ptr(s));
+    for (uintptr_t a = lo; held && a < lo + slot_bytes_; a += kPrefaultStep) {
+      if (stop_prefault_.load(std::memory_order_relaxed)) break;
+      touch_pages(a, std::min<uintptr_t>(a + kPrefaultStep, lo + slot_bytes_), page);
+    }
+    if (held) give_back_prefault(s);
+    if (stop_prefault_.load(std::memory_order_relaxed)) return;
+    prefaulted_.fetch_add(slot_bytes_, std::memory_order_relaxed);
   }
+}
+
+bool HostCache::take_for_prefault(int slot) {
+  std::lock_guard<std::mutex> g(mu_);
+  auto it = std::find(free_.begin(), free_.end(), slot);
+  if (it == free_.end()) return false;
+  free_.erase(it);
+  prefault_slot_ = slot;
+  return true;
+}
+
+void HostCache::give_back_prefault(int slot) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    free_.push_back(slot);
+    prefault_slot_ = -1;
+  }
+  cv_.notify_one();
 }
 
 int HostCache::acquire(double timeout_s, bool* waited) {
@@ -149,7 +171,7 @@ void HostCache::release(int slot) {
 
 int HostCache::slots_free() const {
   std::lock_guard<std::mutex> g(mu_);
-  return static_cast<int>(free_.size());
+  return static_cast<int>(free_.size()) + (prefault_slot_ >= 0 ? 1 : 0);  // lent to the prefault only briefly
 }
 
 int HostCache::peak_used() const {

@@ -62,9 +62,9 @@ class HostCache {
   bool pinned() const { return pinned_by_ != nullptr; }
 
   // Makes every page of the buffer resident and writable on a background thread, once, so the
-  // first checkpoint pays no page faults and RSS is the whole cache from the start (flat). The
-  // bytes are never changed, so copies may run into the buffer meanwhile. Call after pin():
-  // a pinned buffer is resident already and is only counted as done. `busy` is asked between
+  // first checkpoint pays no page faults and RSS is the whole cache from the start (flat). It
+  // touches a slot only while holding it (a copy may wait that long for the last free slot).
+  // Call after pin(): a pinned buffer is resident already and is only counted as done. `busy` is asked between
   // steps: while it says true (copies are running), the thread waits instead of taking CPU and
   // page-table locks from them; they fault in what they touch themselves.
   void start_prefault(std::function<bool()> busy = nullptr);
@@ -75,6 +75,8 @@ class HostCache {
 
  private:
   void prefault_loop(const std::function<bool()>& busy);
+  bool take_for_prefault(int slot);  // takes `slot` off the free list if it is there
+  void give_back_prefault(int slot);
   bool wait_while(const std::function<bool()>& busy);
 
 
@@ -88,6 +90,7 @@ class HostCache {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<int> free_;  // LIFO: the most recently written slot is the warmest in CPU caches
+  int prefault_slot_ = -1;  // the free slot the prefault thread is touching, off the list meanwhile
   int peak_used_ = 0;
 
   std::thread prefault_thread_;
