@@ -222,8 +222,7 @@ class DataStatesReader(StorageReader):
             concurrency = max(remote.READ_CONCURRENCY, self.config.read_threads)
             remote.read_ranges(self._remote(), name, ranges, concurrency=concurrency)
             if self.config.verify:
-                for p in reading:
-                    self._verify(p)
+                self._verify(reading)
         elif ranges:
             # The engine checks each piece right after reading it, while its bytes are hot.
             checks = self._checks(reading) if self.config.verify else None
@@ -300,16 +299,12 @@ class DataStatesReader(StorageReader):
             )
         return out
 
-    def _verify(self, p: _Pending) -> None:
-        """Check the pieces of one read in Python (remote reads do not go through the engine)."""
-        if not p.loc.crc32c:
-            return
+    def _verify(self, reading: list[_Pending]) -> None:
+        """Check in Python the pieces ``_checks`` lists (remote reads do not go through the engine)."""
         engine = get_engine(self.config)
-        base = p.ptr
-        for expected, (off, length) in zip(p.loc.crc32c, piece_ranges(p.loc)):
-            if off < p.read_start or off + length > p.read_end:
-                continue  # a piece this rank did not need to read
-            got = engine.crc32c(base + (off - p.read_start), length)
+        for i, off, length, expected in self._checks(reading):
+            p = reading[i]
+            got = engine.crc32c(p.ptr + (off - p.read_start), length)
             if got != expected:
                 raise self._mismatch(p, off, length, expected, got)
 
