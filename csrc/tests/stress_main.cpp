@@ -72,6 +72,36 @@ Planned plan(std::mt19937_64& rng, const std::string& path) {
   return p;
 }
 
+// The job's per-piece CRCs against the portable implementation over the expected file: one
+// CRC per grid cell (origin: the end of the header) each item touches.
+void check_checksums(const Planned& p, uint64_t grid) {
+  auto crcs = p.job->checksums();
+  const uint64_t ds = p.header.size();
+  for (size_t k = 0; k < p.items.size(); ++k) {
+    const WriteItem& it = p.items[k];
+    std::vector<uint32_t> want;
+    for (uint64_t pos = it.offset, end = it.offset + it.nbytes; pos < end;) {
+      uint64_t stop = std::min(end, ds + ((pos - ds) / grid + 1) * grid);
+      want.push_back(crc32c_software(p.expected.data() + pos, stop - pos));
+      pos = stop;
+    }
+    CHECK(crcs[k] == want, "%s: item %zu checksums differ", p.path.c_str(), k);
+  }
+}
+
+// The stress engines: tiny 8 KiB slots so a few MiB of jobs cycle the cache many times.
+EngineConfig stress_config(uint64_t cache_bytes, int read_threads, double cache_wait_timeout) {
+  EngineConfig cfg;
+  cfg.cache_bytes = static_cast<int64_t>(cache_bytes);
+  cfg.chunk_bytes = 8192;
+  cfg.alignment = 4096;
+  cfg.copy_threads = 3;
+  cfg.flush_threads = 2;
+  cfg.read_threads = read_threads;
+  cfg.cache_wait_timeout_s = cache_wait_timeout;
+  return cfg;
+}
+
 void verify(Planned& p, uint64_t grid) {
   CHECK(p.job->wait_done(60), "%s not done", p.path.c_str());
   CHECK(p.job->is_staged(), "%s done but not staged", p.path.c_str());
@@ -89,30 +119,11 @@ void verify(Planned& p, uint64_t grid) {
   }
   std::string got = read_file(p.path);
   CHECK(got == p.expected, "%s: bytes differ (size %zu vs %zu)", p.path.c_str(), got.size(), p.expected.size());
-  auto crcs = p.job->checksums();
-  const uint64_t ds = p.header.size();
-  for (size_t k = 0; k < p.items.size(); ++k) {
-    const WriteItem& it = p.items[k];
-    std::vector<uint32_t> want;
-    for (uint64_t pos = it.offset, end = it.offset + it.nbytes; pos < end;) {
-      uint64_t stop = std::min(end, ds + ((pos - ds) / grid + 1) * grid);
-      want.push_back(crc32c_software(p.expected.data() + pos, stop - pos));
-      pos = stop;
-    }
-    CHECK(crcs[k] == want, "%s: item %zu checksums differ", p.path.c_str(), k);
-  }
+  check_checksums(p, grid);
 }
 
 void run_phase(const std::string& dir, int phase, double cache_wait_timeout, bool faults) {
-  EngineConfig cfg;
-  cfg.cache_bytes = 64 * 1024;
-  cfg.chunk_bytes = 8192;
-  cfg.alignment = 4096;
-  cfg.copy_threads = 3;
-  cfg.flush_threads = 2;
-  cfg.read_threads = 3;
-  cfg.cache_wait_timeout_s = cache_wait_timeout;
-  auto eng = std::make_unique<Engine>(cfg);
+  auto eng = std::make_unique<Engine>(stress_config(64 * 1024, 3, cache_wait_timeout));
   const uint64_t grid = eng->chunk_bytes();
 
   std::atomic<bool> stop_faults{false};
@@ -223,15 +234,7 @@ void run_phase(const std::string& dir, int phase, double cache_wait_timeout, boo
 // (phase with a tiny cache_wait_timeout) copies time out. Every job must end done, successful
 // streams must reassemble to the expected bytes with the right checksums, and no slot may leak.
 void run_stream_phase(const std::string& dir, int phase, double cache_wait_timeout, bool aborts) {
-  EngineConfig cfg;
-  cfg.cache_bytes = 3 * 8192;
-  cfg.chunk_bytes = 8192;
-  cfg.alignment = 4096;
-  cfg.copy_threads = 3;
-  cfg.flush_threads = 2;
-  cfg.read_threads = 1;
-  cfg.cache_wait_timeout_s = cache_wait_timeout;
-  auto eng = std::make_unique<Engine>(cfg);
+  auto eng = std::make_unique<Engine>(stress_config(3 * 8192, 1, cache_wait_timeout));
   const uint64_t grid = eng->chunk_bytes();
 
   struct Streamed {
@@ -319,18 +322,7 @@ void run_stream_phase(const std::string& dir, int phase, double cache_wait_timeo
         continue;
       }
       CHECK(sp->got == p.expected, "%s: streamed bytes differ", p.path.c_str());
-      auto crcs = p.job->checksums();
-      const uint64_t ds = p.header.size();
-      for (size_t k = 0; k < p.items.size(); ++k) {
-        const WriteItem& it = p.items[k];
-        std::vector<uint32_t> want;
-        for (uint64_t pos = it.offset, end = it.offset + it.nbytes; pos < end;) {
-          uint64_t stop = std::min(end, ds + ((pos - ds) / grid + 1) * grid);
-          want.push_back(crc32c_software(p.expected.data() + pos, stop - pos));
-          pos = stop;
-        }
-        CHECK(crcs[k] == want, "%s: item %zu checksums differ", p.path.c_str(), k);
-      }
+      check_checksums(p, grid);
     }
   std::printf("stream phase %d: %zu jobs, %zu failed, %zu aborted (cache_wait_timeout=%g s)\n", phase, total, failed,
               aborted, cache_wait_timeout);
