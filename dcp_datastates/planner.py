@@ -11,6 +11,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner
 
+from .compat import cached_save_plans
 from .errors import CheckpointMismatchError
 
 __all__ = ["DataStatesSavePlanner", "DataStatesLoadPlanner"]
@@ -51,7 +52,7 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         key = self._cached_plans_key
         self._pending_dtypes = _dtype_signature(self.state_dict)
         if self._enable_plan_caching and _LOCAL_DTYPES.get(key) != self._pending_dtypes:
-            SavePlanner._cached_save_plan.pop(key, None)  # forces a usable (re-sent) plan
+            cached_save_plans().pop(key, None)  # forces a usable (re-sent) plan
         plan = super().create_local_plan()
         self._changed_locally = plan.usable
         return plan

@@ -16,12 +16,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import _version as _dcp_version
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import _create_write_items
 from torch.distributed.checkpoint.utils import find_tensor_shard
 
+from .compat import create_write_items, dcp_compat_mode, flatten_state_dict
 from .layout import FileEntry, dtype_to_name
 
 __all__ = ["ItemKey", "SourceItem", "bytes_source", "collect_items", "flatten", "items_of_flat", "item_key", "source_for_resolved"]
@@ -95,7 +93,7 @@ def _flatten(state_dict: dict) -> tuple[dict, dict]:
     traversal, which matters on the training thread with tens of thousands of tensors. States
     holding lists (whose traversal depends on their contents) and DCP's 2.3 compatibility mode
     go through DCP itself."""
-    if getattr(_dcp_version, "_derived_version", None) == "2_3":
+    if dcp_compat_mode() == "2_3":
         return flatten_state_dict(state_dict)
     flat: dict = {}
     mappings: dict = {}
@@ -145,7 +143,7 @@ def items_of_flat(flat: dict, serialized: dict[int, SourceItem] | None = None) -
             key = (fqn, (0,) * obj.dim())
             items.append(_tensor_source(key, _unique_name(fqn, None, taken), obj))
         elif isinstance(obj, torch.Tensor):
-            for wi in _create_write_items(fqn, obj):
+            for wi in create_write_items(fqn, obj):
                 key = item_key(wi.index)
                 local = find_tensor_shard(obj, wi.index)
                 items.append(_tensor_source(key, _unique_name(fqn, key[1], taken), local))

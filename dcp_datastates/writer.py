@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from . import commit, remote, storage
+from .compat import unflatten_state_dict
 from .config import DataStatesConfig
 from .errors import CheckpointWriteError
 from .layout import data_file_name, plan_file

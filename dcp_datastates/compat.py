@@ -1,0 +1,116 @@
+"""Every private name of torch (and of Python) that dcp_datastates touches, in one place.
+
+The library uses DCP through its public protocol (StorageWriter, StorageReader, AsyncStager,
+planners). Where a private name is unavoidable it is imported here, and only here, so a torch
+release that moves or removes it breaks one module, and ``tests/test_compat.py`` names the
+release (one test per touch point). Callers import the wrappers below, never the private names.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "TORCH_VERSION",
+    "flatten_state_dict",
+    "unflatten_state_dict",
+    "create_write_items",
+    "dcp_compat_mode",
+    "cached_save_plans",
+    "global_optimizer_pre_hooks",
+    "register_before_thread_join",
+]
+
+TORCH_VERSION = torch.__version__
+
+
+class TorchCompatError(RuntimeError):
+    """A torch private name this library relies on is gone from the installed release."""
+
+
+def _missing(what: str, exc: BaseException | None = None) -> TorchCompatError:
+    return TorchCompatError(
+        f"dcp_datastates: torch {TORCH_VERSION} no longer provides {what}"
+        + (f" ({type(exc).__name__}: {exc})" if exc else "")
+        + "; this release of torch is not supported yet (see docs/torch-versions.md)"
+    )
+
+
+# -------------------------------------------------------------------- DCP state-dict flattening
+# DCP flattens nested state dicts with these two (used by DefaultSavePlanner); the writer must
+# produce exactly the same keys and mappings as the planner does.
+try:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
+except ImportError as _exc:  # pragma: no cover - depends on the torch release
+    _flatten_error = _exc
+
+    def flatten_state_dict(state_dict):  # type: ignore[no-redef]
+        raise _missing("torch.distributed.checkpoint._nested_dict.flatten_state_dict", _flatten_error)
+
+    def unflatten_state_dict(state_dict, mapping):  # type: ignore[no-redef]
+        raise _missing("torch.distributed.checkpoint._nested_dict.unflatten_state_dict", _flatten_error)
+
+
+# --------------------------------------------------------------------------- DCP write items
+try:
+    from torch.distributed.checkpoint.planner_helpers import _create_write_items as _cwi
+except ImportError as _exc:  # pragma: no cover - depends on the torch release
+    _cwi = None
+    _cwi_error = _exc
+
+
+def create_write_items(fqn: str, obj: Any) -> list:
+    """DCP's write items of one state-dict value (the chunk offsets of a DTensor or
+    ShardedTensor exactly as DefaultSavePlanner computes them)."""
+    if _cwi is None:  # pragma: no cover
+        raise _missing("torch.distributed.checkpoint.planner_helpers._create_write_items", _cwi_error)
+    return _cwi(fqn, obj)
+
+
+def dcp_compat_mode() -> str | None:
+    """DCP's "derived version" switch ("2_3" when DCP emulates torch 2.3's flattening), else None."""
+    from torch.distributed.checkpoint import _version  # noqa: PLC0415
+
+    return getattr(_version, "_derived_version", None)
+
+
+# ------------------------------------------------------------------------------ plan caching
+def cached_save_plans() -> dict:
+    """DCP's class-level cache of local save plans (key -> SavePlan), which
+    ``DataStatesSavePlanner`` drops an entry of when dtypes change."""
+    from torch.distributed.checkpoint.planner import SavePlanner  # noqa: PLC0415
+
+    cache = getattr(SavePlanner, "_cached_save_plan", None)
+    if not isinstance(cache, dict):
+        raise _missing("SavePlanner._cached_save_plan (DCP plan caching)")
+    return cache
+
+
+# ------------------------------------------------------------------------- optimizer hooks
+def global_optimizer_pre_hooks() -> dict:
+    """The ordered dict of process-wide optimizer step pre-hooks (run before every optimizer's
+    own pre-hooks)."""
+    from torch.optim import optimizer as _optimizer  # noqa: PLC0415
+
+    hooks = getattr(_optimizer, "_global_optimizer_pre_hooks", None)
+    if not isinstance(hooks, dict):
+        raise _missing("torch.optim.optimizer._global_optimizer_pre_hooks")
+    return hooks
+
+
+# ---------------------------------------------------------------------------- interpreter exit
+def register_before_thread_join(fn: Callable[[], None]) -> None:
+    """Run ``fn`` when the interpreter starts to exit, before it joins non-daemon threads (DCP's
+    async executor threads among them); later registrations run first. Python's own hook for
+    this (``threading._register_atexit``) is private; where it is missing, fall back to atexit,
+    which runs after that join."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - every CPython we support has it
+        import atexit  # noqa: PLC0415
+
+        atexit.register(fn)
+        return
+    register(fn)
