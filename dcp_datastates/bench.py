@@ -1046,8 +1046,10 @@ def measure_stage_cost(root: str, count: int, reps: int, profile: bool, config) 
             if was:
                 gc.enable()
         fut.result()
-        for f in w._staged[path].files:  # stage() alone starts the file; let it finish
+        staged = w._pending.pop()  # stage() alone starts the file; let it finish
+        for f in staged.files:
             f.job.wait_done(None)
+        staged.finished.set()  # no DCP save follows this stage(): release its path
         return wall, cpu
 
     from .stage_plan import plan_stats
@@ -1093,8 +1095,10 @@ def measure_stage_cost(root: str, count: int, reps: int, profile: bool, config) 
         fut = w.stage(state)
         prof.disable()
         fut.result()
-        for f in w._staged[path].files:
+        staged = w._pending.pop()
+        for f in staged.files:
             f.job.wait_done(None)
+        staged.finished.set()
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(15)
         out["profile"] = text.getvalue()

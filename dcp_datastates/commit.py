@@ -1,22 +1,26 @@
-"""The commit protocol: ``.metadata`` is the commit marker, written last and atomically.
+"""The commit protocol: ``.metadata`` is the commit marker, written last and atomically, and a
+checkpoint path always holds one good checkpoint: the old one until the new one is committed.
 
-- Before any rank writes new data into a folder, it removes an existing ``.metadata`` (and syncs
-  the folder), so a crash midway never leaves an old marker describing new, partial data.
-  Leftover temporary markers of an interrupted commit are removed at the same time.
-- The coordinator writes the marker only after every rank's data is durable: a temporary name,
-  fsync, rename over ``.metadata``, fsync of the folder and of its parent (so the folder's own
-  entry survives a power loss too).
+- A save into a folder that already holds a committed checkpoint leaves that commit alone and
+  writes its data files under new names (``__<rank>_<k>.<tag>.safetensors``), so a save that
+  fails or is killed midway leaves the old checkpoint loadable, untouched.
+- The coordinator commits only after every rank's data is durable: it checks that every data
+  file the new metadata lists is present with its size, writes the marker under a temporary
+  name, fsyncs it, renames it over ``.metadata`` (atomic), fsyncs the folder and its parent.
+  Only then are the files the new commit no longer references removed (data files of this
+  library only, never anything else), together with leftovers of failed saves.
 - A folder is a complete checkpoint when its marker decodes and every data file it lists is
   present with the recorded size (``check_commit``); ``latest_checkpoint`` returns the newest
   such folder under a root.
-- Remote folders (fsspec URLs, see ``storage.py``): the old marker is deleted before any data
-  object is uploaded; the marker is written with one PUT (atomic on object stores) after every
-  data object is complete. Every function here takes ``storage_options`` for them.
+- Rank-local saves (DCP's ``use_collectives=False``) commit ``__<rank>.metadata`` per rank.
+- Remote folders (fsspec URLs, see ``storage.py``): the same order; the marker is one PUT
+  (atomic on object stores), written after every data object is complete.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import re
 import stat
@@ -28,7 +32,9 @@ from . import storage
 from .errors import CheckpointFormatError, CheckpointWriteError, DataStatesError, IncompleteCheckpointError
 from .metadata import METADATA_NAME, FileInfo, ItemLocation, decode_metadata, encode_metadata
 
-__all__ = ["prepare_folder", "write_commit", "read_commit", "check_data_files", "is_committed", "check_commit", "latest_checkpoint"]
+log = logging.getLogger("dcp_datastates")
+
+__all__ = ["prepare_folder", "write_commit", "rank_marker_name", "read_commit", "check_data_files", "is_committed", "check_commit", "latest_checkpoint"]
 
 _TMP_PREFIX = f"{METADATA_NAME}.tmp-"
 
@@ -59,11 +65,15 @@ def _remove_stale_markers(path: str) -> None:
                 pass
 
 
-def prepare_folder(path: str, *, overwrite: bool, storage_options: dict | None = None) -> None:
-    """Create the folder and invalidate an existing commit before new data is written."""
+def prepare_folder(path: str, *, overwrite: bool, storage_options: dict | None = None) -> bool:
+    """Create the checkpoint folder if needed; True when it already holds a committed checkpoint.
+
+    The previous commit is left in place: a new save writes its data files under new names and
+    replaces ``.metadata`` atomically when it commits, so the folder holds the old checkpoint
+    until then. Raises CheckpointWriteError when the folder cannot be made, or when it holds a
+    committed checkpoint and ``overwrite`` is off."""
     if storage.is_remote(path):
-        storage.remote_folder(path, storage_options).prepare(overwrite=overwrite)
-        return
+        return storage.remote_folder(path, storage_options).prepare(overwrite=overwrite)
     path = storage.local_path(path)
     try:
         os.makedirs(path, exist_ok=True)
@@ -71,39 +81,56 @@ def prepare_folder(path: str, *, overwrite: bool, storage_options: dict | None =
         raise CheckpointWriteError(f"cannot create checkpoint folder {path}: {exc.strerror or exc}") from exc
     if not os.path.isdir(path):  # makedirs(exist_ok=True) accepts nothing else, but be explicit
         raise CheckpointWriteError(f"cannot create checkpoint folder {path}: a file is in the way")
-    marker = os.path.join(path, METADATA_NAME)
-    _remove_stale_markers(path)
-    if not os.path.lexists(marker):
-        return
-    if not overwrite:
+    committed = os.path.lexists(os.path.join(path, METADATA_NAME))
+    if committed and not overwrite:
         raise CheckpointWriteError(f"{path} already holds a committed checkpoint and overwrite=False")
-    try:
-        os.unlink(marker)
-    except FileNotFoundError:  # another rank invalidated it first
-        pass
-    except OSError as exc:
-        raise CheckpointWriteError(
-            f"cannot invalidate the previous commit of {path} (removing {marker}): {exc.strerror or exc}"
-        ) from exc
-    try:
-        _fsync_dir(path)
-    except OSError as exc:
-        raise CheckpointWriteError(f"cannot sync checkpoint folder {path}: {exc.strerror or exc}") from exc
+    return committed
+
+
+def rank_marker_name(rank: int) -> str:
+    """The commit marker of one rank's rank-local save (``use_collectives=False``)."""
+    return f"__{rank}{METADATA_NAME}"
+
+
+# Data files this library writes (and their moved-aside copies); nothing else is ever removed.
+_DATA_FILE = re.compile(r"^__\d+_\d+(\.[0-9a-f]{8,32})?\.safetensors(\.old-[0-9a-f]{32})?$")
+_RANK_MARKER = re.compile(r"^__\d+\.metadata$")
 
 
 def write_commit(
-    path: str, md: Metadata, locations: dict[MetadataIndex, ItemLocation], *, sync: bool, storage_options: dict | None = None
+    path: str,
+    md: Metadata,
+    locations: dict[MetadataIndex, ItemLocation],
+    *,
+    sync: bool,
+    storage_options: dict | None = None,
+    rank_local: int | None = None,
+    in_use: frozenset = frozenset(),
 ) -> None:
-    """Write ``.metadata`` atomically. Raises CheckpointWriteError naming the folder and the
-    cause; on failure no marker (and no temporary file) is left behind."""
+    """Commit a checkpoint whose data files are all written: check that every data file the
+    metadata lists is there with its size, write the marker atomically (``.metadata``, or
+    ``__<rank>.metadata`` for a rank-local save), then remove what the new commit made obsolete
+    (data files of this library that it does not reference, except ``in_use`` ones of saves
+    still running in this process; for a global commit, older rank-local markers).
+
+    Raises CheckpointWriteError naming the folder and the cause; on failure the previous commit
+    (if any) is untouched and no temporary file is left behind."""
     data = encode_metadata(md, locations)
+    _, files = decode_metadata(data, f"{path}/{METADATA_NAME} (being committed)")
+    try:
+        check_data_files(path, files, storage_options=storage_options)
+    except (DataStatesError, OSError) as exc:
+        raise CheckpointWriteError(f"committing checkpoint {path} refused: {exc}") from exc
+    marker = METADATA_NAME if rank_local is None else rank_marker_name(rank_local)
     if storage.is_remote(path):
-        storage.remote_folder(path, storage_options).write_marker(data)
+        folder = storage.remote_folder(path, storage_options)
+        folder.write_marker(data, marker)
+        _remove_obsolete(folder.names(), set(files) | set(in_use), rank_local, folder.remove)
         return
     path = storage.local_path(path)
     tmp = os.path.join(path, f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
         try:
             view = memoryview(data)
             while view:
@@ -113,7 +140,7 @@ def write_commit(
                 os.fsync(fd)
         finally:
             os.close(fd)
-        os.replace(tmp, os.path.join(path, METADATA_NAME))
+        os.replace(tmp, os.path.join(path, marker))
         if sync:
             _fsync_dir(path)
             _fsync_dir(os.path.dirname(os.path.abspath(path)))
@@ -126,6 +153,29 @@ def write_commit(
             f"committing checkpoint {path} failed: {exc.strerror or exc}"
             + (f": {exc.filename}" if exc.filename else "")
         ) from exc
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    _remove_stale_markers(path)
+    _remove_obsolete(names, set(files) | set(in_use), rank_local, lambda n: os.unlink(os.path.join(path, n)))
+
+
+def _remove_obsolete(names, keep: set, rank_local: int | None, remove) -> None:
+    """Best effort: the commit is already durable; a file that cannot be removed now is removed
+    by the next commit into this folder."""
+    own = None if rank_local is None else f"__{rank_local}_"
+    for name in names:
+        if name in keep:
+            continue
+        obsolete = bool(_DATA_FILE.match(name)) and (own is None or name.startswith(own))
+        obsolete = obsolete or (rank_local is None and bool(_RANK_MARKER.match(name)))
+        if not obsolete:
+            continue
+        try:
+            remove(name)
+        except Exception as exc:  # noqa: BLE001 - never fail a committed save over cleanup
+            log.debug("dcp_datastates: could not remove obsolete %s: %s", name, exc)
 
 
 def read_commit(path: str | os.PathLike, *, storage_options: dict | None = None) -> tuple[Metadata, dict[str, FileInfo]]:

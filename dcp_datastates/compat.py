@@ -22,6 +22,7 @@ __all__ = [
     "cached_save_plans",
     "global_optimizer_pre_hooks",
     "register_before_thread_join",
+    "tensor_version",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -114,3 +115,13 @@ def register_before_thread_join(fn: Callable[[], None]) -> None:
         atexit.register(fn)
         return
     register(fn)
+
+
+# ------------------------------------------------------------------------ tensor versions
+def tensor_version(t: torch.Tensor) -> int | None:
+    """The version counter of ``t``: bumped by every in-place change of its memory (through any
+    view or ``detach()`` of it). None for tensors that have none (inference tensors)."""
+    try:
+        return t._version
+    except (RuntimeError, AttributeError):
+        return None

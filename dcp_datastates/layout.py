@@ -72,9 +72,10 @@ def safetensors_dtype(name: str) -> str | None:
     return _SAFETENSORS.get(name)
 
 
-def data_file_name(rank: int, index: int = 0) -> str:
-    """Name of a rank's data file, relative to the checkpoint folder."""
-    return f"__{rank}_{index}.safetensors"
+def data_file_name(rank: int, index: int = 0, tag: str | None = None) -> str:
+    """Name of a rank's data file, relative to the checkpoint folder. ``tag`` (a save's id) makes
+    the names of a save into a folder that holds a committed checkpoint differ from that one's."""
+    return f"__{rank}_{index}.safetensors" if tag is None else f"__{rank}_{index}.{tag}.safetensors"
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,7 @@ class ItemLocation:
     crc32c: tuple[int, ...]  # one per piece of the file's checksum grid; () when not computed
     data_start: int  # first data byte of the file (the grid origin)
     piece_size: int  # grid step of the checksums
+    file_size: int = 0  # size of the whole data file when written (0: not known, e.g. decoded)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,9 @@ def encode_metadata(md: Metadata, locations: dict[MetadataIndex, ItemLocation]) 
         if loc is None:
             raise CheckpointFormatError(f"no write result for item {index.fqn!r} at offset {index.offset}")
         info = files.setdefault(loc.file, {"size": 0, "data_start": loc.data_start, "piece_size": loc.piece_size})
-        info["size"] = max(info["size"], loc.offset + loc.length)
+        # A file may end with items nothing references (a value DCP's planner took from another
+        # rank): its size is the writer's, not the end of the last referenced item.
+        info["size"] = max(info["size"], loc.offset + loc.length, loc.file_size)
         return {"file": loc.file, "offset": loc.offset, "length": loc.length, "crc32c": list(loc.crc32c)}
 
     for fqn, smd in md.state_dict_metadata.items():

@@ -1,39 +1,38 @@
-"""Which rank writes a replicated value: a deterministic policy computed from the local state
-dict, rank and world size alone, so ``stage()`` can start flushing before any planning collective.
+"""Which rank writes a value that several ranks hold, decided without any collective at ``stage()``.
 
-- DTensor replicas (``Replicate()`` on some mesh dims): provably identical across the replica
-  group, so exactly one replica writes each shard, picked by a hash of the item's name.
-- Plain tensors: DCP treats them as replicated on every rank. They are spread over all ranks by
-  a greedy size balance over a canonical order, so every rank computes the same assignment. The
-  coordinator checks each round that all ranks hold the same set (a digest per rank, a few
-  bytes) and fails the save loudly otherwise (pipeline parallelism, where ranks hold different
-  plain tensors, needs ``dedup_replicated=False``).
-- Non-tensor values are tiny and often rank-specific (a dataloader state per data-parallel rank):
-  every rank writes its own and DCP's planner picks which copy the metadata references.
+- DTensor replicas (``Replicate()`` on some mesh dims): the mesh says exactly which ranks hold
+  identical copies, so one replica per shard writes it, picked by a hash of the item's name. The
+  others leave it out of their local plan, so DCP's planner sees one candidate.
+- Plain tensors: DCP treats them as replicated, but whether other ranks hold the same name
+  (data parallelism) or not (pipeline stages hold their own layers) cannot be known from the
+  local state. They stay in every holder's local plan and DCP's planner picks one writer (its own
+  dedup). That choice is learned from the plan each rank is given in ``write_data`` and cached per
+  tensor structure (``Decisions``): from the next checkpoint of the same structure on, a rank
+  stages only the plain tensors it was given. Before the choice is known they are staged into a
+  *held* file whose flush waits for the plan (see ``held_file.py``).
+- Non-tensor values (bytes) are tiny and often rank-specific: every rank stages its own and DCP's
+  planner picks which copy the metadata references.
+
+A stale choice (another rank's structure changed) is safe: a plain tensor given to a rank that did
+not stage it is written from the live tensor in ``write_data`` if its version counter shows no
+change since ``stage()`` (else the save fails and the next one re-plans); one staged but not given
+is written to the file and referenced by nothing.
 """
 
 from __future__ import annotations
 
-import hashlib
+import threading
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .stage_items import ItemKey, SourceItem
 
-__all__ = ["RankReport", "select_owned"]
+__all__ = ["Ownership", "Decisions", "decisions", "split_by_owner", "plain_signature"]
 
 
-@dataclass(frozen=True)
-class RankReport:
-    """What each rank's writer tells the coordinator in its local plan's ``storage_data``."""
-
-    rank: int
-    replicated_digest: str | None  # None: this rank applied no stage-time dedup
-
-
-def _dtensor_owned(obj, key: ItemKey, rank: int) -> bool:
+def _dtensor_owned(obj, key: ItemKey) -> bool:
     placements = obj.placements
     rep_dims = [d for d, p in enumerate(placements) if p.is_replicate()]
     if not rep_dims:
@@ -50,37 +49,90 @@ def _dtensor_owned(obj, key: ItemKey, rank: int) -> bool:
     return zlib.crc32(name) % replicas == index
 
 
-def select_owned(items: list[SourceItem], flat: dict, rank: int, world: int) -> tuple[list[SourceItem], set, str]:
-    """Split items into those this rank writes and the replicated ones it leaves to another rank.
+def _is_dtensor(obj) -> bool:
+    return isinstance(obj, torch.Tensor) and hasattr(obj, "placements") and hasattr(obj, "device_mesh")
 
-    Returns (owned items, skipped keys, digest of this rank's plain/bytes item set).
-    """
-    owned: list[SourceItem] = []
-    skipped: set = set()
-    shared: list[SourceItem] = []
+
+def is_plain_tensor(obj) -> bool:
+    """A tensor DCP treats as replicated on every rank (not a DTensor, not a ShardedTensor)."""
+    return isinstance(obj, torch.Tensor) and not _is_dtensor(obj) and type(obj).__name__ != "ShardedTensor"
+
+
+def plain_signature(items: list[SourceItem], flat: dict) -> tuple:
+    """The plain tensors' names, dtypes and shapes: what a learned decision depends on locally."""
+    return tuple((it.key, it.entry.dtype, it.entry.shape) for it in items if is_plain_tensor(flat.get(it.key[0])))
+
+
+@dataclass
+class Ownership:
+    """The items of one ``stage()`` by what happens to them."""
+
+    owned: list[SourceItem] = field(default_factory=list)  # staged and flushed at once
+    held: list[SourceItem] = field(default_factory=list)  # staged; flushed once the plan says whose
+    skipped: set = field(default_factory=set)  # DTensor replicas another rank writes (out of the plan)
+    elsewhere: set = field(default_factory=set)  # plain tensors the cached decision gives to others
+
+
+def split_by_owner(items: list[SourceItem], flat: dict, rank: int, world: int, decision: frozenset | None,
+                   dedup: bool) -> Ownership:
+    """Split a rank's items. ``decision``: the plain-tensor keys this rank was given last time for
+    this structure, or None when unknown (those tensors are then held)."""
+    out = Ownership()
+    if world <= 1 or not dedup:
+        out.owned = list(items)
+        return out
     for it in items:
         obj = flat.get(it.key[0])
-        if isinstance(obj, torch.Tensor) and hasattr(obj, "placements") and hasattr(obj, "device_mesh"):
-            if _dtensor_owned(obj, it.key, rank):
-                owned.append(it)
+        if it.entry.kind == "bytes" or not isinstance(obj, torch.Tensor):
+            out.owned.append(it)
+        elif _is_dtensor(obj):
+            if _dtensor_owned(obj, it.key):
+                out.owned.append(it)
             else:
-                skipped.add(it.key)
-        elif it.entry.kind == "bytes" or type(obj).__name__ == "ShardedTensor":
-            owned.append(it)
+                out.skipped.add(it.key)
+        elif type(obj).__name__ == "ShardedTensor":
+            out.owned.append(it)
+        elif decision is None:
+            out.held.append(it)
+        elif it.key in decision:
+            out.owned.append(it)
         else:
-            shared.append(it)
+            out.elsewhere.add(it.key)
+    return out
 
-    # Canonical order: largest first, then by name; ties in load go to the lowest rank.
-    order = sorted(shared, key=lambda it: (-it.entry.nbytes, it.key[0]))
-    load = [0] * world
-    h = hashlib.blake2b(digest_size=16)
-    for it in order:
-        target = min(range(world), key=lambda r: (load[r], r))
-        load[target] += max(it.entry.nbytes, 1)
-        if target == rank:
-            owned.append(it)
-        else:
-            skipped.add(it.key)
-        h.update(repr((it.key[0], it.entry.dtype, it.entry.shape)).encode())
-    return owned, skipped, h.hexdigest()
 
+class Decisions:
+    """Process-wide: per (rank, world, plain-tensor structure), the plain-tensor keys DCP's planner
+    gave this rank the last time. Bounded; dropped when a choice turns out stale."""
+
+    _MAX = 8
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._table: dict[tuple, frozenset] = {}
+
+    def get(self, key: tuple) -> frozenset | None:
+        with self._lock:
+            return self._table.get(key)
+
+    def learn(self, key: tuple, given: frozenset) -> None:
+        with self._lock:
+            self._table.pop(key, None)
+            self._table[key] = given
+            while len(self._table) > self._MAX:
+                self._table.pop(next(iter(self._table)))
+
+    def forget(self, key: tuple) -> None:
+        with self._lock:
+            self._table.pop(key, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._table.clear()
+
+
+_decisions = Decisions()
+
+
+def decisions() -> Decisions:
+    return _decisions

@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.utils import find_tensor_shard
 from .compat import create_write_items, dcp_compat_mode, flatten_state_dict
 from .layout import FileEntry, dtype_to_name
 
-__all__ = ["ItemKey", "SourceItem", "bytes_source", "collect_items", "flatten", "items_of_flat", "item_key", "source_for_resolved"]
+__all__ = ["ItemKey", "SourceItem", "bytes_source", "flatten", "items_of_flat", "item_key", "source_for_resolved"]
 
 log = logging.getLogger("dcp_datastates")
 
@@ -39,6 +39,7 @@ class SourceItem:
     ptr: int
     keepalive: Any
     device: int = -1  # CUDA device index ``ptr`` points into; -1 for host memory
+    copied: bool = False  # the bytes were copied at stage() already (views, other devices)
 
 
 def item_key(index) -> ItemKey:
@@ -48,6 +49,7 @@ def item_key(index) -> ItemKey:
 def _tensor_source(key: ItemKey, name: str, tensor: torch.Tensor) -> SourceItem:
     t = tensor.detach()
     device = -1
+    original = t
     if t.device.type != "cpu":
         if t.device.type == "cuda":
             # The engine copies device memory itself (lazily, on its own stream): keep the pointer.
@@ -58,7 +60,8 @@ def _tensor_source(key: ItemKey, name: str, tensor: torch.Tensor) -> SourceItem:
         t = t.contiguous()  # views: one copy here, on the training thread (rare in state dicts)
     nbytes = t.numel() * t.element_size()
     entry = FileEntry(name=name, kind="tensor", dtype=dtype_to_name(t.dtype), shape=tuple(t.shape), nbytes=nbytes)
-    return SourceItem(key=key, entry=entry, ptr=t.data_ptr() if nbytes else 0, keepalive=t, device=device)
+    return SourceItem(key=key, entry=entry, ptr=t.data_ptr() if nbytes else 0, keepalive=t, device=device,
+                      copied=t is not original)
 
 
 def bytes_source(key: ItemKey, name: str, data: bytes) -> SourceItem:
@@ -124,12 +127,6 @@ def _flatten(state_dict: dict) -> tuple[dict, dict]:
 def flatten(state_dict: dict) -> tuple[dict, dict]:
     """(flat state dict, mappings), exactly as DCP's ``flatten_state_dict``."""
     return _flatten(state_dict)
-
-
-def collect_items(state_dict: dict) -> tuple[list[SourceItem], dict, dict]:
-    """Flatten like ``DefaultSavePlanner`` and return (items, flat state dict, mappings)."""
-    flat, mappings = _flatten(state_dict)
-    return items_of_flat(flat), flat, mappings
 
 
 def items_of_flat(flat: dict, serialized: dict[int, SourceItem] | None = None) -> list[SourceItem]:

@@ -47,6 +47,12 @@ class Scan:
     keeps: list
     devices: list[int]  # CUDA device index per value; -1 for host memory
     payloads: dict[int, SourceItem]  # the non-tensor values, serialized now, by flat position
+    names: list[str]  # flat keys, in order
+    tensors: list  # per value: the tensor the bytes come from (a DTensor's local shard); None for values
+
+    def plain_signature(self) -> tuple:
+        """Names, dtypes, shapes and devices of the plain tensors (what ownership decisions key on)."""
+        return tuple(e for e in self.signature if len(e) == 5 and e[4] is None)
 
 
 def _host_or_cuda(t: torch.Tensor) -> int | None:
@@ -76,6 +82,7 @@ def scan_state(flat: dict) -> Scan | None:
     keeps: list = []
     devices: list[int] = []
     payloads: dict[int, SourceItem] = {}
+    tensors: list = []
     for i, (name, v) in enumerate(flat.items()):
         tp = type(v)
         if tp is _Tensor or (tp is _Parameter and type(v.data) is _Tensor):
@@ -94,6 +101,7 @@ def scan_state(flat: dict) -> Scan | None:
             ptrs.append(item.ptr)
             keeps.append(item.keepalive)
             devices.append(-1)
+            tensors.append(None)
             continue
         dev = _host_or_cuda(t)
         if dev is None or not t.is_contiguous():
@@ -102,7 +110,8 @@ def scan_state(flat: dict) -> Scan | None:
         ptrs.append(t.data_ptr())
         keeps.append(t.untyped_storage())  # the memory itself, even if the tensor's .data is swapped
         devices.append(dev)
-    return Scan(sig, ptrs, keeps, devices, payloads)
+        tensors.append(t)
+    return Scan(sig, ptrs, keeps, devices, payloads, list(flat), tensors)
 
 
 @dataclass(frozen=True)
@@ -144,8 +153,9 @@ class StagePlan:
 
     signature: list
     files: tuple[FilePlan, ...]
-    skipped: frozenset
-    digest: str | None
+    skipped: frozenset  # DTensor replicas another rank writes
+    elsewhere: frozenset  # plain tensors the decision gives to other ranks
+    decision: frozenset | None  # the ownership decision this plan was built with
 
 
 _plans: dict[tuple, list[StagePlan]] = {}
@@ -153,13 +163,14 @@ _plans_lock = threading.Lock()
 _hits = [0, 0]  # hits, misses (process-wide; tests read them through plan_stats)
 
 
-def find_plan(context: tuple, scan: Scan | None) -> StagePlan | None:
-    """The cached plan for this context and structure, or None (also counted as a miss)."""
+def find_plan(context: tuple, scan: Scan | None, decision: frozenset | None = None) -> StagePlan | None:
+    """The cached plan for this context and structure, built with ``decision`` (the current
+    ownership decision), or None (also counted as a miss)."""
     plan = None
     with _plans_lock:
         plans = _plans.get(context, []) if scan is not None else []
         for k, p in enumerate(plans):
-            if p.signature == scan.signature:
+            if p.signature == scan.signature and p.decision is decision:
                 plan = plans.pop(k)
                 plans.insert(0, plan)  # most recently used first; the least is evicted
                 break
@@ -168,7 +179,7 @@ def find_plan(context: tuple, scan: Scan | None) -> StagePlan | None:
 
 
 def build_plan(context: tuple, scan: Scan, flat: dict, files: list[tuple[str, int, FileLayout, list[SourceItem], Mapping]],
-               skipped: set, digest: str | None, piece: int) -> StagePlan | None:
+               skipped: set, elsewhere: set, decision: frozenset | None, piece: int) -> StagePlan | None:
     """Record what the full path just did for this structure, after checking that each item
     comes from exactly the memory the scan found (else nothing is cached). ``files`` holds, per
     data file: name, device, layout, items in file order, locations."""
@@ -185,7 +196,7 @@ def build_plan(context: tuple, scan: Scan, flat: dict, files: list[tuple[str, in
             template.append((i, it.entry.nbytes, off))
         keys = tuple(it.key for it in items)
         file_plans.append(FilePlan(name, device, layout, tuple(template), keys, types.MappingProxyType(dict(locations)), piece))
-    plan = StagePlan(scan.signature, tuple(file_plans), frozenset(skipped), digest)
+    plan = StagePlan(scan.signature, tuple(file_plans), frozenset(skipped), frozenset(elsewhere), decision)
     with _plans_lock:
         kept = [p for p in _plans.get(context, ()) if p.signature != scan.signature]
         _plans[context] = [plan] + kept[: _MAX_PLANS - 1]

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from typing import Any
 
 import torch
+
+from .compat import global_optimizer_pre_hooks
 
 __all__ = ["wait_staged", "protect_optimizer", "StagingTracker"]
 
@@ -54,16 +57,26 @@ class StagingTracker:
 
     def wait(self, timeout: float | None = None, device_side: bool = True) -> bool:
         """Wait until every job staged so far has all its bytes in the host cache, or (with
-        ``device_side``) until the current CUDA stream is ordered after its copies."""
+        ``device_side``) until the current CUDA stream is ordered after its copies. Each job is
+        sealed on the way (its sources' version counters checked, see version_guard.py): what
+        the caller changes after this returns cannot reach those checkpoints."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for job in self.pending():
             if device_side and _ordered_on_device(job):
+                _seal(job)
                 continue  # stays tracked: a wait from another stream must order that one too
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not job.wait_staged(left):
                 return False
+            _seal(job)
             self.discard(job)
         return True
+
+
+def _seal(job: Any) -> None:
+    seal = getattr(job, "seal", None)
+    if seal is not None:
+        seal()
 
 
 _tracker = StagingTracker()
@@ -86,21 +99,53 @@ def wait_staged(timeout: float | None = None, *, device_side: bool = True) -> bo
 
 
 class _StepGuard:
-    def __init__(self, handle: Any) -> None:
-        self._handle = handle
+    """Handle returned by ``protect_optimizer``; ``remove()`` stops protecting that optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self._ref = weakref.ref(optimizer)
 
     def remove(self) -> None:
-        self._handle.remove()
+        opt = self._ref()
+        if opt is not None:
+            _protected.discard(opt)
+
+
+# Optimizers whose step waits for staging, and the one process-wide hook that does the waiting.
+_protected: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_hook_lock = threading.Lock()
+_hook_handle: Any = None
+
+
+def _wait_before_step(optimizer, _args, _kwargs):
+    if optimizer in _protected:
+        wait_staged()
+    return None
+
+
+def _install_first_hook() -> None:
+    """Put the waiting hook first among the global step pre-hooks. Global pre-hooks run before
+    every optimizer's own, so the wait precedes any other pre-hook, whenever that one was
+    registered: later ones are appended after ours, earlier ones are moved behind it here."""
+    global _hook_handle
+    from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: PLC0415
+
+    with _hook_lock:
+        hooks = global_optimizer_pre_hooks()
+        if _hook_handle is None or _hook_handle.id not in hooks:
+            _hook_handle = register_optimizer_step_pre_hook(_wait_before_step)
+        hooks.move_to_end(_hook_handle.id, last=False)
 
 
 def protect_optimizer(optimizer: torch.optim.Optimizer) -> _StepGuard:
     """Make ``optimizer.step()`` wait for in-flight staging, so a checkpoint requested before the
-    step holds the pre-step values. Returns a handle with ``remove()``."""
+    step holds the pre-step values. The wait runs before every other step pre-hook (an MoE
+    expert-bias update registered earlier, say). Returns a handle with ``remove()``.
+
+    Other in-place changes of checkpointed tensors outside ``optimizer.step()`` (an EMA update,
+    a manual ``p.add_()``) need ``wait_staged()`` first; forgetting it fails the save with an
+    error naming the tensor (the checkpoint is never committed torn)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"protect_optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-
-    def _wait_before_step(_opt, _args, _kwargs):
-        wait_staged()
-        return None
-
-    return _StepGuard(optimizer.register_step_pre_hook(_wait_before_step))
+    _protected.add(optimizer)
+    _install_first_hook()
+    return _StepGuard(optimizer)

@@ -112,9 +112,10 @@ class RemoteFolder:
             pass
 
     # -------------------------------------------------------------------------- writing
-    def prepare(self, *, overwrite: bool) -> None:
-        """Before any data object is written: create the folder where that means something and
-        remove an old commit marker (refusing when ``overwrite`` is off)."""
+    def prepare(self, *, overwrite: bool) -> bool:
+        """Before any data object is written: create the folder where that means something; True
+        when it holds a committed checkpoint (left in place: see commit.py), which
+        ``overwrite=False`` refuses."""
         try:
             self.fs.makedirs(self.root, exist_ok=True)
         except FileExistsError:
@@ -125,30 +126,28 @@ class RemoteFolder:
             raise CheckpointWriteError(f"cannot create checkpoint folder {self.url}: {_cause(exc)}") from exc
         self._fresh(self.marker)
         try:
-            present = self.fs.exists(self.marker)
+            present = bool(self.fs.exists(self.marker))
         except Exception as exc:  # noqa: BLE001 - any store error, with the URL
             raise CheckpointWriteError(f"cannot check for a previous commit in {self.url}: {_cause(exc)}") from exc
-        if not present:
-            return
-        if not overwrite:
+        if present and not overwrite:
             raise CheckpointWriteError(f"{self.url} already holds a committed checkpoint and overwrite=False")
-        try:
-            self.fs.rm_file(self.marker)
-        except FileNotFoundError:  # another rank invalidated it first
-            pass
-        except Exception as exc:  # noqa: BLE001
-            raise CheckpointWriteError(
-                f"cannot invalidate the previous commit of {self.url} (removing {self.url_of(METADATA_NAME)}): {_cause(exc)}"
-            ) from exc
-        self._fresh(self.marker)
+        return present
 
-    def write_marker(self, data: bytes) -> None:
-        """Write ``.metadata`` in one request (a single PUT on object stores: atomic, visible
+    def write_marker(self, data: bytes, name: str = METADATA_NAME) -> None:
+        """Write a commit marker in one request (a single PUT on object stores: atomic, visible
         only once complete)."""
         try:
-            self.fs.pipe_file(self.marker, data)
+            self.fs.pipe_file(self.join(name), data)
         except Exception as exc:  # noqa: BLE001
             raise CheckpointWriteError(f"committing checkpoint {self.url} failed: {_cause(exc)}") from exc
+        self._fresh(self.join(name))
+
+    def names(self) -> list[str]:
+        """Names of the objects directly in the folder."""
+        return list(self.sizes())
+
+    def remove(self, name: str) -> None:
+        self.fs.rm_file(self.join(name))
 
     # -------------------------------------------------------------------------- reading
     def read_marker(self) -> bytes:

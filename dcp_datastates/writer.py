@@ -1,11 +1,16 @@
 """DataStatesWriter: a DCP StorageWriter that is also an AsyncStager (lazy staging).
 
-``stage()`` runs on the training thread: it lays out this rank's data file from the local state
-dict alone, hands the engine one job (pointers, sizes, offsets) and returns a Future at once. The
-engine's copy workers fill the host cache while training goes on; its flush workers write each
-chunk as soon as it is in the cache. DCP's planning, ``write_data`` and ``finish`` then run on
-DCP's background thread: ``write_data`` waits for the job to be durable and reports each item's
+``stage()`` runs on the training thread: it lays out this rank's data files from the local state
+dict alone, hands the engine one job per file (pointers, sizes, offsets) and returns a Future at
+once. The engine's copy workers fill the host cache while training goes on; its flush workers
+write each chunk as soon as it is in the cache. DCP's planning, ``write_data`` and ``finish`` then
+run on DCP's thread: ``write_data`` waits for the files to be durable and reports each item's
 location; the coordinator's ``finish`` commits ``.metadata`` atomically.
+
+Faults. A rank's error never skips a collective: an error at ``stage()`` is kept and raised from
+``prepare_local_plan`` (inside DCP's planning collective, so every rank gets CheckpointException),
+and ``write_data`` takes part in the optional consolidation before it raises. The staging Future
+itself never fails (a failed one would make DCP skip every collective on that rank only).
 """
 
 from __future__ import annotations
@@ -13,11 +18,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import sys
+import shutil
 import threading
+import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,16 +37,18 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from . import commit, remote, storage
 from .compat import unflatten_state_dict
 from .config import DataStatesConfig
+from .consolidate import consolidate_results
 from .errors import CheckpointWriteError
+from .gcpause import gc_paused
+from .held_file import HeldFile
 from .layout import data_file_name, plan_file
 from .metadata import ItemLocation
+from .ownership import Ownership, decisions, is_plain_tensor, plain_signature, split_by_owner
 from .runtime import get_engine
-from .consolidate import consolidate_results
-from .gcpause import gc_paused
-from .ownership import RankReport, select_owned
 from .stage_items import ItemKey, SourceItem, flatten, item_key, items_of_flat, source_for_resolved
 from .stage_plan import build_plan, find_plan, scan_state
 from .staging import tracker
+from .version_guard import VersionGuard, torn_message
 
 __all__ = ["DataStatesWriter"]
 
@@ -50,92 +58,167 @@ log = logging.getLogger("dcp_datastates")
 _watchers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dcp-datastates-staging")
 
 
+@dataclass(frozen=True)
+class RankReport:
+    """What each rank's writer tells the coordinator in its local plan's ``storage_data``."""
+
+    rank: int
+    path: str | None
+
+
 @dataclass(eq=False)
 class _FileJob:
-    """One data file in flight: the engine job and where each item landed."""
+    """One data file written by the engine (local) or streamed to an object store (remote)."""
 
+    index: int  # k in __<rank>_<k>
     name: str
     job: Any
     keys: Sequence[ItemKey]
     locations: Mapping[ItemKey, ItemLocation]  # shared with a cached stage plan: never mutated
     keepalive: list[Any] | None
-    data_start: int
-    piece_size: int
-    engine: Any = None  # the engine running ``job``
+    engine: Any
+    file_size: int
     upload: Future | None = None  # remote files: resolves once the object is complete in the store
+
+    @property
+    def device(self) -> int:
+        return self.job.device
 
     def wait_staged(self, timeout: float | None = None) -> bool:
         return self.job.wait_staged(timeout)
 
+    def is_staged(self) -> bool:
+        return self.job.is_staged()
+
     def is_done(self) -> bool:
-        """The file is complete (or failed): written, or for remote files uploaded and closed."""
         return self.job.is_done() and (self.upload is None or self.upload.done())
 
     def device_wait(self, stream_of) -> bool:
-        """True when the caller need not wait on the host: the file is staged, or its copies are
-        all queued and the caller's CUDA stream (``stream_of(device)``) now waits for them."""
         if self.job.device < 0:
             return self.job.is_staged()
         stream = stream_of(self.job.device)
         return stream is not None and self.engine.device_wait(self.job, stream)
 
+    def abort(self, reason: str) -> None:
+        try:
+            self.job.fail(reason)
+        except Exception:  # noqa: BLE001 - a job that cannot be failed finishes on its own
+            pass
+
+    def result(self) -> dict[ItemKey, ItemLocation]:
+        """Wait until the file is durable; its items' final locations (checksums included)."""
+        error = None
+        if self.upload is not None:
+            exc = self.upload.exception()
+            if exc is not None:
+                error = str(exc)
+        self.job.wait_done(None)
+        self.keepalive = None
+        error = error or self.job.error()
+        if error:
+            raise CheckpointWriteError(error)
+        crcs = self.job.checksums()
+        size = self.file_size
+        return {k: dataclasses.replace(self.locations[k], file=self.name, crc32c=tuple(c), file_size=size)
+                for k, c in zip(self.keys, crcs)}
+
 
 @dataclass(eq=False)
 class _StagedSave:
-    """Everything stage() started for one checkpoint path on this rank."""
+    """Everything ``stage()`` started for one checkpoint on this rank."""
 
-    path: str
+    path: str | None  # None: the folder is named later (checkpoint_id given to DCP only)
+    rank: int = 0
+    tag: str | None = None  # file-name tag when the folder already holds a committed checkpoint
     files: list[_FileJob] = field(default_factory=list)
-    skipped: set = field(default_factory=set)  # replicated items another rank writes
-    replicated_digest: str | None = None  # None: no stage-time dedup was applied
+    held: list[HeldFile] = field(default_factory=list)
+    skipped: set = field(default_factory=set)  # DTensor replicas another rank writes
+    elsewhere: set = field(default_factory=set)  # plain tensors the decision gives to other ranks
+    decision_key: tuple | None = None
+    learn: bool = False  # no decision was known: learn it from this save's plan
+    plain_keys: frozenset = frozenset()
+    moved_from: str | None = None  # staged into this folder, then DCP named another (reset)
+    guard: VersionGuard | None = None  # the sources this rank copies
+    late_guard: VersionGuard | None = None  # tensors it may have to write from live memory
+    error: BaseException | None = None  # raised from prepare_local_plan
+    requested: float = field(default_factory=time.monotonic)
+    _sealed: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    finished: threading.Event = field(default_factory=threading.Event)
+
+    def jobs(self) -> list:
+        return [*self.files, *self.held]
 
     def wait_staged(self, timeout: float | None = None) -> bool:
-        return all(f.wait_staged(timeout) for f in self.files)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for j in self.jobs():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not j.wait_staged(left):
+                return False
+        return True
 
     def device_wait(self, stream_of) -> bool:
-        """See ``_FileJob.device_wait``; False (wait on the host) when no file copies from a GPU."""
-        return any(f.job.device >= 0 for f in self.files) and all(f.device_wait(stream_of) for f in self.files)
+        """True when no host wait is needed: some file copies from a GPU, and each file is staged
+        or (GPU files) has the caller's stream now waiting for all its copies."""
+        files = self.jobs()
+        if not any(f.device >= 0 for f in files):
+            return False
+        return all(f.device_wait(stream_of) if isinstance(f, _FileJob) else f.is_staged() for f in files)
+
+    def seal(self) -> None:
+        """From now on the caller may change the sources: check none changed before (once)."""
+        with self._lock:
+            if self._sealed:
+                return
+            self._sealed = True
+            guard, self.guard = self.guard, None
+        changed = guard.first_changed() if guard is not None else None
+        if changed is not None and self.error is None:
+            self.error = CheckpointWriteError(torn_message(self.path or "(unnamed)", *changed))
+
+    def abandon(self, reason: str) -> None:
+        """Fail every job at once: nothing of this save gets written or committed."""
+        for j in self.jobs():
+            j.abort(reason)
+
+    def progress(self) -> tuple[int, int]:
+        total = sum(j.job.nbytes for j in self.jobs())
+        done = sum(j.job.nbytes for j in self.jobs() if j.is_done())
+        return done, total
 
 
-def _async_save_arguments() -> dict:
-    """The arguments of the ``dcp.async_save`` call that is running ``stage()`` right now.
-
-    DCP calls ``stage()`` before it retargets the writer with ``checkpoint_id`` (that happens in
-    the background thread, after staging), yet flushing must start during staging. So we read the
-    pending call's arguments from its frame. Returns {} when not called from ``async_save``.
-    """
-    frame = sys._getframe(1)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name == "async_save" and frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
-            return dict(frame.f_locals)
-        frame = frame.f_back
-    return {}
+# Saves not finished yet, by checkpoint path (process-wide): a second save to the same folder
+# waits for none of them, it is refused (its commit could describe the other's files).
+_inflight: dict[str, _StagedSave] = {}
+_inflight_lock = threading.Lock()
 
 
-def _dcp_save_group():
-    """(process group, distributed?, coordinator rank) of the DCP save running this writer, read
-    from the frame of DCP's ``_save_state_dict`` (the group is never handed to storage writers)."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_name == "_save_state_dict" and "distW" in frame.f_locals:
-            w = frame.f_locals["distW"]
-            distributed = bool(w.use_dist) and bool(frame.f_locals.get("use_collectives", True))
-            return w.group, distributed, w.coordinator_rank
-        frame = frame.f_back
-    return None, False, 0
+def _claim_path(path: str, staged: _StagedSave) -> None:
+    with _inflight_lock:
+        other = _inflight.get(path)
+        if other is not None and other is not staged and not other.finished.is_set():
+            if all(j.is_done() for j in other.jobs()) and time.monotonic() - other.requested > 60:
+                pass  # its data is long written and nothing finished it: it failed elsewhere
+            else:
+                raise CheckpointWriteError(
+                    f"a save to {path} is still running; wait for its upload_completion before saving to the same path again"
+                )
+        _inflight[path] = staged
 
 
-def _rank_of(process_group=None, no_dist: bool = False) -> int:
-    if no_dist or not (dist.is_available() and dist.is_initialized()):
-        return 0
-    return dist.get_rank(process_group)
+def _release_path(path: str | None, staged: _StagedSave) -> None:
+    with _inflight_lock:
+        if path is not None and _inflight.get(path) is staged:
+            del _inflight[path]
 
 
-def _world_of(process_group=None, no_dist: bool = False) -> int:
-    if no_dist or not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(process_group)
+def _names_in_use(path: str) -> frozenset:
+    """Data files of saves into ``path`` still running in this process (never removed by a commit)."""
+    with _inflight_lock:
+        other = _inflight.get(path)
+        if other is None or other.finished.is_set():
+            return frozenset()
+        return frozenset(f.name for f in other.files) | frozenset(h.name for h in other.held if h.name)
 
 
 def _by_device(items: list[SourceItem]) -> list[list[SourceItem]]:
@@ -144,7 +227,7 @@ def _by_device(items: list[SourceItem]) -> list[list[SourceItem]]:
     non-tensor values, staged at once ahead of the device copies), then by device index."""
     first = items[0].device if items else -1
     if all(it.device == first for it in items):
-        return [items]
+        return [items] if items else []
     groups: dict[int, list[SourceItem]] = {}
     for it in items:
         groups.setdefault(it.device, []).append(it)
@@ -163,38 +246,35 @@ def _on_one_device(engine, items: list[SourceItem]) -> tuple[int, list[SourceIte
     for it in items:
         if it.device >= 0:
             t = it.keepalive.to("cpu")
-            it = dataclasses.replace(it, ptr=t.data_ptr() if it.entry.nbytes else 0, keepalive=t, device=-1)
+            it = dataclasses.replace(it, ptr=t.data_ptr() if it.entry.nbytes else 0, keepalive=t, device=-1, copied=True)
         host.append(it)
     return -1, host
 
 
-# Saves whose data files are still being written, by checkpoint path (process-wide).
-_inflight: dict[str, _StagedSave] = {}
-_inflight_lock = threading.Lock()
+def _current_stream(device: int) -> int:
+    """Handle of this thread's current CUDA stream on ``device``: the engine's copies of a job
+    run after the work queued on it when the job is submitted (the kernels producing the state)."""
+    return torch.cuda.current_stream(device).cuda_stream
 
 
-def _refuse_concurrent_save(path: str) -> None:
-    """Two saves writing the same folder at once could leave one's commit describing the
-    other's files; refuse the second (it fails from its futures, training goes on)."""
-    with _inflight_lock:
-        for done in [p for p, st in _inflight.items() if all(f.is_done() for f in st.files)]:
-            del _inflight[done]
-        if path in _inflight:
-            raise CheckpointWriteError(
-                f"a save to {path} is still writing its data; wait for its upload_completion "
-                f"before saving to the same path again"
-            )
+def _global_rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _new_tag() -> str:
+    return uuid.uuid4().hex[:12]
 
 
 def _retire_old_file(path: str) -> None:
     """Move an old data file out of the way so the engine creates a new inode (a hard link or
-    symlink shared with another checkpoint must never be truncated in place). A rename is O(1)
-    on the training thread; freeing a large file's blocks happens on a background thread."""
+    symlink shared with another checkpoint must never be truncated in place)."""
     aside = f"{path}.old-{uuid.uuid4().hex}"
     try:
         os.rename(path, aside)
     except OSError:
-        return  # no old file (or nothing we may move): the engine's create reports real errors
+        return
     _watchers.submit(_unlink_quietly, aside)
 
 
@@ -205,18 +285,17 @@ def _unlink_quietly(path: str) -> None:
         pass
 
 
-def _current_stream(device: int) -> int:
-    """Handle of this thread's current CUDA stream on ``device``: the engine's copies of a job
-    run after the work queued on it when the job is submitted (the kernels producing the state)."""
-    return torch.cuda.current_stream(device).cuda_stream
-
-
 class DataStatesWriter(StorageWriter, AsyncStager):
     """Storage writer for ``dcp.save`` / ``dcp.async_save`` with lazy asynchronous staging.
 
     Args:
-        path: checkpoint folder (``checkpoint_id`` passed to DCP retargets it).
+        path: checkpoint folder (a ``checkpoint_id`` given to DCP retargets it).
         config: a ``DataStatesConfig``, a dict, or a YAML/JSON file path.
+        process_group: the checkpoint's process group (the one given to ``dcp.save`` /
+            ``async_save``). With it, write results are consolidated rank -> node leader ->
+            coordinator on that group; without it, DCP's own gather carries them.
+        per_process: allow a save from a process started with ``WORLD_SIZE`` > 1 but no
+            process group (each process saves alone; give each its own path).
         **options: any ``DataStatesConfig`` field (``host_cache_size=``, ``sync_files=``,
             ``overwrite=``, ``thread_count=`` ...), on top of ``config``.
     """
@@ -224,18 +303,25 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     # Staging is asynchronous: DCP must not call synchronize_staging() inside async_save.
     _synchronize_after_execute = False
 
-    def __init__(self, path: str | os.PathLike | None = None, *, config=None, **options: Any) -> None:
+    def __init__(self, path: str | os.PathLike | None = None, *, config=None, process_group=None,
+                 per_process: bool = False, **options: Any) -> None:
         super().__init__()
         self.config = DataStatesConfig.resolve(config, options)
         self.path = storage.normalize(path)
+        self.process_group = process_group
+        self.per_process = bool(per_process)
         self.save_id = uuid.uuid4().hex
         self.is_coordinator = False
         self.rank = 0
-        self._staged: dict[str, _StagedSave] = {}
+        self.use_collectives = True
+        self._retargeted = False  # a reset() named another folder: later saves defer theirs
+        self._pending: list[_StagedSave] = []  # staged, waiting for their write_data (in order)
+        self._current: _StagedSave | None = None  # the save DCP is planning/writing now
+        self._sync_tag: str | None = None  # dcp.save into a committed folder: its file tag
+        self._finishing: _StagedSave | None = None  # written, waiting for finish() (coordinator)
         self._remote_folders: dict[str, storage.RemoteFolder] = {}
         self._lock = threading.Lock()
 
-    # ------------------------------------------------------------------ pickling (process mode)
     def __getstate__(self):
         raise TypeError(
             "DataStatesWriter cannot be sent to another process: its staging lives in this process's "
@@ -244,137 +330,212 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     # ------------------------------------------------------------------------------ AsyncStager
     def stage(self, state_dict: dict) -> Future:
-        """Enqueue this rank's copies and return a Future of the staged state dict at once."""
+        """Enqueue this rank's copies and return a Future of the staged state dict at once. The
+        Future never fails: errors surface from the save (``upload_completion``) on every rank."""
         with gc_paused():  # thousands of small objects per checkpoint: no collection mid-stage
             return self._stage(state_dict)
 
     def _stage(self, state_dict: dict) -> Future:
-        call = _async_save_arguments()
-        checkpoint_type = call.get("async_checkpointer_type")
-        if checkpoint_type is not None and getattr(checkpoint_type, "name", "") == "PROCESS":
-            raise ValueError(
-                "DataStatesWriter supports dcp.async_save with AsyncCheckpointerType.THREAD only: "
-                "lazy staging keeps the bytes in this process's host cache, which a separate "
-                "checkpoint process cannot read."
-            )
-        target = call.get("checkpoint_id") or self.path
         future: Future = Future()
-        if target is None:
-            future.set_exception(ValueError("DataStatesWriter: no checkpoint path (pass path= or checkpoint_id=)"))
-            return future
-        target = storage.normalize(target)
+        target = None if self._retargeted else self.path
+        staged = _StagedSave(path=target)
+        flat, mappings = None, None
         try:
-            _refuse_concurrent_save(target)
+            self._check_launch()
             flat, mappings = flatten(state_dict)
-            group, no_dist = call.get("process_group"), bool(call.get("no_dist", False))
-            rank, world = _rank_of(group, no_dist), _world_of(group, no_dist)
-            dedup = world > 1 and self.config.dedup_replicated
-            engine = get_engine(self.config)
-            context = (rank, world, dedup, engine.cuda_devices > 0)
-            scan = scan_state(flat)
-            plan = find_plan(context, scan)
-            if plan is not None:  # the same structure as a checkpoint before: only pointers are new
-                commit.prepare_folder(target, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
-                staged = self._stage_planned(target, plan, scan)
-            else:
-                staged = self._stage_full(target, flat, rank, world, dedup, context, scan)
-        except Exception as exc:  # noqa: BLE001 - surfaces from the futures, as DCP users expect
-            future.set_exception(exc)
-            return future
+            if target is not None:
+                _claim_path(target, staged)
+            self._stage_into(staged, flat)
+        except Exception as exc:  # noqa: BLE001 - raised from prepare_local_plan, on every rank
+            staged.error = exc
+            staged.abandon(f"save abandoned: {exc}")
         with self._lock:
-            self._staged[target] = staged
-        with _inflight_lock:
-            _inflight[target] = staged
+            self._pending.append(staged)
         tracker().add(staged)
-        _watchers.submit(self._finish_staging, staged, flat, mappings, future)
+        if flat is None:
+            future.set_result(state_dict)
+            return future
+        if staged.path is None and self._held_bytes(staged) > self._engine_cache_bytes() // 2:
+            # The folder is named after staging (reset()); until then nothing can be flushed, so
+            # a save larger than half the cache cannot be staged whole first: hand DCP the state
+            # now (the version guard still fails the save if a source changes too early).
+            log.warning(
+                "dcp_datastates: a save larger than half the host cache whose folder is given only as "
+                "checkpoint_id: staging_completion resolves before the copies end. Pass the path to "
+                "DataStatesWriter(path) to keep the lazy guarantee; protect_optimizer still waits."
+            )
+            future.set_result(unflatten_state_dict(flat, mappings))
+            _watchers.submit(self._finish_staging, staged, None)
+            return future
+        _watchers.submit(self._finish_staging, staged, (future, flat, mappings))
         return future
 
-    def _stage_full(self, target: str, flat: dict, rank: int, world: int, dedup: bool, context: tuple, scan) -> _StagedSave:
-        """Lay out and submit every file from the items themselves; cache what depends only on
-        the structure when the scan covered the state."""
-        items = items_of_flat(flat, scan.payloads if scan is not None else None)
-        staged = _StagedSave(path=target)
-        if dedup:
-            items, staged.skipped, staged.replicated_digest = select_owned(items, flat, rank, world)
-        commit.prepare_folder(target, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
-        record: list = []
-        for k, group in enumerate(_by_device(items)):  # one engine job (and file) per device
-            staged.files.append(self._submit(target, data_file_name(rank, k), group, record))
-        if scan is not None and staged.files:
-            piece = staged.files[0].piece_size
-            build_plan(context, scan, flat, record, staged.skipped, staged.replicated_digest, piece)
-        return staged
-
-    def _stage_planned(self, target: str, plan, scan) -> _StagedSave:
-        """Submit every file of a cached plan with this checkpoint's pointers."""
-        staged = _StagedSave(path=target, skipped=plan.skipped, replicated_digest=plan.digest)
-        engine = get_engine(self.config)
-        for fp in plan.files:
-            job, upload = self._start(engine, target, fp.name, fp.layout, fp.spans(scan), fp.device)
-            piece = job.piece_size()
-            keepalive = fp.keepalive(scan)
-            staged.files.append(
-                _FileJob(fp.name, job, fp.keys, fp.locations_for(piece), keepalive, fp.layout.data_start, piece, engine, upload)
+    def _check_launch(self) -> None:
+        """A multi-process launch without a process group would have every process save as rank 0
+        of 1 into the same folder: refuse before writing anything."""
+        if self.per_process or (dist.is_available() and dist.is_initialized()):
+            return
+        world = os.environ.get("WORLD_SIZE", "1")
+        if world.isdigit() and int(world) > 1:
+            raise CheckpointWriteError(
+                f"WORLD_SIZE={world} in the environment but torch.distributed is not initialized: every "
+                f"process would save alone as rank 0 and overwrite the others' files. Call "
+                f"torch.distributed.init_process_group() before saving, or pass per_process=True to "
+                f"DataStatesWriter (each process then saves alone; give each its own path)."
             )
-        return staged
 
-    @staticmethod
-    def _finish_staging(staged: _StagedSave, flat: dict, mappings: dict, future: Future) -> None:
+    def _stage_into(self, staged: _StagedSave, flat: dict) -> None:
+        rank, world = _global_rank_world()
+        staged.rank = rank
+        dedup = world > 1 and self.config.dedup_replicated
+        engine = get_engine(self.config)
+        if staged.path is not None:
+            committed = commit.prepare_folder(staged.path, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
+            staged.tag = _new_tag() if committed else None
+        scan = scan_state(flat)
+        dkey = None
+        if dedup:
+            dkey = (rank, world, scan.plain_signature() if scan is not None else None)
+        decision = decisions().get(dkey) if dkey is not None and dkey[2] is not None else None
+        context = (rank, world, dedup, engine.cuda_devices > 0)
+        plan = find_plan(context, scan, decision) if staged.path is not None else None
+        if plan is not None:
+            self._stage_planned(staged, engine, plan, scan)
+        else:
+            self._stage_full(staged, engine, flat, rank, world, dedup, decision, context, scan)
+        if dedup and staged.decision_key is None and dkey is not None and dkey[2] is not None:
+            staged.decision_key = dkey
+
+    def _stage_full(self, staged: _StagedSave, engine, flat: dict, rank: int, world: int, dedup: bool,
+                    decision: frozenset | None, context: tuple, scan) -> None:
+        """Lay out and submit every file from the items themselves; cache what depends only on
+        the structure when the scan covered the state and nothing was held."""
+        items = items_of_flat(flat, scan.payloads if scan is not None else None)
+        if dedup and scan is None:  # states the scan does not cover: key decisions on the items
+            key = (rank, world, plain_signature(items, flat))
+            decision = decisions().get(key)
+            staged.decision_key = key
+        own = split_by_owner(items, flat, rank, world, decision, dedup)
+        staged.learn = dedup and decision is None
+        if own.held and sum(it.entry.nbytes for it in own.held) > self._engine_cache_bytes() // 2:
+            own.owned.extend(own.held)  # too big to hold: every holder writes its copy this time
+            own.held = []
+        staged.skipped, staged.elsewhere = own.skipped, own.elsewhere
+        staged.plain_keys = frozenset(it.key for it in items if is_plain_tensor(flat.get(it.key[0])))
+        self._guard(staged, flat, own)
+        record: list = []
+        if staged.path is None:  # nothing can be flushed before the folder is named
+            for group in _by_device(own.owned):
+                staged.held.append(self._hold(engine, group, known=True))
+        else:
+            for k, group in enumerate(_by_device(own.owned)):
+                staged.files.append(self._submit(engine, staged, k, group, record))
+        for group in _by_device(own.held):
+            staged.held.append(self._hold(engine, group, known=False))
+        if scan is not None and staged.files and not staged.held:
+            build_plan(context, scan, flat, record, own.skipped, own.elsewhere, decision, staged.files[0].job.piece_size())
+
+    def _stage_planned(self, staged: _StagedSave, engine, plan, scan) -> None:
+        """Submit every file of a cached plan with this checkpoint's pointers."""
+        staged.skipped, staged.elsewhere = set(plan.skipped), set(plan.elsewhere)
+        names, tensors = scan.names, scan.tensors
+        position = {n: i for i, n in enumerate(names)}
+        staged.plain_keys = frozenset()
+        for fp in plan.files:
+            job, upload, name = self._start(engine, staged, fp_index(fp.name), fp.layout, fp.spans(scan), fp.device)
+            staged.files.append(_FileJob(fp_index(fp.name), name, job, fp.keys, fp.locations_for(job.piece_size()),
+                                         fp.keepalive(scan), engine, fp.layout.file_size, upload))
+        copied = [i for fp in plan.files for i, _, _ in fp.template]
+        staged.guard = VersionGuard([names[i] for i in copied if tensors[i] is not None],
+                                    [tensors[i] for i in copied if tensors[i] is not None])
+        late = [position[k[0]] for k in (*staged.elsewhere, *staged.skipped) if k[0] in position]
+        staged.late_guard = VersionGuard([names[i] for i in late], [tensors[i] for i in late])
+
+    def _guard(self, staged: _StagedSave, flat: dict, own: Ownership) -> None:
+        """Record the version counters of what this rank copies lazily, and of what it may have to
+        write later from live memory (plain tensors given elsewhere, skipped replicas)."""
+        lazy = [it for it in (*own.owned, *own.held) if it.entry.kind == "tensor" and not it.copied]
+        staged.guard = VersionGuard([it.key[0] for it in lazy], [it.keepalive for it in lazy])
+        later = []
+        for key in (*own.elsewhere, *own.skipped):
+            obj = flat.get(key[0])
+            if isinstance(obj, torch.Tensor):
+                later.append((key[0], obj.to_local() if hasattr(obj, "to_local") else obj))
+        staged.late_guard = VersionGuard([n for n, _ in later], [t for _, t in later])
+
+    def _held_bytes(self, staged: _StagedSave) -> int:
+        return sum(h.job.nbytes for h in staged.held)
+
+    def _engine_cache_bytes(self) -> int:
+        return int(get_engine(self.config).stats()["cache_bytes"])
+
+    def _finish_staging(self, staged: _StagedSave, resolve: tuple | None) -> None:
         try:
             staged.wait_staged(None)
+            staged.seal()
         finally:
             for f in staged.files:
                 f.keepalive = None  # the engine copied them: release the source tensors
             tracker().discard(staged)
-        errors = [f.job.error() for f in staged.files if f.job.error()]
-        if errors:
-            for f in staged.files:
-                f.job.wait_done(None)  # let the engine wind the failed jobs down first
-            future.set_exception(CheckpointWriteError("; ".join(errors)))
-        else:
-            # The staged dict: the structure as of stage() (our own flat copy of it), live
-            # tensors (the engine owns their bytes now), non-tensor values serialized into the
-            # job. Built here, off the training thread.
+        if resolve is not None:
+            # The staged dict: the structure as of stage() (our own flat copy of it), live tensors
+            # (the engine owns their bytes now). Built here, off the training thread. It is
+            # returned even when staging failed: the error is raised inside DCP's planning, so
+            # every rank learns of it (a failed Future would fail this rank alone, before any
+            # collective, and leave the others waiting in one).
+            future, flat, mappings = resolve
             future.set_result(unflatten_state_dict(flat, mappings))
 
     def synchronize_staging(self) -> None:
         """Wait until every checkpoint staged by this writer is in the host cache."""
-        for staged in list(self._staged.values()):
+        with self._lock:
+            pending = list(self._pending)
+        for staged in pending:
             staged.wait_staged(None)
+            staged.seal()
 
     def close(self) -> None:
         """Nothing to release per writer: the engine is process-wide."""
 
     # ---------------------------------------------------------------------------- engine submit
-    def _submit(self, folder: str, name: str, items: list[SourceItem], record: list | None = None) -> _FileJob:
+    def _hold(self, engine, items: list[SourceItem], known: bool) -> HeldFile:
+        device, items = _on_one_device(engine, items)
+        stream = _current_stream(device) if device >= 0 else 0
+        return HeldFile(engine, items, device, stream, f"{self.path or 'checkpoint'} (held)",
+                        selection=None, selection_known=known, timeout=float(self.config.cache_wait_timeout))
+
+    def _submit(self, engine, staged: _StagedSave, index: int, items: list[SourceItem], record: list | None = None) -> _FileJob:
         """Lay out one file of ``items`` and submit it. ``record`` collects (name, device, layout,
         items, locations) for a stage plan."""
-        engine = get_engine(self.config)
         device, items = _on_one_device(engine, items)
         layout = plan_file([it.entry for it in items])
         spans = [(it.ptr, it.entry.nbytes, off) for it, off in zip(items, layout.offsets)]
-        job, upload = self._start(engine, folder, name, layout, spans, device)
+        job, upload, name = self._start(engine, staged, index, layout, spans, device)
         piece = job.piece_size()
+        base = data_file_name(staged.rank, index)
         locations = {
-            it.key: ItemLocation(name, off, it.entry.nbytes, it.entry.dtype, it.entry.shape, (), layout.data_start, piece)
+            it.key: ItemLocation(base, off, it.entry.nbytes, it.entry.dtype, it.entry.shape, (), layout.data_start, piece)
             for it, off in zip(items, layout.offsets)
         }
         if record is not None:
-            record.append((name, device, layout, items, locations))
-        keepalive = [it.keepalive for it in items]
-        return _FileJob(name, job, [it.key for it in items], locations, keepalive, layout.data_start, piece, engine, upload)
+            record.append((base, device, layout, items, locations))
+        return _FileJob(index, name, job, [it.key for it in items], locations, [it.keepalive for it in items], engine,
+                        layout.file_size, upload)
 
-    def _start(self, engine, folder: str, name: str, layout, spans: list, device: int):
-        """Hand one file to the engine: (job, upload Future for remote folders, else None)."""
+    def _start(self, engine, staged: _StagedSave, index: int, layout, spans: list, device: int):
+        """Hand one file to the engine: (job, upload Future for remote folders, file name)."""
+        folder = staged.path
+        name = data_file_name(staged.rank, index, staged.tag)
         stream = _current_stream(device) if device >= 0 else 0
         if storage.is_remote(folder):  # streamed to the object store by an uploader thread
-            return remote.submit_upload(
+            job, upload = remote.submit_upload(
                 engine, self._remote(folder), name, layout.header, layout.file_size, spans, device, stream
             )
+            return job, upload, name
         path = os.path.join(folder, name)
         _retire_old_file(path)  # a new inode: never write into a file another checkpoint links to
         job = engine.submit_write(path, layout.header, layout.file_size, spans, self.config.sync_files, device, stream)
-        return job, None
+        return job, None, name
 
     def _remote(self, folder: str) -> storage.RemoteFolder:
         """The fsspec folder of a remote checkpoint (one per URL, reused by this writer)."""
@@ -387,7 +548,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     # ---------------------------------------------------------------------------- StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = storage.normalize(checkpoint_id)
+            new = storage.normalize(checkpoint_id)
+            if new != self.path and self.path is not None:
+                self._retargeted = True  # this writer is given its folder per save: defer it
+            self.path = new
         self.save_id = uuid.uuid4().hex
 
     @property
@@ -396,7 +560,33 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
-        self.rank = int(kwargs.get("rank", _rank_of()))
+        self.rank = int(kwargs.get("rank", _global_rank_world()[0]))
+        self.use_collectives = bool(kwargs.get("use_collectives", True))
+        with self._lock:
+            self._current = self._pending.pop(0) if self._pending else None
+        staged = self._current
+        if staged is None or staged.error is not None or self.path is None:
+            return
+        try:
+            if staged.path is not None and staged.path != self.path:
+                # Staged into the writer's previous folder, then DCP named another: the files are
+                # moved there once written (held files go there directly).
+                staged.moved_from = staged.path
+                _release_path(staged.path, staged)
+                staged.path = None
+            if staged.path is None:  # the folder is known now: the held files may be written
+                _claim_path(self.path, staged)
+                staged.path = self.path
+                committed = commit.prepare_folder(self.path, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
+                staged.tag = _new_tag() if committed else None
+            remote_folder = self._remote(staged.path) if storage.is_remote(staged.path) else None
+            for k, h in enumerate(staged.held, start=len(staged.files)):
+                if h.name is None:
+                    h.set_destination(staged.path, data_file_name(staged.rank, k, staged.tag),
+                                      sync=self.config.sync_files, remote=remote_folder)
+        except Exception as exc:  # noqa: BLE001 - raised from prepare_local_plan
+            staged.error = exc
+            staged.abandon(f"save abandoned: {exc}")
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
@@ -404,89 +594,166 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.path is None:
             raise ValueError("DataStatesWriter: no checkpoint path (pass path= or checkpoint_id=)")
-        with self._lock:
-            staged = self._staged.get(self.path)
-        if staged is None:  # dcp.save: nothing staged, so the folder was not prepared yet
-            commit.prepare_folder(self.path, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
-            return dataclasses.replace(plan, storage_data=RankReport(self.rank, None))
-        if plan.usable and staged.skipped:
-            # Leave replicated items to the rank that staged them, so any planner's dedup
-            # (DCP's default included) has exactly one candidate.
+        staged = self._current
+        if staged is None:  # dcp.save: nothing staged, the folder is prepared here
+            self._check_launch()
+            committed = commit.prepare_folder(self.path, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
+            self._sync_tag = _new_tag() if committed else None
+            return dataclasses.replace(plan, storage_data=RankReport(self.rank, self.path))
+        if staged.error is not None:
+            raise staged.error
+        if plan.usable and staged.skipped and self.use_collectives:
+            # Leave replicated DTensor shards to the replica that staged them, so any planner's
+            # dedup (DCP's default included) has exactly one candidate.
             plan = dataclasses.replace(plan, items=[i for i in plan.items if item_key(i.index) not in staged.skipped])
-        return dataclasses.replace(plan, storage_data=RankReport(self.rank, staged.replicated_digest))
+        return dataclasses.replace(plan, storage_data=RankReport(self.rank, self.path))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """Coordinator: stage-time dedup of plain tensors assumed every rank holds the same
-        replicated values; refuse to commit a checkpoint that would miss some of them."""
-        reports = [p.storage_data for p in plans if isinstance(p.storage_data, RankReport)]
-        digests = {r.replicated_digest for r in reports if r.replicated_digest is not None}
-        if len(digests) > 1:
-            groups: dict[str, list[int]] = {}
-            for r in reports:
-                groups.setdefault(str(r.replicated_digest), []).append(r.rank)
+        """Coordinator: every rank must be saving the same checkpoint."""
+        paths: dict[str, list[int]] = {}
+        for i, p in enumerate(plans):
+            if isinstance(p.storage_data, RankReport):
+                paths.setdefault(str(p.storage_data.path), []).append(p.storage_data.rank)
+        if len(paths) > 1:
+            listing = "; ".join(f"{path}: ranks {ranks}" for path, ranks in sorted(paths.items()))
             raise CheckpointWriteError(
-                f"checkpoint {self.path}: ranks hold different sets of plain (non-DTensor) tensors "
-                f"(groups of ranks with the same set: {sorted(groups.values())}), so each cannot be "
-                f"written by one rank chosen locally. Pass dedup_replicated=False to DataStatesWriter "
-                f"(needed with pipeline parallelism); this checkpoint was not committed."
+                f"the ranks of one save name different checkpoint paths ({listing}); every rank must pass "
+                f"the same path (or checkpoint_id). Nothing was committed."
             )
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
-        with self._lock:
-            staged = self._staged.pop(self.path, None) or _StagedSave(path=self.path)
-        known: dict[ItemKey, _FileJob] = {k: f for f in staged.files for k in f.keys}
-        late = [item for item in plan.items if item_key(item.index) not in known]
-        if late:
-            # Items no stage() call prepared (dcp.save, or a planner that lays items out
-            # differently): resolve them now and write them to one more file.
-            taken: set[str] = set()
-            sources = [source_for_resolved(item, planner.resolve_data(item), taken) for item in late]
-            extra = self._submit(self.path, data_file_name(self.rank, len(staged.files)), sources)
-            staged.files.append(extra)
-            known.update({k: extra for k in extra.keys})
-        errors = []
-        for f in staged.files:
-            if f.upload is not None:  # remote: the object is complete (or the upload failed)
-                exc = f.upload.exception()
-                if exc is not None:
-                    f.job.wait_done(None)
-                    f.keepalive = None
-                    errors.append(str(exc))
-                    continue
-            f.job.wait_done(None)
-            f.keepalive = None
-            if f.job.error():
-                errors.append(f.job.error())
-        if errors:
-            raise CheckpointWriteError(f"saving checkpoint {self.path} failed: " + "; ".join(errors))
-        checksums = {id(f): dict(zip(f.keys, f.job.checksums())) for f in staged.files}
-        out = []
-        for item in plan.items:
-            key = item_key(item.index)
-            f = known[key]
-            loc = f.locations[key]
-            final = dataclasses.replace(loc, crc32c=tuple(checksums[id(f)][key]))
-            out.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=final))
-        group, distributed, coordinator = _dcp_save_group()
-        if distributed and self.config.hierarchical_consolidation:
-            out = consolidate_results(out, group, coordinator)
+        staged = self._current or _StagedSave(path=self.path, rank=self.rank, tag=self._sync_tag)
+        self._current = None
+        results: list[WriteResult] = []
+        error: BaseException | None = None
+        try:
+            results = self._write_local(staged, plan, planner)
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the collectives
+            error = exc
+            staged.abandon(f"save abandoned: {exc}")
+        if self.process_group is not None and self.use_collectives and self.config.hierarchical_consolidation \
+                and dist.is_available() and dist.is_initialized():
+            # Every rank enters this, a failed one with nothing to send: it raises right after,
+            # and DCP's own gather then fails the save on every rank.
+            results = consolidate_results(results if error is None else [], self.process_group, 0)
+        if error is not None:
+            staged.finished.set()
+            _release_path(staged.path, staged)
+            if isinstance(error, CheckpointWriteError):
+                raise error
+            raise CheckpointWriteError(f"saving checkpoint {self.path} failed: {type(error).__name__}: {error}") from error
+        if self.use_collectives and not self.is_coordinator:
+            staged.finished.set()  # the coordinator commits; nothing more happens here
+            _release_path(staged.path, staged)
+        else:
+            self._finishing = staged
         fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(out)
+        fut.set_result(results)
         return fut
 
+    def _write_local(self, staged: _StagedSave, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        if staged.error is not None:
+            raise staged.error
+        given = {item_key(i.index) for i in plan.items}
+        for h in staged.held:
+            if not h.selection_known():
+                h.set_selection(frozenset(k for k in h.keys if k in given))
+        staged_keys = {k for f in staged.files for k in f.keys} | {k for h in staged.held for k in h.keys}
+        late = [item for item in plan.items if item_key(item.index) not in staged_keys]
+        if late:
+            staged.files.append(self._write_late(staged, late, planner))
+        locations: dict[ItemKey, ItemLocation] = {}
+        errors = []
+        for f in staged.jobs():
+            try:
+                locations.update(f.result() if isinstance(f, _FileJob) else f.result.result())
+            except CheckpointWriteError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise CheckpointWriteError(f"saving checkpoint {staged.path} failed: " + "; ".join(errors))
+        if staged.moved_from is not None:
+            locations = self._relocate(staged, locations)
+        if staged.decision_key is not None:
+            if staged.learn:
+                decisions().learn(staged.decision_key, frozenset(k for k in given if k in staged.plain_keys))
+            elif any(item_key(i.index) in staged.elsewhere for i in late):
+                decisions().forget(staged.decision_key)  # the plan changed: hold and relearn next time
+        out = []
+        for item in plan.items:
+            loc = locations[item_key(item.index)]
+            out.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
+        return out
+
+    def _relocate(self, staged: _StagedSave, locations: dict[ItemKey, ItemLocation]) -> dict[ItemKey, ItemLocation]:
+        """Move the files written into ``staged.moved_from`` to the folder DCP named (their new
+        names follow that folder's commit state)."""
+        renamed: dict[str, str] = {}
+        for f in staged.files:
+            new = data_file_name(staged.rank, f.index, staged.tag)
+            if storage.is_remote(staged.path):
+                src = self._remote(staged.moved_from)
+                dst = self._remote(staged.path)
+                src.fs.mv(src.join(f.name), dst.join(new))
+            else:
+                src, dst = os.path.join(staged.moved_from, f.name), os.path.join(staged.path, new)
+                try:
+                    os.rename(src, dst)
+                except OSError:  # another file system: copy, then drop the original
+                    shutil.copyfile(src, dst)
+                    os.unlink(src)
+            renamed[f.name] = new
+            f.name = new
+        return {k: dataclasses.replace(loc, file=renamed.get(loc.file, loc.file)) for k, loc in locations.items()}
+
+    def _write_late(self, staged: _StagedSave, late: list, planner: SavePlanner) -> _FileJob:
+        """Items the plan gives this rank that it did not stage (``dcp.save``; a planner that lays
+        items out differently; a plain tensor the cached decision gave elsewhere): written now
+        from live memory, which for a lazy save is right only if the tensor did not change."""
+        guard = staged.late_guard
+        for item in late:
+            changed = guard.changed(item.index.fqn) if guard is not None else None
+            if changed is not None:
+                if staged.decision_key is not None:
+                    decisions().forget(staged.decision_key)
+                raise CheckpointWriteError(
+                    torn_message(staged.path or str(self.path), item.index.fqn, *changed)
+                    + " (DCP's planner gave this rank a tensor another rank wrote last time: the ranks' "
+                    "state structures changed; the next checkpoint plans anew.)"
+                )
+        taken: set[str] = set()
+        sources = [source_for_resolved(item, planner.resolve_data(item), taken) for item in late]
+        engine = get_engine(self.config)
+        index = len(staged.files) + len(staged.held)
+        return self._submit(engine, staged, index, sources)
+
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        if metadata.storage_meta is None:  # DCP's default planner does not fill it
-            metadata = dataclasses.replace(metadata, storage_meta=self.storage_meta())
-        locations: dict[MetadataIndex, ItemLocation] = {}
-        for rank_results in results:
-            for r in rank_results:
-                locations[r.index] = r.storage_data
-        commit.write_commit(
-            self.path, metadata, locations, sync=self.config.sync_files, storage_options=self.config.storage_options
-        )
+        staged = getattr(self, "_finishing", None)
+        self._finishing = None
+        try:
+            if metadata.storage_meta is None:  # DCP's default planner does not fill it
+                metadata = dataclasses.replace(metadata, storage_meta=self.storage_meta())
+            locations: dict[MetadataIndex, ItemLocation] = {}
+            for rank_results in results:
+                for r in rank_results:
+                    locations[r.index] = r.storage_data
+            rank_local = None if self.use_collectives else self.rank
+            commit.write_commit(
+                self.path, metadata, locations, sync=self.config.sync_files,
+                storage_options=self.config.storage_options, rank_local=rank_local,
+                in_use=_names_in_use(self.path) if staged is None else frozenset(),
+            )
+        finally:
+            if staged is not None:
+                staged.finished.set()
+                _release_path(staged.path, staged)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         """Local paths, ``file://`` and any URL whose protocol fsspec knows."""
         return storage.is_supported_url(checkpoint_id)
+
+
+def fp_index(name: str) -> int:
+    """k of a cached file plan's ``__<rank>_<k>.safetensors``."""
+    return int(name.split(".")[0].rsplit("_", 1)[1])

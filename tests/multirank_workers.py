@@ -123,21 +123,14 @@ def phase_two_first(rank, world, root):
     state = sharded_state(world)
     dcp.async_save(state, storage_writer=DataStatesWriter(f"{root}/c2")).upload_completion.result()
 
-    # Pipeline-parallel-like: each rank holds plain tensors the other does not.
-    pp = {"shared": torch.arange(6.0), f"stage{rank}": torch.full((3,), float(rank))}
-    resp = dcp.async_save(pp, storage_writer=DataStatesWriter(f"{root}/pp_bad"))
-    try:
-        resp.upload_completion.result()
-    except BaseException as exc:  # noqa: BLE001 - DCP wraps it in CheckpointException
-        assert "dedup_replicated=False" in str(exc) and "different sets" in str(exc), str(exc)
-    else:
-        raise AssertionError("saving different plain tensors per rank with dedup must fail")
-    dist.barrier()
-    assert not os.path.exists(f"{root}/pp_bad/.metadata")
-    dcp.async_save(pp, storage_writer=DataStatesWriter(f"{root}/pp_ok", dedup_replicated=False)).upload_completion.result()
-    back = {"shared": torch.zeros(6), f"stage{rank}": torch.zeros(3)}
-    dcp.load(back, storage_reader=DataStatesReader(f"{root}/pp_ok"))
-    assert torch.equal(back["shared"], pp["shared"]) and torch.equal(back[f"stage{rank}"], pp[f"stage{rank}"])
+    # Pipeline-parallel-like: each rank holds plain tensors the other does not; default options.
+    for k, opts in enumerate(({}, {}, {"dedup_replicated": False})):  # new structure, learned, no dedup
+        pp = {"shared": torch.arange(6.0) + k, f"stage{rank}": torch.full((3,), float(rank + k))}
+        dcp.async_save(pp, storage_writer=DataStatesWriter(f"{root}/pp{k}", **opts)).upload_completion.result()
+        dist.barrier()
+        back = {"shared": torch.zeros(6), f"stage{rank}": torch.zeros(3)}
+        dcp.load(back, storage_reader=DataStatesReader(f"{root}/pp{k}"))
+        assert torch.equal(back["shared"], pp["shared"]) and torch.equal(back[f"stage{rank}"], pp[f"stage{rank}"])
 
 
 def phase_four(rank, world, root):
@@ -185,7 +178,8 @@ def phase_hierarchy(rank, world, root):
     C.dist.send_object_list = recording_send
     try:
         state = sharded_state(world)
-        dcp.async_save(state, storage_writer=DataStatesWriter(f"{root}/hier"), planner=DataStatesSavePlanner()).upload_completion.result()
+        writer = DataStatesWriter(f"{root}/hier", process_group=dist.group.WORLD)
+        dcp.async_save(state, storage_writer=writer, planner=DataStatesSavePlanner()).upload_completion.result()
         flat = DataStatesWriter(f"{root}/flat", hierarchical_consolidation=False)
         dcp.save(sharded_state(world), storage_writer=flat)
     finally:

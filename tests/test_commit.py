@@ -1,4 +1,4 @@
-"""The commit protocol: ordering (old marker gone before any new data byte), atomic marker,
+"""The commit protocol: a resave keeps the old checkpoint until its own commit, atomic marker,
 failures while committing, stale temporaries, and latest_checkpoint over step-N layouts."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -63,51 +64,57 @@ class _SpyEngine:
         return getattr(self._real, name)
 
 
+def data_files(folder) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+
+
 @pytest.mark.parametrize("api", ["sync", "async"])
-def test_resave_removes_old_marker_before_any_data_is_written(tmp_path, api, small_engine, monkeypatch):
+def test_resave_keeps_the_old_checkpoint_until_the_new_commit(tmp_path, api, small_engine, monkeypatch):
     folder = tmp_path / "step-1"
     save(folder, 1.0, api)
+    assert data_files(folder) == ["__0_0.safetensors"]
+    old_bytes = (folder / "__0_0.safetensors").read_bytes()
     marker = str(folder / ".metadata")
     seen: list = []
     real_get_engine = writer_mod.get_engine
     monkeypatch.setattr(writer_mod, "get_engine", lambda cfg: _SpyEngine(real_get_engine(cfg), marker, seen))
     save(folder, 2.0, api)
-    # one data file submitted; by then the old commit was gone, and the old data file was
-    # unlinked (the engine creates a new inode instead of truncating a possibly shared one)
-    assert seen == [("__0_0.safetensors", False, False)]
+    # the new data went to a new name while the old commit (and its file) stayed in place
+    assert len(seen) == 1 and seen[0][1] is True and seen[0][2] is False
+    assert re.fullmatch(r"__0_0\.[0-9a-f]{12}\.safetensors", seen[0][0]), seen
+    assert (folder / "__0_0.safetensors").exists() is False  # removed only after the new commit
+    assert data_files(folder) == [seen[0][0]]
+    assert old_bytes != (folder / seen[0][0]).read_bytes()
     assert_holds(folder, 2.0)
 
 
 @pytest.mark.parametrize("api", ["sync", "async"])
-def test_failed_resave_leaves_incomplete_never_old_values(tmp_path, api, small_engine):
+def test_failed_resave_keeps_the_old_checkpoint_loadable(tmp_path, api, small_engine):
     folder = tmp_path / "step-5"
     save(folder, 5.0, api)
-    data = folder / "__0_0.safetensors"
-    old_bytes = data.read_bytes()
+    old_marker = (folder / ".metadata").read_bytes()
+    old_bytes = (folder / "__0_0.safetensors").read_bytes()
     eng = current_engine()
-    # Fail after ~half the data of the second save reached the file.
+    # Fail after ~half the data of the second save reached its file.
     eng.set_fault("eio", 768 << 10, str(folder))
-    with raises_through_dcp(rf"{data}: pwrite of \d+ bytes at offset \d+ failed: Input/output error"):
+    with raises_through_dcp(rf"{folder}/__0_0\.[0-9a-f]{{12}}\.safetensors: pwrite of \d+ bytes at offset \d+ failed: Input/output error"):
         save(folder, 6.0, api)
     eng.set_fault("none", 0, "")
-    assert not (folder / ".metadata").exists()
-    assert not [n for n in os.listdir(folder) if n.startswith(".metadata")]
-    new_bytes = data.read_bytes()
-    assert new_bytes != old_bytes  # data bytes did change: the old commit would now lie
-    assert new_bytes[4096 : 4096 + (256 << 10)] != old_bytes[4096 : 4096 + (256 << 10)]
-    with raises_through_dcp(f"incomplete checkpoint {folder}: there is no .metadata commit marker"):
-        load(folder)
-    assert latest_checkpoint(tmp_path) is None
-    save(folder, 7.0, api)  # the fault is gone: the next save succeeds
-    assert_holds(folder, 7.0)
+    assert (folder / ".metadata").read_bytes() == old_marker
+    assert (folder / "__0_0.safetensors").read_bytes() == old_bytes
+    assert not [n for n in os.listdir(folder) if n.startswith(".metadata.tmp")]
+    assert_holds(folder, 5.0)  # exactly the old checkpoint
     assert latest_checkpoint(tmp_path) == str(folder)
+    save(folder, 7.0, api)  # the fault is gone: the next save succeeds and cleans the leftovers
+    assert_holds(folder, 7.0)
+    assert len(data_files(folder)) == 1
 
 
 @pytest.mark.parametrize(
     "where,err,cause",
     [("fsync", errno.EIO, "Input/output error"), ("replace", errno.ENOSPC, "No space left on device")],
 )
-def test_commit_failure_raises_with_path_and_leaves_no_marker(tmp_path, small_engine, monkeypatch, where, err, cause):
+def test_commit_failure_raises_with_path_and_keeps_the_old_commit(tmp_path, small_engine, monkeypatch, where, err, cause):
     folder = tmp_path / "c"
     save(folder, 1.0, "sync")
     real = getattr(commit.os, where)
@@ -122,11 +129,25 @@ def test_commit_failure_raises_with_path_and_leaves_no_marker(tmp_path, small_en
     with raises_through_dcp(rf"CheckpointWriteError: committing checkpoint {folder} failed: {cause}"):
         save(folder, 2.0, "sync")
     monkeypatch.setattr(commit.os, where, real)
-    assert sorted(os.listdir(folder)) == ["__0_0.safetensors"]  # no marker, no temporary
-    with raises_through_dcp("incomplete checkpoint"):
-        load(folder)
+    names = sorted(os.listdir(folder))
+    assert names[0] == ".metadata" and "__0_0.safetensors" in names  # the old commit, no temporary
+    assert not [n for n in names if n.startswith(".metadata.tmp")]
+    assert_holds(folder, 1.0)
     save(folder, 3.0, "async")
     assert_holds(folder, 3.0)
+    assert len(data_files(folder)) == 1
+
+
+def test_first_commit_failure_leaves_no_marker(tmp_path, small_engine, monkeypatch):
+    folder = tmp_path / "fresh"
+    real = commit.os.replace
+    monkeypatch.setattr(commit.os, "replace", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+    with raises_through_dcp("committing checkpoint .* failed: Input/output error"):
+        save(folder, 1.0, "sync")
+    monkeypatch.setattr(commit.os, "replace", real)
+    assert not [n for n in os.listdir(folder) if n.startswith(".metadata")]
+    with raises_through_dcp("incomplete checkpoint"):
+        load(folder)
 
 
 def test_stale_temporary_marker_is_removed_and_ignored(tmp_path, small_engine):

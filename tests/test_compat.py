@@ -72,3 +72,16 @@ def test_global_optimizer_pre_hooks_run_before_instance_hooks():
 
 def test_register_before_thread_join_exists():
     assert hasattr(threading, "_register_atexit"), "this Python has no threading._register_atexit"
+
+
+def test_tensor_version_counts_in_place_changes_through_views_and_detach():
+    p = torch.nn.Parameter(torch.zeros(4))
+    sd_view = p.detach()  # what module.state_dict() hands out
+    before = compat.tensor_version(sd_view)
+    assert isinstance(before, int), f"{RELEASE}: Tensor._version is gone"
+    with torch.no_grad():
+        p.add_(1)
+    assert compat.tensor_version(sd_view) > before, f"{RELEASE}: detach() no longer shares the version counter"
+    with torch.inference_mode():
+        t = torch.ones(2)
+    assert compat.tensor_version(t) is None

@@ -85,13 +85,20 @@ def test_non_tensor_values_are_captured_at_stage_time(tmp_path):
     assert dest["extra"] == {"step": 5, "history": [1, 2, 3]}
 
 
-def test_protect_optimizer_handle_removes_hook():
+def test_protect_optimizer_handle_stops_the_wait(monkeypatch):
+    from dcp_datastates import staging
+
     _, opt = make_model_and_optimizer()
-    before = len(opt._optimizer_step_pre_hooks)
+    waits = []
+    monkeypatch.setattr(staging, "wait_staged", lambda *a, **k: waits.append(1) or True)
     h = protect_optimizer(opt)
-    assert len(opt._optimizer_step_pre_hooks) == before + 1
+    for p in opt.param_groups[0]["params"]:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert waits == [1]
     h.remove()
-    assert len(opt._optimizer_step_pre_hooks) == before
+    opt.step()
+    assert waits == [1]  # no longer waits
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         protect_optimizer(object())
 
