@@ -178,16 +178,18 @@ def _remove_obsolete(names, keep: set, rank_local: int | None, remove) -> None:
             log.debug("dcp_datastates: could not remove obsolete %s: %s", name, exc)
 
 
-def read_commit(path: str | os.PathLike, *, storage_options: dict | None = None) -> tuple[Metadata, dict[str, FileInfo]]:
+def read_commit(path: str | os.PathLike, *, storage_options: dict | None = None,
+                rank: int | None = None) -> tuple[Metadata, dict[str, FileInfo]]:
     """Read and decode the commit marker of ``path`` (a folder or a URL): the one place that maps
     "no folder", "no marker" and "marker is a folder" to clear errors. Returns DCP's ``Metadata``
     and the per-file table."""
+    name = METADATA_NAME if rank is None else rank_marker_name(rank)
     if storage.is_remote(path):
         folder = storage.remote_folder(os.fspath(path), storage_options)
-        raw = folder.read_marker()  # maps "nothing stored" and "no marker" itself
-        return decode_metadata(raw, folder.url_of(METADATA_NAME))
+        raw = folder.read_marker(name)  # maps "nothing stored" and "no marker" itself
+        return decode_metadata(raw, folder.url_of(name))
     path = storage.local_path(path)
-    marker = os.path.join(path, METADATA_NAME)
+    marker = os.path.join(path, name)
     try:
         with open(marker, "rb") as f:
             raw = f.read()
@@ -197,7 +199,7 @@ def read_commit(path: str | os.PathLike, *, storage_options: dict | None = None)
         if not os.path.isdir(path):
             raise NotADirectoryError(f"no checkpoint at {path}: it is a file, not a checkpoint folder") from None
         raise IncompleteCheckpointError(
-            f"incomplete checkpoint {path}: there is no {METADATA_NAME} commit marker "
+            f"incomplete checkpoint {path}: there is no {name} commit marker "
             f"(the save did not finish or is still running)"
         ) from None
     except IsADirectoryError:

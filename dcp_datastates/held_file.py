@@ -63,6 +63,7 @@ class HeldFile:
         self._selection = selection
         self._selection_known = selection_known
         self._aborted: str | None = None
+        self._planner: threading.Thread | None = None  # DCP's thread planning this save
         self.result: Future = Future()  # {key: ItemLocation} of the items written
         self.name: str | None = None
         threading.Thread(target=self._run, name="dcp-datastates-held", daemon=True).start()
@@ -78,6 +79,13 @@ class HeldFile:
         """The keys to write (None: all of them)."""
         with self._ready:
             self._selection, self._selection_known = keep, True
+            self._ready.notify_all()
+
+    def watch(self, thread: threading.Thread) -> None:
+        """The save is planned on ``thread``; if it ends before the selection comes (the save failed
+        on another rank, so DCP never calls write_data here), give the slots back at once."""
+        with self._ready:
+            self._planner = thread
             self._ready.notify_all()
 
     def selection_known(self) -> bool:
@@ -112,13 +120,16 @@ class HeldFile:
         with self._ready:
             while self._aborted is None and (self._dest is None or not self._selection_known):
                 left = deadline - time.monotonic()
+                if self._planner is not None and not self._planner.is_alive():
+                    self._aborted = f"the save of {self.job.path} ended before writing (it failed on another rank)"
+                    break
                 if left <= 0:
                     self._aborted = (
                         f"held data of {self.job.path} got no plan within {self._timeout:.0f} s "
                         "(the save failed or stalled before writing); its cache space is given back"
                     )
                     break
-                self._ready.wait(min(left, 1.0))
+                self._ready.wait(min(left, 0.2))
             return (None, None) if self._aborted is not None else (self._dest, self._selection)
 
     def _run(self) -> None:

@@ -120,12 +120,18 @@ class DataStatesReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with gc_paused():  # decoding builds an object per item
-            return self._read_metadata()
+            return self._read_metadata(kwargs.get("rank"))
 
-    def _read_metadata(self) -> Metadata:
+    def _read_metadata(self, rank: int | None = None) -> Metadata:
         if self.path is None:
             raise ValueError("DataStatesReader: no checkpoint path (pass path= or checkpoint_id=)")
-        md, files = commit.read_commit(self.path, storage_options=self.config.storage_options)
+        if rank is None and not storage.is_remote(self.path) and dist.is_available() and dist.is_initialized():
+            # A rank-local checkpoint (saved with use_collectives=False): each rank reads its own
+            # commit, unless the folder holds one committed by all ranks together.
+            local = os.path.join(storage.local_path(self.path), commit.rank_marker_name(dist.get_rank()))
+            if not commit.is_committed(self.path) and os.path.isfile(local):
+                rank = dist.get_rank()
+        md, files = commit.read_commit(self.path, storage_options=self.config.storage_options, rank=rank)
         return self._with_index(md, files)
 
     def _with_index(self, md: Metadata, files: dict[str, FileInfo]) -> Metadata:

@@ -150,12 +150,13 @@ class RemoteFolder:
         self.fs.rm_file(self.join(name))
 
     # -------------------------------------------------------------------------- reading
-    def read_marker(self) -> bytes:
-        """The bytes of ``.metadata``. FileNotFoundError when nothing is stored at the URL,
-        IncompleteCheckpointError when data is there but no marker."""
-        self._fresh(self.marker)
+    def read_marker(self, name: str = METADATA_NAME) -> bytes:
+        """The bytes of a commit marker (``.metadata``). FileNotFoundError when nothing is stored
+        at the URL, IncompleteCheckpointError when data is there but no marker."""
+        marker = self.join(name)
+        self._fresh(marker)
         try:
-            return self.fs.cat_file(self.marker)
+            return self.fs.cat_file(marker)
         except FileNotFoundError:
             pass
         except IsADirectoryError:
@@ -165,7 +166,7 @@ class RemoteFolder:
         if not self.has_objects():
             raise FileNotFoundError(f"no checkpoint at {self.url}: nothing is stored there")
         raise IncompleteCheckpointError(
-            f"incomplete checkpoint {self.url}: there is no {METADATA_NAME} commit marker "
+            f"incomplete checkpoint {self.url}: there is no {name} commit marker "
             f"(the save did not finish or is still running)"
         )
 

@@ -145,6 +145,16 @@ class _StagedSave:
     _sealed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     finished: threading.Event = field(default_factory=threading.Event)
+    planner: threading.Thread | None = None  # DCP's thread planning this save
+    writing: bool = False  # DCP called write_data
+
+    def is_over(self) -> bool:
+        """Finished, or given up by DCP: the thread that ran its DCP save has ended (the save
+        failed on some rank; DCP calls nothing more here)."""
+        if self.finished.is_set():
+            return True
+        t = self.planner
+        return t is not None and not t.is_alive()
 
     def jobs(self) -> list:
         return [*self.files, *self.held]
@@ -196,8 +206,8 @@ _inflight_lock = threading.Lock()
 def _claim_path(path: str, staged: _StagedSave) -> None:
     with _inflight_lock:
         other = _inflight.get(path)
-        if other is not None and other is not staged and not other.finished.is_set():
-            if all(j.is_done() for j in other.jobs()) and time.monotonic() - other.requested > 60:
+        if other is not None and other is not staged and not other.is_over():
+            if all(j.is_done() for j in other.jobs()) and time.monotonic() - other.requested > 600:
                 pass  # its data is long written and nothing finished it: it failed elsewhere
             else:
                 raise CheckpointWriteError(
@@ -216,7 +226,7 @@ def _names_in_use(path: str) -> frozenset:
     """Data files of saves into ``path`` still running in this process (never removed by a commit)."""
     with _inflight_lock:
         other = _inflight.get(path)
-        if other is None or other.finished.is_set():
+        if other is None or other.is_over():
             return frozenset()
         return frozenset(f.name for f in other.files) | frozenset(h.name for h in other.held if h.name)
 
@@ -565,7 +575,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         with self._lock:
             self._current = self._pending.pop(0) if self._pending else None
         staged = self._current
-        if staged is None or staged.error is not None or self.path is None:
+        if staged is None:
+            return
+        staged.planner = threading.current_thread()
+        for h in staged.held:
+            h.watch(staged.planner)
+        if staged.error is not None or self.path is None:
             return
         try:
             if staged.path is not None and staged.path != self.path:
@@ -594,6 +609,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.path is None:
             raise ValueError("DataStatesWriter: no checkpoint path (pass path= or checkpoint_id=)")
+        if not self.use_collectives and commit.is_committed(self.path, storage_options=self.config.storage_options):
+            # DCP's load reads the folder's global commit before any rank-local one: this save
+            # would never be read back. Refuse rather than let a load return the old values.
+            raise CheckpointWriteError(
+                f"{self.path} holds a checkpoint committed by all ranks together; a rank-local save "
+                f"(use_collectives=False) there would be shadowed by it when loading. Save rank-local "
+                f"checkpoints into a folder of their own."
+            )
         staged = self._current
         if staged is None:  # dcp.save: nothing staged, the folder is prepared here
             self._check_launch()
@@ -624,6 +647,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         staged = self._current or _StagedSave(path=self.path, rank=self.rank, tag=self._sync_tag)
+        staged.writing = True
         self._current = None
         results: list[WriteResult] = []
         error: BaseException | None = None

@@ -1,0 +1,143 @@
+"""Per-rank code of the multi-rank fault matrix (tests/test_fault_matrix.py): one rank fails in
+one phase of a save; every rank must raise CheckpointException within seconds, the process goes
+on, and the next save into the same folder loads back bitwise."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from dcp_datastates import DataStatesReader, DataStatesWriter, commit, start_engine
+from dcp_datastates.runtime import current_engine
+
+CACHE, CHUNK = 8 << 20, 256 << 10
+
+
+class Unpicklable:
+    """A value whose serialization fails (the user's object that cannot be saved)."""
+
+    def __reduce__(self):
+        raise RuntimeError("this object refuses to be pickled")
+
+
+def state_for(rank: int, value: float, bad: bool = False) -> dict:
+    g = torch.Generator().manual_seed(int(value * 100) + rank)
+    state = {
+        f"stage{rank}": torch.randn(96 * 1024, generator=g) + value,  # rank-unique (pipeline-like)
+        "shared": torch.arange(4096, dtype=torch.float32) + value,  # replicated plain tensor
+        "step": int(value),
+    }
+    if bad:
+        state["extra"] = Unpicklable()
+    return state
+
+
+def _save(api: str, state: dict, path: str, pg) -> None:
+    writer = DataStatesWriter(path, process_group=pg, host_cache_size=CACHE, chunk_size=CHUNK)
+    if api == "sync":
+        dcp.save(state, storage_writer=writer, process_group=pg)
+    else:
+        dcp.async_save(state, storage_writer=writer, process_group=pg).upload_completion.result(timeout=120)
+
+
+class _Fault:
+    """Arms one fault on this rank for the duration of a save."""
+
+    def __init__(self, kind: str, path: str) -> None:
+        self.kind, self.path = kind, path
+
+    def __enter__(self):
+        if self.kind == "efbig":
+            self._limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+            self._handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, self._limits[1]))
+        elif self.kind in ("eio", "fsync_eio"):
+            current_engine().set_fault(self.kind, 0, self.path)
+        elif self.kind == "commit":
+            self._replace = commit.os.replace
+
+            def failing(src, dst, *a, **k):
+                if ".metadata.tmp" in str(src):
+                    raise OSError(5, "Input/output error", str(src))
+                return self._replace(src, dst, *a, **k)
+
+            commit.os.replace = failing
+        return self
+
+    def __exit__(self, *exc):
+        if self.kind == "efbig":
+            resource.setrlimit(resource.RLIMIT_FSIZE, self._limits)
+            signal.signal(signal.SIGXFSZ, self._handler)
+        elif self.kind in ("eio", "fsync_eio"):
+            current_engine().set_fault("none", 0, "")
+        elif self.kind == "commit":
+            commit.os.replace = self._replace
+        return False
+
+
+# fault kind -> text that the error every rank sees must contain
+FAULTS = {
+    "unpicklable": "this object refuses to be pickled",
+    "efbig": "File too large",
+    "eio": "Input/output error",
+    "fsync_eio": "fsync",
+    "commit": "committing checkpoint",
+}
+
+
+def run_matrix(rank: int, world: int, root: str, per_node: int, apis: list[str]) -> None:
+    os.environ["DCP_DATASTATES_RANKS_PER_NODE"] = str(per_node)  # 2 simulated nodes
+    start_engine(host_cache_size=CACHE, chunk_size=CHUNK)
+    pg = dist.new_group(backend="gloo")  # the checkpoint's own group, as trainers pass it
+    # the coordinator, the other node's leader, a plain member (when nodes have one)
+    failing = sorted({0, per_node, world - 1})
+    records = []
+    for api in apis:
+        for fr in failing:
+            for kind in FAULTS:
+                if kind == "commit" and fr != 0:
+                    continue  # only the coordinator commits
+                path = f"{root}/w{world}-{api}-{kind}-r{fr}"
+                _save(api, state_for(rank, 1.0), path, pg)  # a good checkpoint first
+                dist.barrier()
+                bad = rank == fr
+                t0 = time.monotonic()
+                error = None
+                try:
+                    if bad:
+                        with _Fault(kind, path):
+                            _save(api, state_for(rank, 2.0, bad=kind == "unpicklable"), path, pg)
+                    else:
+                        _save(api, state_for(rank, 2.0), path, pg)
+                except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+                    error = exc
+                seconds = time.monotonic() - t0
+                dist.barrier()
+                # the previous checkpoint is intact, then the next save works and loads bitwise
+                back = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in state_for(rank, 0).items()}
+                dcp.load(back, storage_reader=DataStatesReader(path), process_group=pg)
+                old_ok = all(torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v
+                             for k, v in state_for(rank, 1.0).items())
+                _save(api, state_for(rank, 3.0), path, pg)
+                dcp.load(back, storage_reader=DataStatesReader(path), process_group=pg)
+                new_ok = all(torch.equal(back[k], v) if isinstance(v, torch.Tensor) else back[k] == v
+                             for k, v in state_for(rank, 3.0).items())
+                records.append({
+                    "api": api, "kind": kind, "failing_rank": fr, "rank": rank, "seconds": round(seconds, 3),
+                    "type": type(error).__name__ if error is not None else None,
+                    "cause_in_message": error is not None and FAULTS[kind] in str(error),
+                    "old_checkpoint_intact": old_ok, "next_save_loads": new_ok,
+                })
+                dist.barrier()
+    gathered = [None] * world
+    dist.all_gather_object(gathered, records)
+    if rank == 0:
+        with open(f"{root}/matrix-w{world}.json", "w") as f:
+            json.dump([r for per_rank in gathered for r in per_rank], f, indent=1)
