@@ -5,6 +5,8 @@
 - the killed checkpoint either loads exactly (the kill came after its commit) or is reported
   incomplete (IncompleteCheckpointError, only ever when it has no commit marker): never wrong
   values, never a checksum or format error;
+- a killed re-save into a folder holding a committed checkpoint leaves that folder loading the
+  old checkpoint or the new one exactly: never neither, never a mix;
 - ``latest_checkpoint(root)`` names the newest complete checkpoint.
 
     python scripts/crash_test.py --kills 300                # hundreds of kills, a minute or two
@@ -266,7 +268,7 @@ def run(root: str, kills: int, sync_every: int, rng: random.Random, log) -> dict
     report = {
         "kills": 0,
         "sync_kills": 0,
-        "outcomes": {"exact": 0, "incomplete": 0, "absent": 0, "finished_before_kill": 0},
+        "outcomes": {"exact": 0, "incomplete": 0, "absent": 0, "finished_before_kill": 0, "overwrite_kept_old": 0},
         "violations": [],
         "folders": {},  # folder -> tag it must hold when complete
     }
@@ -331,6 +333,7 @@ def run(root: str, kills: int, sync_every: int, rng: random.Random, log) -> dict
             report["outcomes"]["exact"] += 1
             got = int(out.split(":")[1])
             if overwrite:
+                report["outcomes"]["overwrite_kept_old"] += int(got != tag)
                 rolling_tag = got
                 report["folders"][folder] = got
             elif got == tag:
@@ -338,6 +341,9 @@ def run(root: str, kills: int, sync_every: int, rng: random.Random, log) -> dict
                 report["folders"][folder] = tag
         else:
             report["outcomes"][out] += 1
+            if overwrite and rolling_tag is not None:
+                violation(f"round {tag}: killed re-save of {folder} (sync={sync}, async={use_async}, kill at "
+                          f"{delay * 1e3:.1f} ms) lost the previous checkpoint (round {rolling_tag}): {out}")
             if overwrite:
                 rolling_tag = None
                 report["folders"].pop(folder, None)

@@ -141,3 +141,72 @@ def run_matrix(rank: int, world: int, root: str, per_node: int, apis: list[str])
     if rank == 0:
         with open(f"{root}/matrix-w{world}.json", "w") as f:
             json.dump([r for per_rank in gathered for r in per_rank], f, indent=1)
+
+
+# ------------------------------------------------------------- protocol cases on 2 ranks
+def run_protocol(rank: int, world: int, root: str) -> None:
+    """Rank-local saves, ranks naming different paths, a tensor torn on one rank."""
+    from dcp_datastates import wait_staged
+
+    start_engine(host_cache_size=CACHE, chunk_size=CHUNK)
+    out = {}
+    # 1. Rank-local (use_collectives=False): a same-named plain tensor holds different values
+    # per rank; each rank must load its own, sync and async.
+    for api in ("sync", "async"):
+        path = f"{root}/local-{api}"
+        state = {"w": torch.full((1000,), float(rank + 1)), f"own{rank}": torch.arange(10.0) * (rank + 1), "note": f"rank{rank}"}
+        writer = DataStatesWriter(path)
+        if api == "sync":
+            dcp.save(state, storage_writer=writer, use_collectives=False)
+        else:
+            dcp.async_save(state, storage_writer=writer, use_collectives=False).upload_completion.result(timeout=60)
+        dist.barrier()
+        back = {"w": torch.zeros(1000), f"own{rank}": torch.zeros(10), "note": None}
+        dcp.load(back, storage_reader=DataStatesReader(path))
+        out[f"local_{api}"] = bool(torch.equal(back["w"], state["w"]) and torch.equal(back[f"own{rank}"], state[f"own{rank}"])
+                                   and back["note"] == f"rank{rank}")
+    # a rank-local save into a folder holding a global commit is refused on every rank
+    glob = f"{root}/global"
+    dcp.save({"w": torch.ones(4)}, storage_writer=DataStatesWriter(glob))
+    try:
+        dcp.save({"w": torch.zeros(4)}, storage_writer=DataStatesWriter(glob), use_collectives=False)
+        out["local_over_global"] = "no error"
+    except BaseException as exc:  # noqa: BLE001
+        out["local_over_global"] = "shadowed" in str(exc)
+    dist.barrier()
+    # 2. Ranks naming different folders for one save: every rank raises, nothing commits.
+    path = f"{root}/mismatch-{rank}"
+    t0 = time.monotonic()
+    try:
+        dcp.async_save({"x": torch.ones(8)}, storage_writer=DataStatesWriter(path)).upload_completion.result(timeout=60)
+        out["paths"] = "no error"
+    except BaseException as exc:  # noqa: BLE001
+        out["paths"] = type(exc).__name__ == "CheckpointException" and "different checkpoint paths" in str(exc)
+    out["paths_s"] = time.monotonic() - t0
+    out["paths_committed"] = os.path.exists(f"{path}/.metadata")
+    dist.barrier()
+    # 3. Rank 1 changes a tensor in place right after async_save (no protect_optimizer): every
+    # rank raises CheckpointException naming it; the previous checkpoint stays.
+    path = f"{root}/torn"
+    state = {f"t{i}": torch.full((512, 512), float(i)) for i in range(8)}
+    dcp.save(state, storage_writer=DataStatesWriter(path))
+    tiny = DataStatesWriter(path, host_cache_size=CACHE, chunk_size=CHUNK)
+    resp = dcp.async_save(state, storage_writer=tiny)
+    if rank == 1:
+        for t in state.values():
+            t.add_(100.0)
+    try:
+        resp.upload_completion.result(timeout=60)
+        out["torn"] = "no error"
+    except BaseException as exc:  # noqa: BLE001
+        out["torn"] = type(exc).__name__ == "CheckpointException" and "changed in place" in str(exc)
+    wait_staged()
+    dist.barrier()
+    back = {f"t{i}": torch.zeros(512, 512) for i in range(8)}
+    dcp.load(back, storage_reader=DataStatesReader(path))
+    out["torn_kept_old"] = all(torch.equal(back[f"t{i}"], torch.full((512, 512), float(i))) for i in range(8))
+    gathered = [None] * world
+    dist.all_gather_object(gathered, out)
+    if rank == 0:
+        with open(f"{root}/protocol.json", "w") as f:
+            json.dump(gathered, f, indent=1)

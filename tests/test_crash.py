@@ -57,8 +57,9 @@ def test_sigkill_during_saves_never_yields_wrong_values(tmp_path):
     assert report["violations"] == []
     assert report["kills"] == 12 and report["sync_kills"] == 4
     outcomes = report["outcomes"]
-    # The kills really interrupted saves (not only landed after them).
+    # The kills really interrupted saves (not only landed after them), new folders and re-saves.
     assert outcomes["incomplete"] + outcomes["absent"] >= 1, outcomes
+    assert outcomes["overwrite_kept_old"] >= 1, outcomes  # a killed re-save left the old one loading
     assert outcomes["exact"] + outcomes["incomplete"] + outcomes["absent"] == 12
 
     # Independent check from this process: every folder holds its round exactly, or it has no

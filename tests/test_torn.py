@@ -1,0 +1,135 @@
+"""Never silently wrong: a checkpoint holds the values its tensors had when the save was
+requested, or the save fails naming the tensor; the last good checkpoint stays.
+
+The cases a migrating DCP user writes, on 2048x2048 fp32 tensors: parameters changed in place
+right after ``dcp.async_save`` returns (no ``protect_optimizer``), a step pre-hook registered
+before ``protect_optimizer`` that changes parameters, a manual EMA-style update."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import raises_through_dcp
+from dcp_datastates import DataStatesReader, DataStatesWriter, protect_optimizer, wait_staged
+
+N, SIDE = 8, 2048
+# A small cache makes staging of 128 MiB take a while (flushes free the space), as it would on a
+# slow disk: the in-place changes below certainly land before the copies end.
+OPTS = dict(host_cache_size=8 << 20, chunk_size=1 << 20, sync_files=False)
+
+
+def make_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.ParameterDict({f"w{i}": torch.nn.Parameter(torch.randn(SIDE, SIDE)) for i in range(N)})
+    return model
+
+
+def load_into(path, model) -> dict:
+    dest = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
+    dcp.load(dest, storage_reader=DataStatesReader(path))
+    return dest
+
+
+def test_in_place_change_after_async_save_fails_and_keeps_the_last_good_checkpoint(tmp_path, small_engine):
+    model = make_model()
+    path = tmp_path / "ckpt"
+    dcp.save(model.state_dict(), storage_writer=DataStatesWriter(path, **OPTS))  # the last good one
+    good = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    resp = dcp.async_save(model.state_dict(), storage_writer=DataStatesWriter(path, **OPTS))
+    with torch.no_grad():  # what a migrating user writes: stock DCP copied before returning
+        for p in model.parameters():
+            p.add_(1.0)
+    with raises_through_dcp(r"tensor 'w\d' was changed in place after the save was requested .*protect_optimizer") as err:
+        resp.upload_completion.result(timeout=120)
+    assert "not committed" in str(err.value)
+    back = load_into(path, model)
+    assert all(torch.equal(back[k], good[k]) for k in good)  # exactly the previous checkpoint
+
+
+def test_protect_optimizer_waits_before_a_pre_hook_registered_earlier(tmp_path, small_engine):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    # an MoE expert-bias style update, registered BEFORE protect_optimizer
+    opt.register_step_pre_hook(lambda o, a, k: [p.data.add_(0.5) for p in model.parameters()] and None)
+    handle = protect_optimizer(opt)
+    try:
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        resp = dcp.async_save(model.state_dict(), storage_writer=DataStatesWriter(tmp_path / "c", **OPTS))
+        opt.step()  # the guard runs first: the hook and the step see the copies finished
+        resp.upload_completion.result(timeout=120)
+    finally:
+        handle.remove()
+    back = load_into(tmp_path / "c", model)
+    assert all(torch.equal(back[k], snapshot[k]) for k in snapshot)
+    assert not torch.equal(model.state_dict()["w0"], snapshot["w0"])  # training did go on
+
+
+def test_manual_update_needs_wait_staged(tmp_path, small_engine):
+    model = make_model()
+    snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    resp = dcp.async_save(model.state_dict(), storage_writer=DataStatesWriter(tmp_path / "bad", **OPTS))
+    with torch.no_grad():
+        model["w7"].mul_(0.999)  # EMA-style update, no wait
+    with raises_through_dcp("tensor 'w7' was changed in place"):
+        resp.upload_completion.result(timeout=120)
+    resp = dcp.async_save(model.state_dict(), storage_writer=DataStatesWriter(tmp_path / "ok", **OPTS))
+    snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert wait_staged() is True
+    with torch.no_grad():
+        model["w7"].mul_(0.999)
+    resp.upload_completion.result(timeout=120)
+    back = load_into(tmp_path / "ok", model)
+    assert all(torch.equal(back[k], snapshot[k]) for k in snapshot)
+
+
+def test_changes_after_staging_completion_are_fine(tmp_path, small_engine):
+    model = make_model()
+    snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    resp = dcp.async_save(model.state_dict(), storage_writer=DataStatesWriter(tmp_path / "c", **OPTS))
+    resp.staging_completion.result(timeout=120)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    resp.upload_completion.result(timeout=120)
+    back = load_into(tmp_path / "c", model)
+    assert all(torch.equal(back[k], snapshot[k]) for k in snapshot)
+
+
+_LAUNCH_CHILD = textwrap.dedent(
+    """
+    import os, sys, torch, torch.distributed.checkpoint as dcp
+    from dcp_datastates import DataStatesWriter
+    folder, api, per_process = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+    writer = DataStatesWriter(folder, per_process=per_process)
+    try:
+        if api == "sync":
+            dcp.save({"w": torch.ones(8)}, storage_writer=writer)
+        else:
+            dcp.async_save({"w": torch.ones(8)}, storage_writer=writer).upload_completion.result(timeout=60)
+        print("SAVED")
+    except BaseException as exc:
+        print("ERROR " + str(exc).replace("\\n", " "))
+    """
+)
+
+
+@pytest.mark.parametrize("api", ["sync", "async"])
+def test_multi_process_launch_without_process_group_refuses_before_writing(tmp_path, api):
+    script = tmp_path / "child.py"
+    script.write_text(_LAUNCH_CHILD)
+    env = dict(os.environ, WORLD_SIZE="2", RANK="1", LOCAL_RANK="1")
+    folder = tmp_path / "ck"
+    res = subprocess.run([sys.executable, str(script), str(folder), api, "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert "ERROR" in res.stdout and "WORLD_SIZE=2" in res.stdout and "init_process_group" in res.stdout, res.stdout + res.stderr
+    assert not folder.exists() or not [n for n in os.listdir(folder) if n.endswith(".safetensors")]
+    res = subprocess.run([sys.executable, str(script), str(folder), api, "1"], env=env, capture_output=True, text=True, timeout=120)
+    assert "SAVED" in res.stdout, res.stdout + res.stderr
