@@ -6,6 +6,8 @@ checkpoint library expects: a load that names the item whose shape or dtype does
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
@@ -46,16 +48,13 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         super().__init__(*args, enable_plan_caching=enable_plan_caching, **kwargs)
         if cache_key is not None:
             self._cached_plans_key = f"{self.__class__.__name__}:{cache_key}"
-        self._changed_locally = True
 
     def create_local_plan(self) -> SavePlan:
         key = self._cached_plans_key
         self._pending_dtypes = _dtype_signature(self.state_dict)
         if self._enable_plan_caching and _LOCAL_DTYPES.get(key) != self._pending_dtypes:
             cached_save_plans().pop(key, None)  # forces a usable (re-sent) plan
-        plan = super().create_local_plan()
-        self._changed_locally = plan.usable
-        return plan
+        return super().create_local_plan()
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         deltas, metadata = super().create_global_plan(all_plans)
@@ -63,6 +62,10 @@ class DataStatesSavePlanner(DefaultSavePlanner):
             # A rank that re-sent its plan gets its full global plan back: DCP's comparison of
             # global plans ignores dtypes and would otherwise hand it a stale cached plan.
             deltas = [g if local.usable else d for local, d, g in zip(all_plans, deltas, self.global_plan)]
+            # The storage writer's per-rank report (its checkpoint path, checked by the
+            # coordinator) rides on every local plan, cached or not: keep it on the deltas.
+            deltas = [d if d.storage_data is not None else dataclasses.replace(d, storage_data=local.storage_data)
+                      for local, d in zip(all_plans, deltas)]
         return deltas, metadata
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:

@@ -185,6 +185,19 @@ def run_protocol(rank: int, world: int, root: str) -> None:
     out["paths_s"] = time.monotonic() - t0
     out["paths_committed"] = os.path.exists(f"{path}/.metadata")
     dist.barrier()
+    # the same with plan caching: the second save's local plans are cached (empty), the paths
+    # still reach the coordinator
+    from dcp_datastates import DataStatesSavePlanner
+
+    planner = dict(planner=DataStatesSavePlanner(cache_key="paths"))
+    dcp.save({"x": torch.ones(8)}, storage_writer=DataStatesWriter(f"{root}/same"), **planner)
+    try:
+        dcp.save({"x": torch.ones(8)}, storage_writer=DataStatesWriter(f"{root}/cached-{rank}"),
+                 planner=DataStatesSavePlanner(cache_key="paths"))
+        out["paths_cached"] = "no error"
+    except BaseException as exc:  # noqa: BLE001
+        out["paths_cached"] = "different checkpoint paths" in str(exc)
+    dist.barrier()
     # 3. Rank 1 changes a tensor in place right after async_save (no protect_optimizer): every
     # rank raises CheckpointException naming it; the previous checkpoint stays.
     path = f"{root}/torn"

@@ -27,6 +27,7 @@ def test_rank_local_saves_load_each_ranks_own_values(results):
 def test_ranks_naming_different_paths_all_raise_and_nothing_commits(results):
     for r in results:
         assert r["paths"] is True and r["paths_s"] < 10 and r["paths_committed"] is False, r
+        assert r["paths_cached"] is True, r
 
 
 def test_a_tensor_torn_on_one_rank_fails_the_save_everywhere_and_keeps_the_old_one(results):
