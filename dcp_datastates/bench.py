@@ -1015,6 +1015,24 @@ def _tree_bytes(path: str | None) -> int:
     return total
 
 
+def measure_version_guard(tensors: list, reps: int) -> dict:
+    """The torn-state guard's share of a save: recording every source tensor's version counter
+    at stage() and comparing them at the seal (both on the training thread at worst)."""
+    from .version_guard import VersionGuard
+
+    names = [f"t{i}" for i in range(len(tensors))]
+    record, check = [], []
+    for _ in range(max(3, reps)):
+        t0 = time.perf_counter()
+        guard = VersionGuard(names, tensors)
+        t1 = time.perf_counter()
+        assert guard.first_changed() is None
+        record.append(t1 - t0)
+        check.append(time.perf_counter() - t1)
+    return {"guard_record_s": _median(record), "guard_check_s": _median(check),
+            "guard_us_per_tensor": (_median(record) + _median(check)) / max(1, len(tensors)) * 1e6}
+
+
 def measure_stage_cost(root: str, count: int, reps: int, profile: bool, config) -> dict:
     """``DataStatesWriter.stage()`` and the whole ``dcp.async_save`` call on ``count`` tiny
     tensors: the per-tensor cost on the training thread. Wall time and the thread's CPU time
@@ -1084,6 +1102,7 @@ def measure_stage_cost(root: str, count: int, reps: int, profile: bool, config) 
     out["async_save_call_s"] = _median(call_s)
     out["async_save_durable_s"] = _median(durable_s)
     out["stage_us_per_tensor"] = out["stage_s"] / count * 1e6
+    out.update(measure_version_guard(list(tensors.values()), reps))
     if profile:
         import cProfile
         import pstats
@@ -1270,7 +1289,9 @@ def format_report(report: dict) -> str:
     if sc:
         out.append(
             f"stage cost, {sc['tensors']} tiny tensors: DataStatesWriter.stage() {sc['stage_s'] * 1e3:.1f} ms wall, "
-            f"{sc['stage_cpu_s'] * 1e3:.1f} ms CPU ({sc['stage_us_per_tensor']:.1f} us/tensor); with the GC paused "
+            f"{sc['stage_cpu_s'] * 1e3:.1f} ms CPU ({sc['stage_us_per_tensor']:.1f} us/tensor, of which the torn-state "
+            f"guard {sc.get('guard_us_per_tensor', 0):.2f} us: record {sc.get('guard_record_s', 0) * 1e3:.2f} ms + "
+            f"check {sc.get('guard_check_s', 0) * 1e3:.2f} ms); with the GC paused "
             f"{sc['stage_gc_paused_s'] * 1e3:.1f} ms wall, {sc['stage_gc_paused_cpu_s'] * 1e3:.1f} ms CPU; "
             f"whole dcp.async_save call {sc['async_save_call_s'] * 1e3:.1f} ms (the same tensors as {sc['tensors']} top-level keys: "
             f"{sc['async_save_call_flat_dict_s'] * 1e3:.0f} ms); request -> durable {sc['async_save_durable_s']:.2f} s"

@@ -23,6 +23,7 @@ __all__ = [
     "global_optimizer_pre_hooks",
     "register_before_thread_join",
     "tensor_version",
+    "versions_of",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -118,6 +119,14 @@ def register_before_thread_join(fn: Callable[[], None]) -> None:
 
 
 # ------------------------------------------------------------------------ tensor versions
+def versions_of(tensors: list) -> list:
+    """``tensor_version`` of each tensor (None entries stay None), in one pass."""
+    try:
+        return [None if t is None else t._version for t in tensors]
+    except RuntimeError:  # an inference tensor among them: one by one
+        return [None if t is None else tensor_version(t) for t in tensors]
+
+
 def tensor_version(t: torch.Tensor) -> int | None:
     """The version counter of ``t``: bumped by every in-place change of its memory (through any
     view or ``detach()`` of it). None for tensors that have none (inference tensors)."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .compat import versions_of
 from .layout import FileLayout
 from .metadata import ItemLocation
 from .stage_items import ItemKey, SourceItem, bytes_source, serialize_object
@@ -49,6 +50,7 @@ class Scan:
     payloads: dict[int, SourceItem]  # the non-tensor values, serialized now, by flat position
     names: list[str]  # flat keys, in order
     tensors: list  # per value: the tensor the bytes come from (a DTensor's local shard); None for values
+    versions: list  # per value: that tensor's version counter now (version_guard.py); None for values
 
     def plain_signature(self) -> tuple:
         """Names, dtypes, shapes and devices of the plain tensors (what ownership decisions key on)."""
@@ -111,7 +113,7 @@ def scan_state(flat: dict) -> Scan | None:
         keeps.append(t.untyped_storage())  # the memory itself, even if the tensor's .data is swapped
         devices.append(dev)
         tensors.append(t)
-    return Scan(sig, ptrs, keeps, devices, payloads, list(flat), tensors)
+    return Scan(sig, ptrs, keeps, devices, payloads, list(flat), tensors, versions_of(tensors))
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,7 @@ class StagePlan:
     skipped: frozenset  # DTensor replicas another rank writes
     elsewhere: frozenset  # plain tensors the decision gives to other ranks
     decision: frozenset | None  # the ownership decision this plan was built with
+    late: tuple[int, ...] = ()  # flat positions of the skipped and elsewhere tensors
 
 
 _plans: dict[tuple, list[StagePlan]] = {}
@@ -196,7 +199,8 @@ def build_plan(context: tuple, scan: Scan, flat: dict, files: list[tuple[str, in
             template.append((i, it.entry.nbytes, off))
         keys = tuple(it.key for it in items)
         file_plans.append(FilePlan(name, device, layout, tuple(template), keys, types.MappingProxyType(dict(locations)), piece))
-    plan = StagePlan(scan.signature, tuple(file_plans), frozenset(skipped), frozenset(elsewhere), decision)
+    late = tuple(sorted(position[k[0]] for k in (*skipped, *elsewhere) if k[0] in position))
+    plan = StagePlan(scan.signature, tuple(file_plans), frozenset(skipped), frozenset(elsewhere), decision, late)
     with _plans_lock:
         kept = [p for p in _plans.get(context, ()) if p.signature != scan.signature]
         _plans[context] = [plan] + kept[: _MAX_PLANS - 1]

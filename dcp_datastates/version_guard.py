@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .compat import tensor_version
+from .compat import tensor_version, versions_of
 
 __all__ = ["VersionGuard", "torn_message"]
 
@@ -23,10 +23,11 @@ class VersionGuard:
 
     __slots__ = ("names", "tensors", "versions", "_index")
 
-    def __init__(self, names: list[str], tensors: list[Any]) -> None:
+    def __init__(self, names: list[str], tensors: list[Any], versions: list | None = None) -> None:
+        """``versions``: the counters read already (None entries are not checked); else read now."""
         self.names = names
         self.tensors = tensors
-        self.versions = [tensor_version(t) for t in tensors]
+        self.versions = versions if versions is not None else versions_of(tensors)
         self._index: dict[str, int] | None = None
 
     def first_changed(self) -> tuple[str, int, int] | None:

@@ -448,18 +448,19 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def _stage_planned(self, staged: _StagedSave, engine, plan, scan) -> None:
         """Submit every file of a cached plan with this checkpoint's pointers."""
         staged.skipped, staged.elsewhere = set(plan.skipped), set(plan.elsewhere)
-        names, tensors = scan.names, scan.tensors
-        position = {n: i for i, n in enumerate(names)}
-        staged.plain_keys = frozenset()
         for fp in plan.files:
             job, upload, name = self._start(engine, staged, fp_index(fp.name), fp.layout, fp.spans(scan), fp.device)
             staged.files.append(_FileJob(fp_index(fp.name), name, job, fp.keys, fp.locations_for(job.piece_size()),
                                          fp.keepalive(scan), engine, fp.layout.file_size, upload))
-        copied = [i for fp in plan.files for i, _, _ in fp.template]
-        staged.guard = VersionGuard([names[i] for i in copied if tensors[i] is not None],
-                                    [tensors[i] for i in copied if tensors[i] is not None])
-        late = [position[k[0]] for k in (*staged.elsewhere, *staged.skipped) if k[0] in position]
-        staged.late_guard = VersionGuard([names[i] for i in late], [tensors[i] for i in late])
+        # The scan read every tensor's version counter: guard the copied ones (all but the late).
+        versions = scan.versions
+        if plan.late:
+            versions = list(versions)
+            for i in plan.late:
+                versions[i] = None
+        staged.guard = VersionGuard(scan.names, scan.tensors, versions)
+        staged.late_guard = VersionGuard([scan.names[i] for i in plan.late], [scan.tensors[i] for i in plan.late],
+                                         [scan.versions[i] for i in plan.late])
 
     def _guard(self, staged: _StagedSave, flat: dict, own: Ownership) -> None:
         """Record the version counters of what this rank copies lazily, and of what it may have to

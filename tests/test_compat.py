@@ -85,3 +85,4 @@ def test_tensor_version_counts_in_place_changes_through_views_and_detach():
     with torch.inference_mode():
         t = torch.ones(2)
     assert compat.tensor_version(t) is None
+    assert compat.versions_of([sd_view, None, t]) == [compat.tensor_version(sd_view), None, None]

@@ -288,3 +288,23 @@ def test_second_save_to_a_path_still_being_written_is_refused(tmp_path):
     dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
     assert_state_equal(snapshot, dest)
     dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c")).upload_completion.result()  # then allowed
+
+
+def test_writer_built_for_one_folder_saved_to_another_by_checkpoint_id(tmp_path):
+    """DCP names the folder only after staging (reset()): the files staged into the writer's
+    folder move to the one DCP names; the writer's folder keeps no data."""
+    state = {"w": torch.randn(4096), "step": 3}
+    snapshot = clone_state(state)
+    w = DataStatesWriter(tmp_path / "a")
+    dcp.async_save(state, storage_writer=w, checkpoint_id=tmp_path / "b").upload_completion.result(timeout=60)
+    dest = {"w": torch.zeros(4096), "step": None}
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "b"))
+    assert_state_equal(snapshot, dest)
+    assert not [n for n in os.listdir(tmp_path / "a") if n.endswith(".safetensors")]
+    # the same writer, retargeted again: its folder is now taken from checkpoint_id every time
+    state["w"].add_(1)
+    snapshot = clone_state(state)
+    dcp.async_save(state, storage_writer=w, checkpoint_id=tmp_path / "c").upload_completion.result(timeout=60)
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert_state_equal(snapshot, dest)
+    assert sorted(os.listdir(tmp_path / "c")) == [".metadata", "__0_0.safetensors"]
