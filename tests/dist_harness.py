@@ -55,6 +55,20 @@ def _entry(rank, world_size, port, fn, args, errors):
 
 
 def run_ranks(world_size: int, fn, *args, timeout: float = 240.0) -> None:
+    """Run ``fn`` on ``world_size`` spawned ranks. A launch whose rendezvous port was taken in
+    the meantime (another test run on the machine) is retried on a new port."""
+    for attempt in range(3):
+        failure = _launch(world_size, fn, args, timeout)
+        if failure is None:
+            return
+        if "EADDRINUSE" in failure and attempt < 2:
+            continue
+        raise AssertionError(failure)
+
+
+def _launch(world_size: int, fn, args, timeout: float) -> str | None:
+    import time
+
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
@@ -62,17 +76,26 @@ def run_ranks(world_size: int, fn, *args, timeout: float = 240.0) -> None:
     for p in procs:
         p.start()
     try:
-        for p in procs:
-            p.join(timeout)
+        deadline = time.monotonic() + timeout
+        first_error = None
+        while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+            if first_error is None and not errors.empty():
+                first_error = errors.get()
+                # the others should raise too within seconds; do not wait out the timeout for them
+                deadline = min(deadline, time.monotonic() + 30)
+            time.sleep(0.05)
         hung = [i for i, p in enumerate(procs) if p.is_alive()]
-        if not errors.empty():
-            rank, tb = errors.get()
-            raise AssertionError(f"rank {rank} failed:\n{tb}")
+        if first_error is None and not errors.empty():
+            first_error = errors.get()
+        if first_error is not None:
+            rank, tb = first_error
+            return f"rank {rank} failed:\n{tb}"
         if hung:
-            raise AssertionError(f"ranks {hung} did not finish within {timeout} s")
+            return f"ranks {hung} did not finish within {timeout} s"
         bad = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode != 0]
         if bad:
-            raise AssertionError(f"ranks exited abnormally: {bad}")
+            return f"ranks exited abnormally: {bad}"
+        return None
     finally:
         for p in procs:
             if p.is_alive():
