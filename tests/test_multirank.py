@@ -67,8 +67,8 @@ def test_replicated_values_written_once(root):
     assert all("nested.step" in files[f"__{r}_0.safetensors"] for r in range(4))
     doc = json.loads((root / "c4" / ".metadata").read_bytes())
     assert doc["items"]["nested.step"]["type"] == "bytes"
-    # sharded DTensors: each rank wrote its own shard
-    assert all("row" in keys for keys in files.values())
+    # sharded DTensors: each rank wrote its own shard (in its main file)
+    assert all("row" in files[f"__{r}_0.safetensors"] for r in range(4))
 
 
 def test_ddp_style_model_written_once_in_total(root):
