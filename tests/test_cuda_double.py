@@ -590,3 +590,58 @@ def test_prefault_skips_a_pinned_cache_and_runs_on_an_unpinned_one(fake, make_en
         assert eng.stats()["pinned"] == 0
         assert until(lambda: eng.stats()["cache_prefaulted_bytes"] == 4 * MiB)
     assert make_engine(4 * MiB, pin=False, prefault=False).stats()["cache_prefaulted_bytes"] == 0
+
+
+def test_torn_guard_seals_at_the_device_side_wait(tmp_path, fake, monkeypatch):
+    """A device-side wait_staged() orders the caller's stream after the copies, so a kernel queued
+    after it (the optimizer step: it bumps the tensors' versions at launch) is fine and the
+    checkpoint holds the pre-step bytes; a kernel queued before the wait is not ordered before
+    the copies, and the save must fail naming the tensor."""
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    from conftest import raises_through_dcp
+    from dcp_datastates import DataStatesReader, DataStatesWriter, runtime, stage_items, staging, wait_staged, writer
+
+    original = stage_items._tensor_source
+
+    def on_device(key, name, tensor):
+        item = original(key, name, tensor)
+        item.device = 0
+        return item
+
+    s = fake.stream()
+    monkeypatch.setattr(stage_items, "_tensor_source", on_device)
+    monkeypatch.setattr(writer, "_current_stream", lambda device: s)
+    monkeypatch.setattr(staging, "_cuda_stream", lambda device: s)
+    runtime.shutdown_engine()
+    fake.delay("cudaMemcpyAsync", 20_000)
+    try:
+        state = {f"w{i}": torch.randn(64 * 1024) for i in range(4)}
+        snapshot = {k: v.clone() for k, v in state.items()}
+        opts = dict(host_cache_size=4 * MiB, chunk_size=64 * KiB)
+        resp = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "ok", **opts))
+        assert until(lambda: all(f.job.all_enqueued() for f in staging.tracker().pending()[0].files), 10)
+        assert wait_staged() is True  # device-side: sealed now, nothing blocked
+        for t in state.values():  # the "optimizer step": queued on the caller's stream after the wait
+            fake.fill(s, t.numpy(), 0x55)
+            t.add_(0.0)  # an in-place op bumps the version at launch, as on a GPU
+        resp.upload_completion.result(timeout=60)
+        fake.drain(s)
+        dest = {k: torch.zeros_like(v) for k, v in state.items()}
+        dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "ok"))
+        assert all(torch.equal(dest[k], snapshot[k]) for k in state)  # the copies ran first
+        assert np.all(state["w0"].numpy().view(np.uint8) == 0x55)  # and the kernel after them
+
+        # The same kernel queued BEFORE the wait: not ordered before the copies.
+        state = {f"w{i}": torch.randn(64 * 1024) for i in range(4)}
+        resp = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "torn", **opts))
+        state["w2"].add_(0.0)
+        fake.fill(s, state["w2"].numpy(), 0x11)
+        wait_staged()
+        with raises_through_dcp("tensor 'w2' was changed in place"):
+            resp.upload_completion.result(timeout=60)
+        fake.drain(s)
+    finally:
+        runtime.shutdown_engine()
+        fake.destroy(s)
