@@ -10,6 +10,7 @@ __all__ = [
     "ChecksumMismatchError",
     "CheckpointMismatchError",
     "CheckpointWriteError",
+    "UnsafeCheckpointError",
     "checkpoint_error_cause",
 ]
 
@@ -30,8 +31,11 @@ class ChecksumMismatchError(DataStatesError):
     """Bytes read back do not match the checksum recorded when they were written."""
 
 
-class CheckpointMismatchError(DataStatesError):
-    """The state dict being loaded does not match the checkpoint (keys, shapes or dtypes)."""
+class CheckpointMismatchError(DataStatesError, RuntimeError, ValueError):
+    """The state dict being loaded does not match the checkpoint (keys, shapes or dtypes).
+
+    Also a RuntimeError and a ValueError: DCP's default planner raises RuntimeError for a
+    missing key and ValueError for a size mismatch, and code catching those catches this too."""
 
 
 class CheckpointWriteError(DataStatesError):
@@ -70,3 +74,9 @@ def checkpoint_error_cause(exc: BaseException) -> BaseException:
             if re.match(r"[^\n]*\.metadata: ", text):
                 return CheckpointFormatError(text)
     return exc
+
+
+class UnsafeCheckpointError(DataStatesError):
+    """Loading a stored value would import a class or function outside PyTorch's ``weights_only``
+    allowlist (it could run code from the checkpoint). Pass ``trusted=True`` to the reader
+    (``--trust`` on the command line) only for checkpoints whose writer you trust."""

@@ -1,0 +1,109 @@
+"""Decoding a checkpoint's non-tensor values without running code from the checkpoint.
+
+DCP stores every non-tensor value as ``torch.save`` bytes and its default load planner decodes
+them with ``torch.load(weights_only=False)``: a value whose ``__reduce__`` names ``os.system``
+would run it. The reader therefore decodes each value first with PyTorch's restricted
+unpickler (``torch.load(weights_only=True)``), which only builds numbers, strings, bytes,
+containers, tensors, torch's safe types and whatever the user allowlisted with
+``torch.serialization.add_safe_globals`` / ``safe_globals``. On top of that this module allows a
+few types trainers save and that construct nothing but data (``EXTRA_SAFE_GLOBALS``).
+
+A value the restricted unpickler refuses raises ``UnsafeCheckpointError`` naming the checkpoint,
+the item and the classes or functions it would import, unless the load is ``trusted``.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import threading
+from typing import Any
+
+import torch
+
+from .errors import CheckpointFormatError, UnsafeCheckpointError
+
+__all__ = ["EXTRA_SAFE_GLOBALS", "decode_value", "TRUST_HINT"]
+
+TRUST_HINT = (
+    "if you trust whoever wrote this checkpoint, load it with DataStatesReader(..., trusted=True) "
+    "(command line: --trust), which runs code from the checkpoint; or allow just these names with "
+    "torch.serialization.add_safe_globals([...])"
+)
+
+
+def _extra_safe_globals() -> list:
+    """Types beyond torch's defaults that trainers save and that build only data: BytesIO values
+    (DCP stores them pickled), a few side-effect-free builtins, numpy scalars and numeric arrays
+    (numpy's RNG state is a tuple holding one). numpy is optional."""
+    out: list = [io.BytesIO, frozenset, range, slice]
+    try:
+        import numpy as np  # noqa: PLC0415
+    except ImportError:
+        return out
+    core = getattr(np, "_core", None) or np.core
+    scalar, reconstruct = core.multiarray.scalar, core.multiarray._reconstruct
+    out += [np.dtype, np.ndarray, scalar, reconstruct]
+    # Pickles from numpy 1.x name numpy.core, numpy 2.x numpy._core: accept both spellings.
+    for prefix in ("numpy.core.multiarray", "numpy._core.multiarray"):
+        out += [(scalar, f"{prefix}.scalar"), (reconstruct, f"{prefix}._reconstruct")]
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        for name in dir(dtypes):
+            cls = getattr(dtypes, name)
+            # Numeric and boolean dtype classes only (not ObjectDType / StringDType / VoidDType).
+            if isinstance(cls, type) and name.endswith("DType") and not name.startswith(("Object", "String", "Void")):
+                out.append(cls)
+    return out
+
+
+EXTRA_SAFE_GLOBALS: list = _extra_safe_globals()
+
+# torch keeps the allowlist in one process-wide set: add our extras for the duration of a
+# decode, and only those the user had not added already (so leaving never removes theirs).
+_allow_lock = threading.Lock()
+
+
+def _restricted_load(data: bytes) -> Any:
+    with _allow_lock:
+        present = set(torch.serialization.get_safe_globals())
+        ours = [g for g in EXTRA_SAFE_GLOBALS if g not in present]
+        with torch.serialization.safe_globals(ours):  # removes exactly ``ours`` on exit
+            return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def _refused_names(data: bytes, message: str) -> list[str]:
+    """The globals the value would import: from a static scan of its pickle when it is a
+    ``torch.save`` archive, else from the restricted unpickler's message."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(io.BytesIO(data))
+    except Exception:  # noqa: BLE001 - not a zip archive, or unreadable: fall back to the message
+        names = []
+    extra = {f"{g.__module__}.{g.__qualname__}" if not isinstance(g, tuple) else g[1] for g in EXTRA_SAFE_GLOBALS}
+    names = sorted(n for n in names if n not in extra)
+    if names:
+        return names
+    found = re.findall(r"GLOBAL ([\w.]+)|got <class '([\w.]+)'>|unrecognized function ([\w.<>]+)", message)
+    return sorted({next(x for x in m if x) for m in found})
+
+
+def decode_value(data: bytes, *, checkpoint: str, item: str) -> Any:
+    """Decode one stored non-tensor value with the restricted unpickler.
+
+    Raises UnsafeCheckpointError when decoding would import anything not allowlisted, and
+    CheckpointFormatError when the bytes are not a decodable value at all."""
+    try:
+        return _restricted_load(data)
+    except pickle.UnpicklingError as exc:
+        names = _refused_names(data, str(exc))
+        what = ", ".join(names) if names else "objects outside the allowlist"
+        raise UnsafeCheckpointError(
+            f"checkpoint {checkpoint}: item {item!r} is a pickled value that would import {what} when "
+            f"loaded, which can run code from the checkpoint; refused. {TRUST_HINT[0].upper()}{TRUST_HINT[1:]}"
+        ) from None
+    except (RuntimeError, ValueError, EOFError, OSError, KeyError, IndexError, TypeError, AttributeError) as exc:
+        text = " ".join(str(exc).split())[:300]
+        raise CheckpointFormatError(
+            f"checkpoint {checkpoint}: item {item!r} cannot be decoded as a stored value: {text or type(exc).__name__}"
+        ) from None
