@@ -541,7 +541,7 @@ def _unflatten(flat: dict[str, Any], planner_data: dict | None) -> dict:
     return out
 
 
-def _prepare_output(out: str, force: bool, is_dir: bool) -> None:
+def _prepare_output(out: str, force: bool, is_dir: bool, create: bool = True) -> None:
     if os.path.exists(out):
         if is_dir:
             if not os.path.isdir(out):
@@ -553,6 +553,8 @@ def _prepare_output(out: str, force: bool, is_dir: bool) -> None:
                 raise ValueError(f"output {out} is a folder; --to torch writes one file")
             if not force:
                 raise ValueError(f"output file {out} exists (pass --force to overwrite it)")
+    if not create:
+        return
     if is_dir:
         os.makedirs(out, exist_ok=True)
     else:
@@ -579,11 +581,12 @@ def _cmd_convert(args) -> int:
         return _convert_hf(path, md, args.out, max_shard, args.prefix, args.force, not args.no_progress)
     if args.prefix:
         raise ValueError("--prefix applies to --to hf only")
-    _prepare_output(args.out, args.force, is_dir=args.to == "dcp")
+    _prepare_output(args.out, args.force, is_dir=args.to == "dcp", create=False)  # fail fast
     keys = list(md.state_dict_metadata)
     total = sum(_sizes(md, keys).values())
     with _progress(total, "load", not args.no_progress) as bar:
         flat = _load_flat(path, md, keys, bar, trusted=args.trust)
+    _prepare_output(args.out, args.force, is_dir=args.to == "dcp")  # nothing is created when loading fails
     state = _unflatten(flat, md.planner_data)
     if args.to == "torch":
         import torch
