@@ -18,6 +18,7 @@ import io
 import pickle
 import re
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -33,32 +34,35 @@ TRUST_HINT = (
 )
 
 
-def _extra_safe_globals() -> list:
-    """Types beyond torch's defaults that trainers save and that build only data: BytesIO values
-    (DCP stores them pickled), a few side-effect-free builtins, numpy scalars and numeric arrays
-    (numpy's RNG state is a tuple holding one). numpy is optional."""
-    out: list = [io.BytesIO, frozenset, range, slice]
+def _extra_safe_globals() -> dict[bytes, list]:
+    """Types beyond torch's defaults that trainers save and that build only data, keyed by a
+    byte string their pickled names contain: BytesIO values (DCP stores them pickled), a few
+    side-effect-free builtins, numpy scalars and numeric arrays (numpy's legacy RNG state is a
+    tuple holding one). numpy is optional."""
+    groups: dict[bytes, list] = {b"BytesIO": [io.BytesIO], b"frozenset": [frozenset], b"range": [range], b"slice": [slice]}
     try:
         import numpy as np  # noqa: PLC0415
     except ImportError:
-        return out
+        return groups
     core = getattr(np, "_core", None) or np.core
     scalar, reconstruct = core.multiarray.scalar, core.multiarray._reconstruct
-    out += [np.dtype, np.ndarray, scalar, reconstruct]
+    numpy = [np.dtype, np.ndarray, scalar, reconstruct]
     # Pickles from numpy 1.x name numpy.core, numpy 2.x numpy._core: accept both spellings.
     for prefix in ("numpy.core.multiarray", "numpy._core.multiarray"):
-        out += [(scalar, f"{prefix}.scalar"), (reconstruct, f"{prefix}._reconstruct")]
+        numpy += [(scalar, f"{prefix}.scalar"), (reconstruct, f"{prefix}._reconstruct")]
     dtypes = getattr(np, "dtypes", None)
     if dtypes is not None:
         for name in dir(dtypes):
             cls = getattr(dtypes, name)
             # Numeric and boolean dtype classes only (not ObjectDType / StringDType / VoidDType).
             if isinstance(cls, type) and name.endswith("DType") and not name.startswith(("Object", "String", "Void")):
-                out.append(cls)
-    return out
+                numpy.append(cls)
+    groups[b"numpy"] = numpy
+    return groups
 
 
-EXTRA_SAFE_GLOBALS: list = _extra_safe_globals()
+_EXTRA_GROUPS = _extra_safe_globals()
+EXTRA_SAFE_GLOBALS: list = [g for group in _EXTRA_GROUPS.values() for g in group]
 
 # torch keeps the allowlist in one process-wide set: add our extras for the duration of a
 # decode, and only those the user had not added already (so leaving never removes theirs).
@@ -66,9 +70,22 @@ _allow_lock = threading.Lock()
 
 
 def _restricted_load(data: bytes) -> Any:
+    with warnings.catch_warnings():
+        # A crafted value draws torch's "unexpected pickle protocol" warning: the error says enough.
+        warnings.simplefilter("ignore", UserWarning)
+        return _restricted_load_quiet(data)
+
+
+def _restricted_load_quiet(data: bytes) -> Any:
+    # Only the groups whose names occur in the bytes (pickles spell module and class names out;
+    # torch.save stores its pickle uncompressed): a longer allowlist slows every lookup, and
+    # most values need none. Missing a group can only refuse a value, never admit one.
+    wanted = [g for key, group in _EXTRA_GROUPS.items() if key in data for g in group]
+    if not wanted:
+        return torch.load(io.BytesIO(data), weights_only=True)
     with _allow_lock:
         present = set(torch.serialization.get_safe_globals())
-        ours = [g for g in EXTRA_SAFE_GLOBALS if g not in present]
+        ours = [g for g in wanted if g not in present]
         with torch.serialization.safe_globals(ours):  # removes exactly ``ours`` on exit
             return torch.load(io.BytesIO(data), weights_only=True)
 
