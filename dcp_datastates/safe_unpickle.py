@@ -25,7 +25,7 @@ import torch
 
 from .errors import CheckpointFormatError, UnsafeCheckpointError
 
-__all__ = ["EXTRA_SAFE_GLOBALS", "decode_value", "TRUST_HINT"]
+__all__ = ["EXTRA_SAFE_GLOBALS", "decode_value", "restricted_pickle_loads", "TRUST_HINT"]
 
 TRUST_HINT = (
     "if you trust whoever wrote this checkpoint, load it with DataStatesReader(..., trusted=True) "
@@ -123,4 +123,66 @@ def decode_value(data: bytes, *, checkpoint: str, item: str) -> Any:
         text = " ".join(str(exc).split())[:300]
         raise CheckpointFormatError(
             f"checkpoint {checkpoint}: item {item!r} cannot be decoded as a stored value: {text or type(exc).__name__}"
+        ) from None
+
+
+# ------------------------------------------------------------------ plain pickles inside values
+# Some Stateful objects pickle part of their state themselves and store the bytes as a value
+# (TorchTitan's dataloader: ``pickle.dumps(StatefulDataLoader.state_dict())``), then unpickle it
+# in ``load_state_dict``. ``restricted_pickle_loads`` is the drop-in for that ``pickle.loads``.
+
+
+def _tensor_from_bytes(blob: bytes):
+    """What ``torch.storage._load_from_bytes`` does for a pickled tensor's storage (a legacy
+    ``torch.save`` blob), with the restricted unpickler."""
+    return torch.load(io.BytesIO(blob), weights_only=True)
+
+
+def _rebuild_tensor(storage, storage_offset, size, stride, requires_grad=False, backward_hooks=None, metadata=None):
+    """A pickled tensor's view of its storage, built with public API (``set_`` checks bounds)."""
+    t = torch.empty((0,), dtype=storage.dtype).set_(storage, storage_offset, tuple(size), tuple(stride))
+    t.requires_grad_(bool(requires_grad))
+    return t
+
+
+_PLAIN_PICKLE_GLOBALS = {
+    "collections.OrderedDict": __import__("collections").OrderedDict,
+    "builtins.set": set,
+    "builtins.frozenset": frozenset,
+    "builtins.complex": complex,
+    "builtins.bytearray": bytearray,
+    "builtins.slice": slice,
+    "builtins.range": range,
+    "_codecs.encode": __import__("codecs").encode,  # protocol 2 spells bytes this way
+    "torch.storage._load_from_bytes": _tensor_from_bytes,
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+}
+
+
+class _PlainRestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:  # every GLOBAL / STACK_GLOBAL / INST lands here
+        found = _PLAIN_PICKLE_GLOBALS.get(f"{module}.{name}")
+        if found is None:
+            raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")
+        return found
+
+
+def restricted_pickle_loads(data: bytes, *, checkpoint: str = "the checkpoint", item: str = "a value") -> Any:
+    """``pickle.loads`` for pickle bytes stored inside a checkpoint value: builds only numbers,
+    strings, bytes, containers, ``OrderedDict``, sets and CPU tensors; anything else raises
+    UnsafeCheckpointError naming what it would import."""
+    try:
+        return _PlainRestrictedUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as exc:
+        names = re.findall(r"GLOBAL ([\w.]+)", str(exc))
+        if names:
+            raise UnsafeCheckpointError(
+                f"checkpoint {checkpoint}: {item} holds pickled data that would import {', '.join(names)} when "
+                f"loaded, which can run code from the checkpoint; refused. {TRUST_HINT[0].upper()}{TRUST_HINT[1:]}"
+            ) from None
+        raise CheckpointFormatError(f"checkpoint {checkpoint}: {item} holds damaged pickled data: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - only allowlisted constructors ran: any failure is bad bytes
+        text = " ".join(str(exc).split())[:300]
+        raise CheckpointFormatError(
+            f"checkpoint {checkpoint}: {item} holds damaged pickled data: {text or type(exc).__name__}"
         ) from None

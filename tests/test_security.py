@@ -512,3 +512,32 @@ def test_cli_inspect_escapes_control_characters(tmp_path, capsys):
     assert "w\\x1b]0;pwned\\x07\\x1b[2J\\nnext" in out
     rc, out, _ = run_cli(["inspect", tmp_path / "ck", "--json"], capsys)
     assert rc == 0 and "\x1b" not in out and evil in json.loads(out)["items"]
+
+
+# ------------------------------------------------------- pickles a Stateful keeps inside a value
+def test_restricted_pickle_loads_takes_a_dataloader_state_and_refuses_code(tmp_path):
+    """TorchTitan's dataloader stores pickle.dumps(state) as a value and pickle.loads it itself;
+    restricted_pickle_loads is the drop-in that builds data only."""
+    import collections
+
+    from dcp_datastates.safe_unpickle import restricted_pickle_loads
+
+    gen = torch.Generator()
+    gen.manual_seed(5)
+    state = {
+        "_num_yielded": 7,
+        "_sampler_iter_state": {"generator": gen.get_state(), "yielded": 3},
+        "fetcher": collections.OrderedDict(done=False, names=["a", "b"], blob=b"\x00\x01", ratio=0.5, none=None),
+        "view": torch.arange(6.0).reshape(2, 3)[:, 1:],
+    }
+    for protocol in (2, 4, 5):
+        got = restricted_pickle_loads(pickle.dumps(state, protocol=protocol))
+        assert got["_num_yielded"] == 7 and got["fetcher"] == state["fetcher"]
+        assert torch.equal(got["_sampler_iter_state"]["generator"], gen.get_state())
+        assert torch.equal(got["view"], state["view"])
+    marker = tmp_path / "MARKER"
+    with pytest.raises(UnsafeCheckpointError, match=r"ckpt: item 'dataloader.dp_rank_0' holds pickled data that would import os\.makedirs when loaded"):
+        restricted_pickle_loads(pickle.dumps({"x": Planted(str(marker))}), checkpoint="ckpt", item="item 'dataloader.dp_rank_0'")
+    assert not marker.exists()
+    with pytest.raises(CheckpointFormatError, match="holds damaged pickled data"):
+        restricted_pickle_loads(pickle.dumps(state)[:-20])
