@@ -1,7 +1,9 @@
 #include "io_util.h"
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <thread>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -32,6 +34,7 @@ std::string pwrite_full(int fd, const void* buf, size_t n, uint64_t off, FaultKi
   auto head = [&] { return "pwrite of " + std::to_string(n) + " bytes at offset " + std::to_string(off); };
   if (fault == FaultKind::kEio || fault == FaultKind::kEnospc)
     return head() + " failed: " + errno_text(fault == FaultKind::kEio ? EIO : ENOSPC);
+  if (fault == FaultKind::kStall) std::this_thread::sleep_for(std::chrono::milliseconds(kStallMs));
   while (done < n) {
     size_t want = n - done;
     if (want > kMaxIo) want = kMaxIo;
@@ -89,7 +92,9 @@ const char* file_kind(mode_t m) {
 
 // After an open with O_NOFOLLOW failed with ELOOP (or opened something else): what is there.
 std::string kind_message(const std::string& path, const char* what) {
-  return path + ": " + what + ", not a regular file (checkpoint files are never read or written through a link)";
+  std::string text = path + ": is " + what + ", not a regular file";
+  if (std::strcmp(what, "a symbolic link") == 0) text += " (checkpoint files are never read or written through a link)";
+  return text;
 }
 
 // The descriptor is a regular file: drop O_NONBLOCK (it was only there so a FIFO cannot block
@@ -104,7 +109,7 @@ int keep_if_regular(int fd, const std::string& path, std::string* err, int* errn
   }
   if (!S_ISREG(st->st_mode)) {
     ::close(fd);
-    *errnum = EINVAL;
+    *errnum = S_ISDIR(st->st_mode) ? EISDIR : EINVAL;
     *err = kind_message(path, file_kind(st->st_mode));
     return -1;
   }
