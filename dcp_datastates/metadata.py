@@ -252,6 +252,7 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
         else:
             raise c.fail(f"{where}: unknown item type {kind!r}")
 
+    _check_no_shared_bytes(c, storage)
     planner_data = doc.get("planner_data")
     if planner_data is not None:
         if not isinstance(planner_data, dict):
@@ -282,6 +283,24 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
         version=c.optional_str(doc, "dcp_version", "the document"),
     )
     return md, files
+
+
+def _check_no_shared_bytes(c: _Check, storage: dict[MetadataIndex, ItemLocation]) -> None:
+    """No two items share bytes of a file. Without this, chunks that tile a huge tensor could
+    all point at the same small range, and a file of a few bytes would claim terabytes (the
+    sizes a load allocates are checked against the files on disk, which this makes sufficient)."""
+    by_file: dict[str, list[tuple[int, int, MetadataIndex]]] = {}
+    for index, loc in storage.items():
+        if loc.length:
+            by_file.setdefault(loc.file, []).append((loc.offset, loc.offset + loc.length, index))
+    for fname, spans in by_file.items():
+        spans.sort(key=lambda t: t[0])
+        for (_, prev_end, prev), (start, _, index) in zip(spans, spans[1:]):
+            if start < prev_end:
+                raise c.fail(
+                    f"items {prev.fqn!r} and {index.fqn!r} share bytes [{start}, {prev_end}) of {fname} "
+                    f"(each stored item has bytes of its own)"
+                )
 
 
 def _location(c: _Check, entry: dict, where: str, files: dict[str, FileInfo], dtype: str, shape: tuple[int, ...]) -> ItemLocation:

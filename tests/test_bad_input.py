@@ -236,7 +236,7 @@ def test_huge_claimed_sizes_fail_before_any_allocation(ckpt):
     n = 1 << 40
     fi = doc["files"][DATA]
     chunk = doc["items"]["ids"]["chunks"][0]
-    chunk.update(sizes=[n], length=8 * n, crc32c=[])
+    chunk.update(offset=fi["size"], sizes=[n], length=8 * n, crc32c=[])  # past every other item: no shared bytes
     doc["items"]["ids"]["size"] = [n]
     fi["size"] = chunk["offset"] + 8 * n
     (ckpt / ".metadata").write_text(json.dumps(doc))

@@ -437,6 +437,7 @@ def test_convert_checks_file_sizes_before_allocating_what_the_metadata_claims(ck
         item["size"] = [1 << 36]
         chunk = item["chunks"][0]
         chunk.update(sizes=[1 << 36], length=(1 << 36) * 4, crc32c=[])
+        del doc["items"]["step"]  # it would share the claimed bytes (refused on its own)
 
     edit_metadata(ckpt, mutate)
     rc, _, err = run_cli(["convert", ckpt, tmp_path / "out.pt", "--to", "torch", "--no-progress"], capsys)
@@ -541,3 +542,22 @@ def test_restricted_pickle_loads_takes_a_dataloader_state_and_refuses_code(tmp_p
     assert not marker.exists()
     with pytest.raises(CheckpointFormatError, match="holds damaged pickled data"):
         restricted_pickle_loads(pickle.dumps(state)[:-20])
+
+
+def test_items_sharing_file_bytes_are_refused(tmp_path, capsys):
+    """Chunks that tile a huge tensor but all point at the same bytes would let a small file
+    claim terabytes: every stored item must have bytes of its own."""
+    path = tmp_path / "ck"
+    save(path, {"w": torch.arange(16.0)})
+
+    def mutate(doc):
+        item = doc["items"]["w"]
+        chunk = item["chunks"][0]
+        item["size"] = [16 * 1000]
+        item["chunks"] = [{**chunk, "offsets": [16 * i]} for i in range(1000)]
+
+    edit_metadata(path, mutate)
+    with pytest.raises(CheckpointFormatError, match=r"items 'w' and 'w' share bytes \[\d+, \d+\) of __0_0.safetensors"):
+        read_commit(path)
+    rc, _, err = run_cli(["convert", path, tmp_path / "out.pt", "--to", "torch", "--no-progress"], capsys)
+    assert rc == 1 and "share bytes" in err
