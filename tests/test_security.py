@@ -561,3 +561,13 @@ def test_items_sharing_file_bytes_are_refused(tmp_path, capsys):
         read_commit(path)
     rc, _, err = run_cli(["convert", path, tmp_path / "out.pt", "--to", "torch", "--no-progress"], capsys)
     assert rc == 1 and "share bytes" in err
+
+
+def test_latest_checkpoint_skips_a_fifo_marker_without_blocking(tmp_path):
+    save(tmp_path / "run" / "step-1", {"w": torch.ones(2)})
+    (tmp_path / "run" / "step-2").mkdir()
+    os.mkfifo(tmp_path / "run" / "step-2" / ".metadata")
+    from dcp_datastates import is_committed, latest_checkpoint
+
+    assert latest_checkpoint(tmp_path / "run") == str(tmp_path / "run" / "step-1")
+    assert not is_committed(tmp_path / "run" / "step-2", check_files=True)
