@@ -333,12 +333,10 @@ bool Engine::ensure_open(WriteJob& job) {
   std::lock_guard<std::mutex> g(job.open_mu_);
   if (!job.open_attempted_) {
     job.open_attempted_ = true;
-    int fd;
-    do {
-      fd = ::open(job.path().c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    } while (fd < 0 && errno == EINTR);
+    std::string err;
+    const int fd = open_regular_for_write(job.path(), &err);  // no symlink, FIFO or shared inode
     if (fd < 0) {
-      job.fail(job.path() + ": open for writing failed: " + errno_text(errno));
+      job.fail(err);
       return false;
     }
     job.fd_ = fd;
@@ -464,14 +462,10 @@ std::optional<ReadMismatch> Engine::read_into(const std::string& path, const std
     if (ranges[i].nbytes > 0 && ranges[i].dst == 0)
       throw std::invalid_argument("range " + std::to_string(i) + ": dst_ptr is null for " +
                                   std::to_string(ranges[i].nbytes) + " bytes");
-  int fd;
-  do {
-    fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  } while (fd < 0 && errno == EINTR);
-  if (fd < 0) {
-    int e = errno;
-    throw IoError(e, path + ": open for reading failed: " + errno_text(e));
-  }
+  std::string err;
+  int e = 0;
+  const int fd = open_regular_for_read(path, &err, &e);  // no symlink, FIFO or device
+  if (fd < 0) throw IoError(e, err);
   FdCloser closer{fd};
   struct stat st;
   if (::fstat(fd, &st) != 0) {

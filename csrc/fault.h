@@ -7,9 +7,12 @@
 
 namespace dcpds {
 
-enum class FaultKind { kNone, kEio, kEnospc, kShortWrite, kFsyncEio };
+// kStall: each write of a matching file first sleeps kStallMs (a hung device; the writes then
+// succeed), so tests can stall flushes without a FIFO (which the engine refuses to open).
+enum class FaultKind { kNone, kEio, kEnospc, kShortWrite, kFsyncEio, kStall };
+constexpr int kStallMs = 1000;
 
-// Parses "none", "eio", "enospc", "short_write", "fsync_eio"; throws std::invalid_argument.
+// Parses "none", "eio", "enospc", "short_write", "fsync_eio", "stall"; throws std::invalid_argument.
 FaultKind parse_fault_kind(const std::string& name);
 
 class FaultState {

@@ -1,7 +1,11 @@
 #include "io_util.h"
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <thread>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace dcpds {
@@ -30,6 +34,7 @@ std::string pwrite_full(int fd, const void* buf, size_t n, uint64_t off, FaultKi
   auto head = [&] { return "pwrite of " + std::to_string(n) + " bytes at offset " + std::to_string(off); };
   if (fault == FaultKind::kEio || fault == FaultKind::kEnospc)
     return head() + " failed: " + errno_text(fault == FaultKind::kEio ? EIO : ENOSPC);
+  if (fault == FaultKind::kStall) std::this_thread::sleep_for(std::chrono::milliseconds(kStallMs));
   while (done < n) {
     size_t want = n - done;
     if (want > kMaxIo) want = kMaxIo;
@@ -71,6 +76,96 @@ int pread_full(int fd, void* buf, size_t n, uint64_t off, size_t* got) {
   }
   *got = done;
   return 0;
+}
+
+namespace {
+
+const char* file_kind(mode_t m) {
+  if (S_ISLNK(m)) return "a symbolic link";
+  if (S_ISDIR(m)) return "a folder";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  if (S_ISSOCK(m)) return "a socket";
+  return "not a regular file";
+}
+
+// After an open with O_NOFOLLOW failed with ELOOP (or opened something else): what is there.
+std::string kind_message(const std::string& path, const char* what) {
+  std::string text = path + ": is " + what + ", not a regular file";
+  if (std::strcmp(what, "a symbolic link") == 0) text += " (checkpoint files are never read or written through a link)";
+  return text;
+}
+
+// The descriptor is a regular file: drop O_NONBLOCK (it was only there so a FIFO cannot block
+// the open). Closes fd and returns -1 with *err otherwise.
+int keep_if_regular(int fd, const std::string& path, std::string* err, int* errnum, struct stat* st) {
+  if (::fstat(fd, st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    *errnum = e;
+    *err = path + ": fstat failed: " + errno_text(e);
+    return -1;
+  }
+  if (!S_ISREG(st->st_mode)) {
+    ::close(fd);
+    *errnum = S_ISDIR(st->st_mode) ? EISDIR : EINVAL;
+    *err = kind_message(path, file_kind(st->st_mode));
+    return -1;
+  }
+  const int fl = ::fcntl(fd, F_GETFL);
+  if (fl >= 0) ::fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+  return fd;
+}
+
+int open_checked(const std::string& path, int flags, mode_t mode, const char* verb, std::string* err, int* errnum) {
+  int fd;
+  do {
+    fd = ::open(path.c_str(), flags | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, mode);
+  } while (fd < 0 && errno == EINTR);
+  if (fd >= 0) return fd;
+  const int e = errno;
+  *errnum = e;
+  struct stat st;
+  if (e == ELOOP && ::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode))
+    *err = kind_message(path, "a symbolic link");
+  else if (e == ENXIO && ::lstat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    *err = kind_message(path, file_kind(st.st_mode));  // a FIFO without a reader
+  else
+    *err = path + ": open for " + verb + " failed: " + errno_text(e);
+  return -1;
+}
+
+}  // namespace
+
+int open_regular_for_read(const std::string& path, std::string* err, int* errnum) {
+  const int fd = open_checked(path, O_RDONLY, 0, "reading", err, errnum);
+  if (fd < 0) return -1;
+  struct stat st;
+  return keep_if_regular(fd, path, err, errnum, &st);
+}
+
+int open_regular_for_write(const std::string& path, std::string* err) {
+  int errnum = 0;
+  // No O_TRUNC here: the file is truncated only once it is known to be a regular file with no
+  // other name.
+  const int fd = open_checked(path, O_WRONLY | O_CREAT, 0644, "writing", err, &errnum);
+  if (fd < 0) return -1;
+  struct stat st;
+  if (keep_if_regular(fd, path, err, &errnum, &st) < 0) return -1;
+  if (st.st_nlink > 1) {
+    ::close(fd);
+    *err = path + ": has " + std::to_string(st.st_nlink) +
+           " hard links; refusing to overwrite a file another name shares (remove it first)";
+    return -1;
+  }
+  if (st.st_size != 0 && ::ftruncate(fd, 0) != 0) {
+    const int e = errno;
+    ::close(fd);
+    *err = path + ": truncating the old file failed: " + errno_text(e);
+    return -1;
+  }
+  return fd;
 }
 
 }  // namespace dcpds

@@ -15,11 +15,22 @@ std::string errno_text(int err);
 // Writes all n bytes of buf at file offset off, retrying partial writes and EINTR.
 // Returns "" on success, otherwise a message like
 // "pwrite of 1048576 bytes at offset 4096 failed: No space left on device (errno 28)".
-// `fault` simulates the failure of that name (kEio, kEnospc, kShortWrite); others are ignored.
+// `fault` simulates the failure of that name (kEio, kEnospc, kShortWrite) or a hung device
+// (kStall: sleeps first, then writes); others are ignored.
 std::string pwrite_full(int fd, const void* buf, size_t n, uint64_t off, FaultKind fault = FaultKind::kNone);
 
 // Reads up to n bytes at off into buf, retrying partial reads and EINTR, stopping at EOF.
 // Returns 0 and sets *got (< n only at end of file), or returns the errno of a failed pread.
 int pread_full(int fd, void* buf, size_t n, uint64_t off, size_t* got);
+
+// Opens a checkpoint file for reading: never through a symlink (O_NOFOLLOW), never blocking on
+// a FIFO (O_NONBLOCK), and only a regular file. Returns the descriptor, or -1 with *err set to
+// a message naming the path ("...: is a FIFO, not a regular file") and *errnum to the errno.
+int open_regular_for_read(const std::string& path, std::string* err, int* errnum);
+
+// Creates (or truncates) a data file for writing, the same way: no symlink followed, no FIFO
+// waited on, only a regular file, and never one with other hard links (truncating it would
+// change another checkpoint that shares the inode). -1 with *err on failure.
+int open_regular_for_write(const std::string& path, std::string* err);
 
 }  // namespace dcpds

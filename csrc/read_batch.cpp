@@ -110,13 +110,11 @@ void ReadBatch::run() {
 // A new descriptor (its own file position and readahead state) for the file read_into checked;
 // -1 after recording why not.
 int ReadBatch::open_same_file() {
-  int fd;
-  do {
-    fd = ::open(file_.path.c_str(), O_RDONLY | O_CLOEXEC);
-  } while (fd < 0 && errno == EINTR);
+  std::string err;
+  int e = 0;
+  const int fd = open_regular_for_read(file_.path, &err, &e);  // the same checks as read_into's open
   if (fd < 0) {
-    const int e = errno;
-    record_error(e, false, file_.path + ": open for reading failed: " + errno_text(e));
+    record_error(e, false, err);
     return -1;
   }
   struct stat st;

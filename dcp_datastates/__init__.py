@@ -17,6 +17,7 @@ from .errors import (
     ChecksumMismatchError,
     DataStatesError,
     IncompleteCheckpointError,
+    UnsafeCheckpointError,
     checkpoint_error_cause,
 )
 from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
@@ -52,4 +53,5 @@ __all__ = [
     "ChecksumMismatchError",
     "CheckpointMismatchError",
     "CheckpointWriteError",
+    "UnsafeCheckpointError",
 ]

@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import re
+import stat
 import sys
 import warnings
 from collections import defaultdict
@@ -88,24 +89,26 @@ def _checkpoint_dir(path: str) -> str:
 
 
 def _read_metadata(path: str):
-    """(DCP Metadata, per-file table) of a committed DataStates checkpoint, with a hint when the
-    folder holds a stock DCP checkpoint instead."""
+    """(DCP Metadata, per-file table) of a committed DataStates checkpoint; ``read_commit``
+    names what else the folder is (a folder of checkpoints, a stock DCP checkpoint ...)."""
     from .commit import read_commit
-    from .errors import CheckpointFormatError
-    from .metadata import METADATA_NAME
 
-    try:
-        return read_commit(path)
-    except CheckpointFormatError as exc:
-        marker = os.path.join(path, METADATA_NAME)
-        with open(marker, "rb") as f:
-            pickled = f.read(1) == b"\x80"  # DCP's FileSystemWriter pickles its metadata
-        if pickled:
-            raise CheckpointFormatError(
-                f"{exc} - {path} looks like a stock DCP checkpoint (pickled .metadata); this tool reads "
-                f"checkpoints written by DataStatesWriter"
-            ) from None
-        raise
+    return read_commit(path)
+
+
+def _file_kind(mode: int) -> str:
+    from .commit import file_kind
+
+    return file_kind(mode)
+
+
+def _safe(text: Any) -> str:
+    """A name taken from a checkpoint, printable: control characters (terminal escapes, line
+    breaks) and other unprintable characters are shown as Python escapes."""
+    text = str(text)
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 @dataclass
@@ -203,12 +206,14 @@ def _cmd_inspect(args) -> int:
     path = _checkpoint_dir(args.path)
     md, files = _read_metadata(path)
     items = _items(md)
-    on_disk = {}
+    on_disk: dict[str, int | str | None] = {}
     for name in files:
         try:
-            on_disk[name] = os.stat(os.path.join(path, name)).st_size
+            st = os.lstat(os.path.join(path, name))  # never follows a link out of the folder
         except FileNotFoundError:
             on_disk[name] = None
+            continue
+        on_disk[name] = st.st_size if stat.S_ISREG(st.st_mode) else _file_kind(st.st_mode)
     sm = md.storage_meta
     total_items = sum(i.nbytes for i in items)
     if args.json:
@@ -244,19 +249,22 @@ def _cmd_inspect(args) -> int:
         return 0
 
     ntensors = sum(1 for i in items if i.kind == "tensor")
-    print(f"checkpoint: {path}")
+    print(f"checkpoint: {_safe(path)}")
     dcp_version = f" (DCP metadata version {md.version})" if md.version else ""
     print(f"format:     {FORMAT_NAME} version {FORMAT_VERSION}{dcp_version}")
     if sm is not None and sm.save_id:
-        print(f"save id:    {sm.save_id}")
+        print(f"save id:    {_safe(sm.save_id)}")
     print(f"items:      {len(items)} ({ntensors} tensors, {len(items) - ntensors} other values), {_human(total_items)}")
     print(f"files:      {len(files)}, {_human(sum(f.size for f in files.values()))}")
     print()
     rows = []
     for name, info in files.items():
         disk = on_disk[name]
-        state = "ok" if disk == info.size else ("MISSING" if disk is None else f"SIZE {disk} != {info.size}")
-        rows.append([name, str(info.size), _human(info.size), state])
+        if isinstance(disk, str):
+            state = f"NOT A REGULAR FILE ({disk})"
+        else:
+            state = "ok" if disk == info.size else ("MISSING" if disk is None else f"SIZE {disk} != {info.size}")
+        rows.append([_safe(name), str(info.size), _human(info.size), state])
     print(_table(rows, ["FILE", "BYTES", "SIZE", "ON DISK"]))
     print()
     rows = []
@@ -264,7 +272,7 @@ def _cmd_inspect(args) -> int:
         shape = "[" + ", ".join(map(str, i.shape)) + "]" if i.kind == "tensor" else "-"
         files_of = sorted({c["file"] for c in i.chunks if c["file"]})
         where = files_of[0] if len(files_of) == 1 else f"{len(files_of)} files"
-        rows.append([i.fqn, i.kind, i.dtype, shape, _sharding(i), _human(i.nbytes), where])
+        rows.append([_safe(i.fqn), i.kind, i.dtype, shape, _sharding(i), _human(i.nbytes), _safe(where)])
     print(_table(rows, ["ITEM", "TYPE", "DTYPE", "SHAPE", "SHARDING", "SIZE", "FILE"]))
     if args.chunks:
         print()
@@ -274,7 +282,7 @@ def _cmd_inspect(args) -> int:
                 continue
             for c in i.chunks:
                 rows.append(
-                    [i.fqn, str(c["offsets"]), str(c["sizes"]), str(c["file"]), str(c["offset"]), str(c["length"]), str(c["pieces"])]
+                    [_safe(i.fqn), str(c["offsets"]), str(c["sizes"]), _safe(c["file"]), str(c["offset"]), str(c["length"]), str(c["pieces"])]
                 )
         print(_table(rows, ["ITEM", "OFFSETS", "SIZES", "FILE", "FILE OFFSET", "BYTES", "CRC PIECES"]))
     return 0
@@ -287,7 +295,7 @@ def _check_header(full: str, name: str, info, locs: list) -> list[str]:
 
     problems = []
     try:
-        with open(full, "rb") as f:
+        with _open_regular(full) as f:
             head = f.read(8)
             if len(head) < 8:
                 return [f"{name}: header damaged (file shorter than 8 bytes)"]
@@ -297,6 +305,10 @@ def _check_header(full: str, name: str, info, locs: list) -> list[str]:
             header = json.loads(f.read(hlen))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         return [f"{name}: header damaged (not valid safetensors JSON: {exc})"]
+    except OSError as exc:
+        return [f"{name}: cannot read the header: {_one_line(exc)}"]
+    except ValueError as exc:  # CheckpointFormatError: not a regular file
+        return [_one_line(exc)]
     if not isinstance(header, dict):
         return [f"{name}: header damaged (not a JSON object)"]
     spans = set()
@@ -314,6 +326,13 @@ def _check_header(full: str, name: str, info, locs: list) -> list[str]:
     if len(unlisted) > 10:
         problems.append(f"{name}: header does not list {len(unlisted) - 10} more item(s)")
     return problems
+
+
+def _open_regular(full: str):
+    """A data file opened for reading without following a link or blocking on a FIFO."""
+    from .commit import open_for_reading
+
+    return os.fdopen(open_for_reading(full), "rb")
 
 
 def _label(index) -> str:
@@ -339,10 +358,14 @@ def _cmd_verify(args) -> int:
     for name, info in files.items():
         full = os.path.join(path, name)
         try:
-            size = os.stat(full).st_size
+            st = os.lstat(full)  # a link is reported, never followed out of the folder
         except FileNotFoundError:
-            problems.append(f"{name}: data file is missing ({len(by_file[name])} items cannot be read)")
+            problems.append(f"{_safe(name)}: data file is missing ({len(by_file[name])} items cannot be read)")
             continue
+        if not stat.S_ISREG(st.st_mode):
+            problems.append(f"{_safe(name)}: data file is {_file_kind(st.st_mode)}, not a regular file (not read)")
+            continue
+        size = st.st_size
         if size != info.size:
             how = "truncated" if size < info.size else "longer than recorded"
             lost = [label for label, loc in by_file[name] if loc.offset + loc.length > size]
@@ -460,10 +483,11 @@ def _groups(keys: list[str], sizes: dict[str, int], limit: int) -> Iterable[list
         yield group
 
 
-def _load_flat(path: str, md, keys: list[str], bar) -> dict[str, Any]:
+def _load_flat(path: str, md, keys: list[str], bar, trusted: bool = False) -> dict[str, Any]:
     """Load ``keys`` (flat fqns) of the checkpoint into new full-size CPU tensors through
     ``dcp.load`` with DataStatesReader: DCP assembles each tensor from all its chunks (all
-    ranks' shards) and the reader checks every CRC32C. Non-tensor values come back unpickled."""
+    ranks' shards) and the reader checks every CRC32C. Non-tensor values come back decoded by
+    the restricted unpickler (with ``trusted``: unrestricted, running code from the checkpoint)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -480,7 +504,7 @@ def _load_flat(path: str, md, keys: list[str], bar) -> dict[str, Any]:
         part = {k: flat[k] for k in group}
         dcp.load(
             part,
-            storage_reader=DataStatesReader(path, config=_cli_config()),
+            storage_reader=DataStatesReader(path, config=_cli_config(), trusted=trusted),
             planner=DefaultLoadPlanner(allow_partial_load=False),
             no_dist=True,
         )
@@ -517,7 +541,7 @@ def _unflatten(flat: dict[str, Any], planner_data: dict | None) -> dict:
     return out
 
 
-def _prepare_output(out: str, force: bool, is_dir: bool) -> None:
+def _prepare_output(out: str, force: bool, is_dir: bool, create: bool = True) -> None:
     if os.path.exists(out):
         if is_dir:
             if not os.path.isdir(out):
@@ -529,6 +553,8 @@ def _prepare_output(out: str, force: bool, is_dir: bool) -> None:
                 raise ValueError(f"output {out} is a folder; --to torch writes one file")
             if not force:
                 raise ValueError(f"output file {out} exists (pass --force to overwrite it)")
+    if not create:
+        return
     if is_dir:
         os.makedirs(out, exist_ok=True)
     else:
@@ -542,7 +568,12 @@ def _cmd_convert(args) -> int:
     path = _checkpoint_dir(args.path)
     if os.path.abspath(args.out) == os.path.abspath(path):
         raise ValueError("the output must not be the checkpoint itself")
-    md, _files = _read_metadata(path)
+    md, files = _read_metadata(path)
+    from .commit import check_data_files
+
+    # Before allocating anything the metadata describes: its files exist with the sizes it
+    # records (so no tensor it claims is larger than the bytes on disk).
+    check_data_files(path, files)
     if args.to == "hf":
         max_shard = parse_size(args.max_shard_size, name="--max-shard-size")
         if max_shard < 1:
@@ -550,21 +581,23 @@ def _cmd_convert(args) -> int:
         return _convert_hf(path, md, args.out, max_shard, args.prefix, args.force, not args.no_progress)
     if args.prefix:
         raise ValueError("--prefix applies to --to hf only")
-    _prepare_output(args.out, args.force, is_dir=args.to == "dcp")
+    _prepare_output(args.out, args.force, is_dir=args.to == "dcp", create=False)  # fail fast
     keys = list(md.state_dict_metadata)
     total = sum(_sizes(md, keys).values())
     with _progress(total, "load", not args.no_progress) as bar:
-        flat = _load_flat(path, md, keys, bar)
+        flat = _load_flat(path, md, keys, bar, trusted=args.trust)
+    _prepare_output(args.out, args.force, is_dir=args.to == "dcp")  # nothing is created when loading fails
     state = _unflatten(flat, md.planner_data)
     if args.to == "torch":
         import torch
 
         tmp = f"{args.out}.tmp-{os.getpid()}"
         try:
-            torch.save(state, tmp)
+            with _create_new(tmp) as f:
+                torch.save(state, f)
             os.replace(tmp, args.out)
         finally:
-            if os.path.exists(tmp):
+            if os.path.lexists(tmp):
                 os.unlink(tmp)
         print(f"wrote {args.out}: {len(flat)} items, {_human(total)} (torch.save)")
         return 0
@@ -577,6 +610,8 @@ def _cmd_convert(args) -> int:
 
 
 def _convert_hf(path: str, md, out: str, max_shard: int, prefix: str | None, force: bool, progress: bool) -> int:
+    import tempfile
+
     from safetensors.torch import save_file
 
     from .layout import safetensors_dtype
@@ -618,9 +653,11 @@ def _convert_hf(path: str, md, out: str, max_shard: int, prefix: str | None, for
     total = sum(e[2] for e in chosen)
     with _progress(total, "convert", progress) as bar:
         for fname, shard in zip(names, shards):
-            flat = _load_flat(path, md, [e[0] for e in shard], bar)
+            flat = _load_flat(path, md, [e[0] for e in shard], bar)  # tensors only: nothing unpickled
             tensors = {name: flat[fqn] for fqn, name, _ in shard}
-            tmp = os.path.join(out, f".{fname}.tmp")
+            # A new, unpredictable name created here: a link planted in OUT cannot redirect it.
+            fd, tmp = tempfile.mkstemp(prefix=f".{fname}.", suffix=".tmp", dir=out)
+            os.close(fd)
             save_file(tensors, tmp, metadata={"format": "pt"})
             os.chmod(tmp, 0o666 & ~_umask())
             os.replace(tmp, os.path.join(out, fname))
@@ -628,14 +665,22 @@ def _convert_hf(path: str, md, out: str, max_shard: int, prefix: str | None, for
                 weight_map[name] = fname
             del flat, tensors
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+    index_tmp = os.path.join(out, f".model.safetensors.index.json.tmp-{os.getpid()}")
+    with _create_new(index_tmp, "w") as f:
         json.dump(index, f, indent=2)
         f.write("\n")
+    os.replace(index_tmp, os.path.join(out, "model.safetensors.index.json"))  # replaces a link, never follows it
     print(f"wrote {out}: {len(chosen)} tensors, {_human(total)} in {n} safetensors file(s) + model.safetensors.index.json")
     if skipped:
         shown = ", ".join(skipped[:20]) + (f" and {len(skipped) - 20} more" if len(skipped) > 20 else "")
         print(f"skipped {len(skipped)} item(s) that a safetensors file cannot hold: {shown}")
     return 0
+
+
+def _create_new(path: str, mode: str = "wb"):
+    """Open a file that must not exist yet, never through a symlink (O_EXCL | O_NOFOLLOW)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    return os.fdopen(os.open(path, flags, 0o666), mode)
 
 
 def _umask() -> int:
@@ -694,6 +739,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--prefix", default=None, help="hf: convert only items whose name starts with PREFIX, and strip it (e.g. 'model.')")
     s.add_argument("--force", action="store_true", help="write into a non-empty output folder / over an existing file")
+    s.add_argument(
+        "--trust",
+        action="store_true",
+        help="decode non-tensor values without restriction: RUNS CODE FROM THE CHECKPOINT; only for checkpoints "
+        "whose writer you trust (default: only what torch.load(weights_only=True) accepts)",
+    )
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(func=_cmd_convert)
 
@@ -743,8 +794,11 @@ def main(argv: list[str] | None = None) -> int:
             pass
         return 0
     except (DataStatesError, OSError, ValueError, CheckpointException) as exc:
-        print(f"{PROG} {args.command}: error: {_error_message(exc)}", file=sys.stderr)
+        print(f"{PROG} {args.command}: error: {_safe(_error_message(exc))}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG} {args.command}: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:  # noqa: BLE001 - a missing fsspec backend (ImportError) and the like
+        print(f"{PROG} {args.command}: error: {type(exc).__name__}: {_safe(_error_message(exc))}", file=sys.stderr)
+        return 1

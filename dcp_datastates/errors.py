@@ -10,6 +10,7 @@ __all__ = [
     "ChecksumMismatchError",
     "CheckpointMismatchError",
     "CheckpointWriteError",
+    "UnsafeCheckpointError",
     "checkpoint_error_cause",
 ]
 
@@ -30,25 +31,30 @@ class ChecksumMismatchError(DataStatesError):
     """Bytes read back do not match the checksum recorded when they were written."""
 
 
-class CheckpointMismatchError(DataStatesError):
-    """The state dict being loaded does not match the checkpoint (keys, shapes or dtypes)."""
+class CheckpointMismatchError(DataStatesError, RuntimeError, ValueError):
+    """The state dict being loaded does not match the checkpoint (keys, shapes or dtypes).
+
+    Also a RuntimeError and a ValueError: DCP's default planner raises RuntimeError for a
+    missing key and ValueError for a size mismatch, and code catching those catches this too."""
 
 
 class CheckpointWriteError(DataStatesError):
     """Writing a checkpoint failed (disk full, permission, I/O error, ...)."""
 
 
-def checkpoint_error_cause(exc: BaseException) -> BaseException:
+def checkpoint_error_cause(exc: BaseException, reader=None) -> BaseException:
     """The error behind what ``dcp.save`` / ``dcp.load`` raised, for code that reacts to it
     (fall back to an older checkpoint when the newest is incomplete, say).
 
     DCP wraps every rank's error into ``CheckpointException`` (a BaseException); this returns the
-    first failing rank's exception instead. DCP (2.13) also turns a failed ``read_metadata`` into
-    ``AssertionError("metadata is None; global metadata read failed: <message>; ...")``, losing
-    the type; from such a message an ``IncompleteCheckpointError`` (the message starts with
-    "incomplete checkpoint"), a ``CheckpointFormatError`` (it names a ``.metadata`` file) or a
-    ``FileNotFoundError`` / ``NotADirectoryError`` ("no checkpoint at") is rebuilt with the
-    original message. Anything else is returned unchanged.
+    first failing rank's exception instead. DCP also turns a failed ``read_metadata`` into an
+    ``AssertionError``, losing the type (2.9-2.11 without even the message). Pass the
+    ``DataStatesReader`` of that load as ``reader``: it keeps the exception its
+    ``read_metadata`` raised, which is then returned as it was, on every torch release. Without a
+    reader, from a 2.13-style message ("global metadata read failed: <message>") an
+    ``IncompleteCheckpointError``, a ``CheckpointFormatError`` or a ``FileNotFoundError`` /
+    ``NotADirectoryError`` is rebuilt with the original message. Anything else is returned
+    unchanged.
     """
     import re  # noqa: PLC0415
 
@@ -60,6 +66,9 @@ def checkpoint_error_cause(exc: BaseException) -> BaseException:
                 exc = inner
                 break
     if isinstance(exc, AssertionError):
+        recorded = getattr(reader, "metadata_error", None)
+        if isinstance(recorded, BaseException):
+            return recorded
         m = re.search(r"global metadata read failed: (.*?)(?:; rank local metadata read failed: |\Z)", str(exc), re.S)
         if m:
             text = m.group(1)
@@ -70,3 +79,9 @@ def checkpoint_error_cause(exc: BaseException) -> BaseException:
             if re.match(r"[^\n]*\.metadata: ", text):
                 return CheckpointFormatError(text)
     return exc
+
+
+class UnsafeCheckpointError(DataStatesError):
+    """Loading a stored value would import a class or function outside PyTorch's ``weights_only``
+    allowlist (it could run code from the checkpoint). Pass ``trusted=True`` to the reader
+    (``--trust`` on the command line) only for checkpoints whose writer you trust."""

@@ -255,6 +255,7 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
         else:
             raise c.fail(f"{where}: unknown item type {kind!r}")
 
+    _check_no_shared_bytes(c, storage)
     planner_data = doc.get("planner_data")
     if planner_data is not None:
         if not isinstance(planner_data, dict):
@@ -285,6 +286,34 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
         version=c.optional_str(doc, "dcp_version", "the document"),
     )
     return md, files
+
+
+def _check_no_shared_bytes(c: _Check, storage: dict[MetadataIndex, ItemLocation]) -> None:
+    """No two items share bytes of a file. Without this, chunks that tile a huge tensor could
+    all point at the same small range, and a file of a few bytes would claim terabytes (the
+    sizes a load allocates are checked against the files on disk, which this makes sufficient)."""
+    by_file: dict[str, list[tuple[int, int]]] = {}
+    for loc in storage.values():
+        if loc.length:
+            spans = by_file.get(loc.file)
+            if spans is None:
+                spans = by_file[loc.file] = []
+            spans.append((loc.offset, loc.offset + loc.length))
+    for fname, spans in by_file.items():
+        spans.sort()  # plain tuples: the fast path of a large checkpoint's decode
+        prev_end = 0
+        for start, end in spans:
+            if start < prev_end:
+                _raise_shared(c, storage, fname, start, prev_end)
+            prev_end = end
+
+
+def _raise_shared(c: _Check, storage: dict, fname: str, start: int, prev_end: int) -> None:
+    """Name the two items behind a shared byte range (only on failure: a second scan)."""
+    owners = [index.fqn for index, loc in storage.items()
+              if loc.file == fname and loc.length and loc.offset < prev_end and start < loc.offset + loc.length]
+    a, b = (owners + ["?", "?"])[:2]
+    raise c.fail(f"items {a!r} and {b!r} share bytes [{start}, {prev_end}) of {fname} (each stored item has bytes of its own)")
 
 
 def _location(c: _Check, entry: dict, where: str, files: dict[str, FileInfo], dtype: str, shape: tuple[int, ...]) -> ItemLocation:

@@ -109,8 +109,10 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
         stored = self.metadata.state_dict_metadata
         missing = [k for k in self.state_dict if k not in stored]
         if missing and not self.allow_partial_load:
+            # DCP's wording first (code and people match on it), our details after it.
             raise CheckpointMismatchError(
-                f"{where} has no item(s) {', '.join(map(repr, missing[:10]))}"
+                f"Missing key in checkpoint state_dict: {missing[0]}. {where} has no item(s) "
+                f"{', '.join(map(repr, missing[:10]))}"
                 + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
                 + f" (it holds {len(stored)} items; pass allow_partial_load=True to skip missing ones)"
             )
@@ -133,6 +135,7 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
                 continue
             if tuple(value.shape) != tuple(md.size):
                 raise CheckpointMismatchError(
+                    f"Size mismatch between saved {md.size} and current: {value.size()} for {fqn}. "
                     f"{where}: item {fqn!r} has shape {list(md.size)} in the checkpoint, "
                     f"the state dict expects {list(value.shape)}"
                 )
@@ -142,3 +145,24 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
                     f"the state dict expects {value.dtype} (strict_dtype=True)"
                 )
         return super().create_local_plan()
+
+    def load_decoded_value(self, read_item, value) -> bool:
+        """Take a non-tensor value the reader already decoded with the restricted unpickler
+        (``load_bytes`` would unpickle its bytes a second time). False when a subclass overrides
+        ``load_bytes``: it decodes its own values, the reader hands it the bytes instead."""
+        if type(self).load_bytes is not DefaultLoadPlanner.load_bytes:
+            return False
+        if self.flatten_state_dict:
+            _set_at_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], value)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = value
+        return True
+
+
+def _set_at_path(root, path: tuple, value) -> None:
+    """``root[p0][p1]...[pn] = value`` along an object path of DCP's flattening (str keys, int
+    list indices); the containers exist already (they are the state dict being loaded)."""
+    node = root
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from . import commit, remote, storage
+from . import commit, remote, safe_unpickle, storage
 from .config import DataStatesConfig
 from .errors import ChecksumMismatchError, CheckpointFormatError, IncompleteCheckpointError
 from .gcpause import gc_paused
@@ -94,12 +94,23 @@ class DataStatesReader(StorageReader):
     Args:
         path: checkpoint folder (``checkpoint_id`` passed to DCP retargets it).
         config: a ``DataStatesConfig``, a dict, or a YAML/JSON file path.
+        trusted: decode non-tensor values with ``torch.load(weights_only=False)`` as stock DCP
+            does, which RUNS CODE FROM THE CHECKPOINT. Only for checkpoints whose writer you
+            trust. By default (False) every value must pass PyTorch's restricted unpickler
+            (plus the few data-only types in ``safe_unpickle.EXTRA_SAFE_GLOBALS``), else the
+            load raises ``UnsafeCheckpointError`` naming the item and what it would import.
         **options: ``DataStatesConfig`` fields, e.g. ``verify=False`` or ``read_threads=8``.
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, *, config=None, **options: Any) -> None:
+    def __init__(
+        self, path: str | os.PathLike | None = None, *, config=None, trusted: bool = False, **options: Any
+    ) -> None:
         super().__init__()
         self.config = DataStatesConfig.resolve(config, options)
+        self.trusted = bool(trusted)
+        # The exception the last read_metadata raised: DCP 2.9-2.11 replace it by a bare
+        # AssertionError, so errors.checkpoint_error_cause(exc, reader) recovers it from here.
+        self.metadata_error: BaseException | None = None
         self.path = storage.normalize(path)
         self.storage_data: _StorageIndex | None = None
         self.rank = 0
@@ -119,8 +130,13 @@ class DataStatesReader(StorageReader):
         return self.path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with gc_paused():  # decoding builds an object per item
-            return self._read_metadata(kwargs.get("rank"))
+        self.metadata_error = None
+        try:
+            with gc_paused():  # decoding builds an object per item
+                return self._read_metadata(kwargs.get("rank"))
+        except BaseException as exc:
+            self.metadata_error = exc
+            raise
 
     def _read_metadata(self, rank: int | None = None) -> Metadata:
         if self.path is None:
@@ -238,7 +254,7 @@ class DataStatesReader(StorageReader):
                 raise self._mismatch(reading[index], off, length, expected, got)
         for p in pending:
             if p.dst is None:
-                planner.load_bytes(p.req, io.BytesIO(ctypes.string_at(p.ptr, p.loc.length) if p.loc.length else b""))
+                self._load_value(p, planner)
                 continue
             if not p.direct:
                 if p.dst.is_cuda:
@@ -246,6 +262,20 @@ class DataStatesReader(StorageReader):
                 else:
                     p.dst.copy_(p.src)
             planner.commit_tensor(p.req, p.dst)
+
+    def _load_value(self, p: _Pending, planner: LoadPlanner) -> None:
+        """Hand a stored non-tensor value to the planner. Unless trusted, it is decoded first with
+        the restricted unpickler (this is where every value of every planner passes), and a
+        planner of ours takes that decoded value instead of unpickling the bytes again."""
+        data = ctypes.string_at(p.ptr, p.loc.length) if p.loc.length else b""
+        if self.trusted:
+            planner.load_bytes(p.req, io.BytesIO(data))
+            return
+        value = safe_unpickle.decode_value(data, checkpoint=str(self.path), item=p.req.storage_index.fqn)
+        load_value = getattr(planner, "load_decoded_value", None)
+        if load_value is None or not load_value(p.req, value):
+            # This planner unpickles the bytes itself: they passed the restricted decode.
+            planner.load_bytes(p.req, io.BytesIO(data))
 
     def _target(self, req: ReadItem, loc: ItemLocation, planner: LoadPlanner) -> _Pending:
         if req.type == LoadItemType.BYTE_IO:

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 from .errors import CheckpointFormatError
 from .layout import safetensors_dtype
-from .commit import check_data_files, read_commit
+from .commit import check_data_files, open_for_reading, read_commit
 from .metadata import ItemLocation, _DuplicateKey, _no_duplicate_keys
 
 __all__ = [
@@ -202,7 +202,8 @@ def read_header(path: str | os.PathLike) -> DataFileHeader:
     never more than ``MAX_HEADER_BYTES``)."""
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
+        # No symlink followed, no FIFO blocked on, only a regular file (else CheckpointFormatError).
+        with os.fdopen(open_for_reading(path), "rb") as f:
             st = os.fstat(f.fileno())
             size = st.st_size
             prefix = f.read(8)

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
-"""Long fuzzing run of the metadata decoder and the data-file header parser.
+"""Long fuzzing run of the metadata decoder, the data-file header parser and the decoder of
+stored non-tensor values.
 
     python scripts/fuzz.py --examples 100000            # both parsers, 100000 inputs per strategy
     python scripts/fuzz.py --examples 20000 --only header
+    python scripts/fuzz.py --examples 20000 --only values
 
 Runs the properties of tests/test_fuzz.py (only CheckpointFormatError may escape; what is
 accepted is consistent) with many more examples, random (not derandomized) unless --seed is
@@ -29,7 +31,7 @@ import test_fuzz as props  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--examples", type=int, default=100000, help="inputs per strategy (default 100000)")
-    ap.add_argument("--only", choices=["metadata", "header"], help="fuzz one parser only")
+    ap.add_argument("--only", choices=["metadata", "header", "values"], help="fuzz one parser only")
     ap.add_argument("--seed", type=int, help="reproducible run")
     args = ap.parse_args(argv)
 
@@ -65,11 +67,23 @@ def main(argv: list[str] | None = None) -> int:
     def header_mutations(case):
         props.check_header(*case)
 
+    @wrap
+    @given(st.binary(max_size=2048))
+    def value_bytes(raw):
+        props.check_value(raw)
+
+    @wrap
+    @given(props.mutated_values())
+    def value_mutations(raw):
+        props.check_value(raw)
+
     runs = []
     if args.only in (None, "metadata"):
         runs += [metadata_bytes, metadata_mutations]
     if args.only in (None, "header"):
         runs += [header_bytes, header_mutations]
+    if args.only in (None, "values"):
+        runs += [value_bytes, value_mutations]
     for fn in runs:
         t0 = time.perf_counter()
         print(f"fuzz {fn.__name__}: {args.examples} examples ...", flush=True)

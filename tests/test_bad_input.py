@@ -119,7 +119,7 @@ def test_missing_data_file(ckpt):
 def test_data_file_is_a_folder(ckpt):
     os.unlink(ckpt / DATA)
     os.mkdir(ckpt / DATA)
-    with raises_through_dcp(rf"CheckpointFormatError: checkpoint {ckpt}: data file {DATA} is not a regular file"):
+    with raises_through_dcp(rf"CheckpointFormatError: checkpoint {ckpt}: data file {DATA} is a folder, not a regular file"):
         load(ckpt)
 
 
@@ -184,7 +184,9 @@ def test_foreign_metadata_from_filesystemwriter(tmp_path):
     folder = tmp_path / "fs"
     dcp.save(make_state(), storage_writer=FileSystemWriter(folder))
     err = read_metadata_error(folder)
-    assert isinstance(err, CheckpointFormatError) and "not a dcp_datastates metadata file" in str(err)
+    assert isinstance(err, CheckpointFormatError)
+    assert f"{folder} is a stock DCP checkpoint (pickled .metadata" in str(err)
+    assert "FileSystemReader" in str(err)  # says what reads it
 
 
 @pytest.mark.parametrize(
@@ -234,7 +236,7 @@ def test_huge_claimed_sizes_fail_before_any_allocation(ckpt):
     n = 1 << 40
     fi = doc["files"][DATA]
     chunk = doc["items"]["ids"]["chunks"][0]
-    chunk.update(sizes=[n], length=8 * n, crc32c=[])
+    chunk.update(offset=fi["size"], sizes=[n], length=8 * n, crc32c=[])  # past every other item: no shared bytes
     doc["items"]["ids"]["size"] = [n]
     fi["size"] = chunk["offset"] + 8 * n
     (ckpt / ".metadata").write_text(json.dumps(doc))
@@ -248,8 +250,16 @@ def test_huge_claimed_sizes_fail_before_any_allocation(ckpt):
 def test_missing_key(ckpt):
     dest = dest_state()
     dest["model"]["extra"] = torch.zeros(3)
-    with raises_through_dcp(rf"CheckpointMismatchError: checkpoint {ckpt} has no item\(s\) 'model.extra'"):
+    # DCP's wording first (as DefaultLoadPlanner words it), our details after.
+    with raises_through_dcp(
+        rf"CheckpointMismatchError: Missing key in checkpoint state_dict: model.extra\. checkpoint {ckpt} has no item\(s\) 'model.extra'"
+    ):
         load(ckpt, dest, planner=DataStatesLoadPlanner())
+    with pytest.raises(BaseException) as info:
+        load(ckpt, dest, planner=DataStatesLoadPlanner())
+    cause = checkpoint_error_cause(info.value)
+    assert isinstance(cause, RuntimeError) and isinstance(cause, CheckpointMismatchError)  # DCP raises RuntimeError
+    assert str(cause).startswith("Missing key in checkpoint state_dict: model.extra.")
     del dest["model"]["extra"]
     load(ckpt, dest, planner=DataStatesLoadPlanner())  # a subset of the checkpoint is fine
     partial = {"ids": torch.zeros(100, dtype=torch.int64), "nope": torch.zeros(2)}
@@ -260,8 +270,14 @@ def test_missing_key(ckpt):
 def test_shape_mismatch(ckpt):
     dest = dest_state()
     dest["model"]["w"] = torch.zeros(32, 64)
-    with raises_through_dcp(rf"CheckpointMismatchError: checkpoint {ckpt}: item 'model.w' has shape \[64, 32\] in the checkpoint, the state dict expects \[32, 64\]"):
+    with raises_through_dcp(
+        rf"CheckpointMismatchError: Size mismatch between saved torch.Size\(\[64, 32\]\) and current: torch.Size\(\[32, 64\]\) "
+        rf"for model.w\. checkpoint {ckpt}: item 'model.w' has shape \[64, 32\] in the checkpoint, the state dict expects \[32, 64\]"
+    ):
         load(ckpt, dest, planner=DataStatesLoadPlanner())
+    with pytest.raises(BaseException) as info:
+        load(ckpt, dest, planner=DataStatesLoadPlanner())
+    assert isinstance(checkpoint_error_cause(info.value), ValueError)  # DCP raises ValueError for this
     assert torch.equal(dest["model"]["w"], torch.zeros(32, 64))  # nothing was read
 
 

@@ -211,7 +211,7 @@ def test_errors_are_one_line(tmp_path, capsys):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / ".metadata").write_bytes(b"\x80\x04garbage")
     rc, _, err = run(["verify", str(tmp_path / "bad")], capsys)
-    assert rc == 1 and "not a dcp_datastates metadata file" in err and err.count("\n") == 1
+    assert rc == 1 and "is a stock DCP checkpoint" in err and "FileSystemReader" in err and err.count("\n") == 1
     assert run(["frobnicate"], capsys)[0] == 2
     assert run([], capsys)[0] == 2
 

@@ -1,8 +1,10 @@
-"""Fuzzing the two parsers that read untrusted bytes: ``decode_metadata`` (the ``.metadata``
-commit marker) and ``validate.parse_header`` (a data file's safetensors header).
+"""Fuzzing the parsers that read untrusted bytes: ``decode_metadata`` (the ``.metadata``
+commit marker), ``validate.parse_header`` (a data file's safetensors header) and
+``safe_unpickle.decode_value`` (a stored non-tensor value).
 
-Property: whatever the input, the only exception that may come out is CheckpointFormatError;
-and what is accepted is internally consistent (ranges inside their file, tiles without holes).
+Property: whatever the input, the only exception that may come out is CheckpointFormatError
+(or, for values, UnsafeCheckpointError); what is accepted is internally consistent (ranges
+inside their file, tiles without holes); and decoding a value never runs code from it.
 
 Quick here (a few hundred examples each); ``scripts/fuzz.py --examples 100000`` runs the same
 properties for longer.
@@ -27,7 +29,8 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
 )
 
-from dcp_datastates.errors import CheckpointFormatError
+from dcp_datastates.errors import CheckpointFormatError, UnsafeCheckpointError
+from dcp_datastates.safe_unpickle import decode_value
 from dcp_datastates.layout import FileEntry, plan_file
 from dcp_datastates.metadata import ItemLocation, decode_metadata, encode_metadata, piece_ranges
 from dcp_datastates.validate import MAX_HEADER_BYTES, parse_header
@@ -299,3 +302,88 @@ def test_header_random_bytes(data, size):
 @given(header_files())
 def test_header_mutations(case):
     check_header(*case)
+
+
+# ------------------------------------------------------------------------------ stored values
+_RAN: list = []
+
+
+def _ran(*args):  # a pickle that reaches this ran code from the "checkpoint"
+    _RAN.append(args)
+    return 0
+
+
+class _Payload:
+    def __reduce__(self):
+        return (_ran, ("payload",))
+
+
+@functools.lru_cache(maxsize=None)
+def valid_values() -> tuple[bytes, ...]:
+    """torch.save bytes of values trainers store, and of one that would run code."""
+    import io
+    import pickle
+
+    out = []
+    for value in (
+        {"lr": 1e-3, "betas": (0.9, 0.95), "params": [0, 1], "foreach": None, "name": "adamw"},
+        {"t": torch.arange(6, dtype=torch.int32).reshape(2, 3), "b": b"raw", "c": 1 + 2j, "s": {1, 2}},
+        [_Payload(), 1],
+    ):
+        buf = io.BytesIO()
+        torch.save(value, buf)
+        out.append(buf.getvalue())
+    out.append(pickle.dumps(_Payload(), protocol=2))  # not an archive: a raw pickle
+    return tuple(out)
+
+
+def check_value(raw: bytes) -> None:
+    """decode_value raises one of our two errors naming the item, or returns a value; it never
+    calls anything outside the allowlist."""
+    before = len(_RAN)
+    try:
+        decode_value(raw, checkpoint="fuzz-ckpt", item="fuzz.item")
+    except (CheckpointFormatError, UnsafeCheckpointError) as exc:
+        assert "checkpoint fuzz-ckpt: item 'fuzz.item'" in str(exc)
+    assert len(_RAN) == before, "decoding ran code from the value"
+
+
+@st.composite
+def mutated_values(draw) -> bytes:
+    data = bytearray(draw(st.sampled_from(valid_values())))
+    for _ in range(draw(st.integers(1, 4))):
+        action = draw(st.sampled_from(["flip", "cut", "insert"]))
+        pos = draw(st.integers(0, max(len(data) - 1, 0)))
+        if action == "flip" and data:
+            data[pos] = draw(st.integers(0, 255))
+        elif action == "cut":
+            del data[pos : pos + draw(st.integers(1, 64))]
+        else:
+            data[pos:pos] = draw(st.binary(min_size=1, max_size=16))
+    return bytes(data)
+
+
+def test_value_seeds_decode_or_are_refused():
+    seeds = valid_values()
+    assert decode_value(seeds[0], checkpoint="c", item="i")["betas"] == (0.9, 0.95)
+    assert torch.equal(decode_value(seeds[1], checkpoint="c", item="i")["t"], torch.arange(6, dtype=torch.int32).reshape(2, 3))
+    for raw in seeds[2:]:
+        try:
+            decode_value(raw, checkpoint="c", item="i")
+        except (UnsafeCheckpointError, CheckpointFormatError):
+            pass
+        else:
+            raise AssertionError("a value that calls a function outside the allowlist decoded")
+    assert not _RAN
+
+
+@QUICK
+@given(st.binary(max_size=512))
+def test_value_random_bytes(raw):
+    check_value(raw)
+
+
+@QUICK
+@given(mutated_values())
+def test_value_mutations(raw):
+    check_value(raw)
