@@ -153,16 +153,26 @@ class RemoteFolder:
     def read_marker(self, name: str = METADATA_NAME) -> bytes:
         """The bytes of a commit marker (``.metadata``). FileNotFoundError when nothing is stored
         at the URL, IncompleteCheckpointError when data is there but no marker."""
+        from .commit import MAX_METADATA_BYTES  # noqa: PLC0415 - commit imports this module
+
         marker = self.join(name)
         self._fresh(marker)
         try:
+            size = int(self.fs.info(marker).get("size") or 0)
+            if size > MAX_METADATA_BYTES:
+                raise CheckpointFormatError(
+                    f"{self.url_of(name)}: {size} bytes, more than the {MAX_METADATA_BYTES}-byte limit of a "
+                    f"metadata file (not a dcp_datastates checkpoint, or damaged)"
+                )
             return self.fs.cat_file(marker)
         except FileNotFoundError:
             pass
         except IsADirectoryError:
-            raise CheckpointFormatError(f"{self.url_of(METADATA_NAME)}: the commit marker is a folder, not a metadata file") from None
+            raise CheckpointFormatError(f"{self.url_of(name)}: the commit marker is a folder, not a metadata file") from None
+        except CheckpointFormatError:
+            raise
         except Exception as exc:  # noqa: BLE001
-            raise _store_error(self.url_of(METADATA_NAME), "reading", exc) from exc
+            raise _store_error(self.url_of(name), "reading", exc) from exc
         if not self.has_objects():
             raise FileNotFoundError(f"no checkpoint at {self.url}: nothing is stored there")
         raise IncompleteCheckpointError(
