@@ -7,9 +7,11 @@
 
 namespace dcpds {
 
-enum class FaultKind { kNone, kEio, kEnospc, kShortWrite, kFsyncEio };
+// kStall: flushes of matching files wait (writing nothing) until the fault is cleared or their
+// job fails: a checkpoint held in flight for as long as a test needs (abort, Ctrl-C).
+enum class FaultKind { kNone, kEio, kEnospc, kShortWrite, kFsyncEio, kStall };
 
-// Parses "none", "eio", "enospc", "short_write", "fsync_eio"; throws std::invalid_argument.
+// Parses "none", "eio", "enospc", "short_write", "fsync_eio", "stall"; throws std::invalid_argument.
 FaultKind parse_fault_kind(const std::string& name);
 
 class FaultState {
