@@ -10,6 +10,8 @@ import atexit
 import logging
 import threading
 
+from . import inflight
+from .compat import register_before_thread_join
 from .config import ENGINE_OPTIONS, DataStatesConfig, check_cache_fits, memory_limit
 
 __all__ = ["get_engine", "start_engine", "engine_stats", "shutdown_engine"]
@@ -251,3 +253,83 @@ def _shutdown_at_exit() -> None:
 
 
 atexit.register(_shutdown_at_exit)
+
+
+# ------------------------------------------------------------------- Ctrl-C with a save in flight
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _describe(saves: list) -> str:
+    parts = []
+    for s in saves:
+        try:
+            done, total = s.progress()
+            parts.append(f"{s.path} ({_mib(max(0, total - done))} of {_mib(total)} left to write)")
+        except Exception:  # noqa: BLE001 - a handle that cannot report still gets named
+            parts.append(str(s.path))
+    return "; ".join(parts)
+
+
+def _pending(saves_of=None) -> list:
+    """Saves still in flight whose checkpoint threads still run (a save whose threads are gone
+    cannot progress; waiting for it would hang the exit)."""
+    saves = (saves_of or inflight.inflight)()
+    return saves if saves and _checkpoint_threads() else []
+
+
+def _wait_for_inflight_before_exit() -> None:
+    """Before Python joins DCP's checkpoint threads at exit: say which checkpoint is still being
+    written and how much is left, then wait for it (it commits, and the exit goes on). Ctrl-C
+    while waiting abandons it: its files are failed at once, nothing is committed, the last
+    committed checkpoint stays the newest, and the process exits within about a second."""
+    import sys  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    saves = _pending()
+    if not saves:
+        return
+    again = "again " if getattr(sys, "last_type", None) is KeyboardInterrupt else ""
+    try:  # the next Ctrl-C may land anywhere in here, the log call included
+        log.warning(
+            "dcp_datastates: checkpoint %s still being written; waiting for it to commit. Ctrl-C %sto abandon it.",
+            _describe(saves),
+            again,
+        )
+        while _pending():
+            time.sleep(0.05)
+        return
+    except KeyboardInterrupt:
+        pass
+    _abandon_all(time)
+
+
+def _abandon_all(time) -> None:
+    """Abandon every save in flight, say so, and give their threads a second to end. Further
+    Ctrl-Cs are ignored meanwhile, so the abandoning itself is never cut short."""
+    import signal  # noqa: PLC0415
+
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to protect
+        previous = None
+    try:
+        saves = inflight.inflight()
+        for s in saves:
+            try:
+                s.abandon("interrupted (Ctrl-C) while exiting")
+            except Exception as exc:  # noqa: BLE001 - abandon the others anyway
+                log.debug("dcp_datastates: abandoning %s failed: %s", getattr(s, "path", s), exc)
+        log.warning(
+            "dcp_datastates: abandoned checkpoint %s: not committed; the last committed checkpoint is kept.",
+            ", ".join(str(getattr(s, "path", s)) for s in saves),
+        )
+        deadline = time.monotonic() + 1.0  # the checkpoint threads see the failure and end
+        while _pending() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+register_before_thread_join(_wait_for_inflight_before_exit)
