@@ -27,7 +27,8 @@ def torchrun(nproc: int, *args: str, expect_ok: bool = True) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(HERE, "fsdp2_train.py"), *args]
     print("$ torchrun " + " ".join(cmd[4:]), flush=True)
-    rc = subprocess.run(cmd).returncode
+    # One thread per rank, said explicitly so torchrun does not warn that it chose it.
+    rc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))).returncode
     if expect_ok and rc != 0:
         raise SystemExit(f"torchrun failed with exit code {rc}")
     if not expect_ok and rc == 0:
