@@ -37,14 +37,16 @@ def _load_extension():
     return _engine
 
 
+# Defaults of the engine options other than the cache size (fixed for the life of the process).
+_DEFAULTS = {n: getattr(DataStatesConfig(), n) for n in ENGINE_OPTIONS if n != "host_cache_size"}
+
+
 def _asked(config: DataStatesConfig) -> dict:
     """The engine options ``config`` sets on purpose: those that differ from the defaults, and
     the cache size when it was chosen (option or environment)."""
-    base = DataStatesConfig()
-    settings = config.engine_settings()
-    asked = {n: settings[n] for n in ENGINE_OPTIONS if n != "host_cache_size" and getattr(config, n) != getattr(base, n)}
-    if config.cache_was_chosen():
-        asked["host_cache_size"] = settings["host_cache_size"]
+    asked = {n: getattr(config, n) for n in ENGINE_OPTIONS if n != "host_cache_size" and getattr(config, n) != _DEFAULTS[n]}
+    if config.cache_was_chosen():  # never the default plan here: get_engine runs at every stage()
+        asked["host_cache_size"] = config.cache_bytes()
     return asked
 
 
