@@ -109,7 +109,7 @@ def local_ranks() -> tuple[int, str]:
         text = os.environ.get(var, "").strip()
         if text.isdigit() and int(text) > 0:
             return int(text), var
-    return 1, "one process (no LOCAL_WORLD_SIZE)"
+    return 1, "no LOCAL_WORLD_SIZE"
 
 
 @dataclass(frozen=True)
