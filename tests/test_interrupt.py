@@ -22,6 +22,13 @@ from dcp_datastates import inflight, latest_checkpoint
 EXIT_TIMEOUT = 30  # generous: only a hang fails it (the stalled save would hold the exit forever)
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default action, so Python installs its
+    Ctrl-C handler even when this test runs with SIGINT ignored (a background job of a
+    non-interactive shell ignores it, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Child:
     """A Python subprocess whose stdout and stderr lines are collected as they come."""
 
@@ -30,6 +37,7 @@ class Child:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(script), *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+            preexec_fn=_default_sigint,
         )
         self.lines: queue.Queue = queue.Queue()
         self.out: list[str] = []
