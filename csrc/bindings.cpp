@@ -228,8 +228,12 @@ PYBIND11_MODULE(_engine, m) {
       .def("release", &WriteJob::release, py::arg("file_offset"),
            "Streaming jobs: give back the cache slot of the chunk at file_offset (from next_chunk).")
       .def("fail", &WriteJob::abort, py::arg("message"),
-           "Streaming jobs: fail the job with `message` (first error wins), give back every slot it holds\n"
-           "(chunks handed out included: their memory must not be used after this) and wake waiters.")
+           "Fail the job with `message` at once (first error wins); returns immediately. Streaming jobs\n"
+           "give back every slot they hold (chunks handed out included: their memory must not be used\n"
+           "after this). File jobs skip their remaining copies and writes, give their slots back and are\n"
+           "done (waiters wake) within milliseconds; the file is left incomplete.")
+      .def_property_readonly("bytes_done", &WriteJob::bytes_done,
+                             "data bytes written so far (streaming jobs: released by the consumer)")
       .def("chunks_held", &WriteJob::chunks_held, "Streaming jobs: chunks handed out and not yet released")
       .def("__repr__", [](const WriteJob& j) {
         return "<WriteJob " + j.path() + " nbytes=" + std::to_string(j.nbytes()) +

@@ -204,11 +204,25 @@ void Engine::push_flush(ChunkRef&& ref) {
   flush_cv_.notify_one();
 }
 
-// Borrows a cache slot for chunk c (backpressure); -1 after failing the job on timeout.
+// Borrows a cache slot for chunk c (backpressure); -1 after failing the job on timeout, or at
+// once when the job fails meanwhile (aborted: its chunks need no slot). Waits in short slices
+// so an abort is seen within one of them.
 int Engine::acquire_slot(WriteJob& job, const Chunk& c) {
+  constexpr double kSlice = 0.05;
   bool waited = false;
-  const int slot = cache_->acquire(cfg_.cache_wait_timeout_s, &waited);
+  int slot = -1;
+  const double limit = cfg_.cache_wait_timeout_s;
+  for (double spent = 0;;) {
+    bool w = false;
+    const double slice = std::min(kSlice, std::max(0.0, limit - spent));
+    slot = cache_->acquire(slice, &w);
+    waited = waited || w;
+    if (slot >= 0 || job.failed()) break;
+    spent += slice;
+    if (spent >= limit) break;
+  }
   if (waited) backpressure_waits_.fetch_add(1, std::memory_order_relaxed);
+  if (slot < 0 && job.failed()) return -1;
   if (slot < 0) {
     char secs[64];
     std::snprintf(secs, sizeof secs, "%g", cfg_.cache_wait_timeout_s);
@@ -364,7 +378,11 @@ void Engine::flush_chunk(WriteJob& job, Chunk& c) {
     size_t first = c.piece_begin;
     const uint64_t end = c.file_off + c.span;
     std::string err;
+    while (fault == FaultKind::kStall && !job.failed() &&
+           faults_.active_for(job.path(), bytes_flushed_.load(std::memory_order_relaxed)) == FaultKind::kStall)
+      std::this_thread::sleep_for(std::chrono::milliseconds(2));
     for (uint64_t pos = c.file_off; pos < end && err.empty();) {
+      if (job.failed()) return;  // aborted (or failed elsewhere): drop the rest of the chunk
       const uint64_t stop = std::min(end, pos + kFlushBlock);
       crc_ns += checksum_range(job, c, base, pos, stop, &first);
       err = pwrite_full(job.fd_, base + (pos - c.file_off), static_cast<size_t>(stop - pos), pos, fault);
@@ -377,6 +395,7 @@ void Engine::flush_chunk(WriteJob& job, Chunk& c) {
       return;
     }
     bytes_flushed_.fetch_add(c.data_bytes, std::memory_order_relaxed);
+    job.bytes_done_.fetch_add(c.data_bytes, std::memory_order_acq_rel);
     chunks_flushed_.fetch_add(1, std::memory_order_relaxed);
   } catch (const std::exception& e) {
     job.fail(internal_error(job.path(), e.what()));

@@ -7,10 +7,10 @@
 
 namespace dcpds {
 
-// kStall: each write of a matching file first sleeps kStallMs (a hung device; the writes then
-// succeed), so tests can stall flushes without a FIFO (which the engine refuses to open).
+// kStall: flushes of matching files wait (writing nothing) until the fault is cleared or their
+// job fails: a hung device, or a checkpoint held in flight for as long as a test needs (abort,
+// Ctrl-C, cache-full timeouts).
 enum class FaultKind { kNone, kEio, kEnospc, kShortWrite, kFsyncEio, kStall };
-constexpr int kStallMs = 1000;
 
 // Parses "none", "eio", "enospc", "short_write", "fsync_eio", "stall"; throws std::invalid_argument.
 FaultKind parse_fault_kind(const std::string& name);

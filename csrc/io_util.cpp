@@ -1,9 +1,7 @@
 #include "io_util.h"
 
 #include <cerrno>
-#include <chrono>
 #include <cstring>
-#include <thread>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -34,7 +32,6 @@ std::string pwrite_full(int fd, const void* buf, size_t n, uint64_t off, FaultKi
   auto head = [&] { return "pwrite of " + std::to_string(n) + " bytes at offset " + std::to_string(off); };
   if (fault == FaultKind::kEio || fault == FaultKind::kEnospc)
     return head() + " failed: " + errno_text(fault == FaultKind::kEio ? EIO : ENOSPC);
-  if (fault == FaultKind::kStall) std::this_thread::sleep_for(std::chrono::milliseconds(kStallMs));
   while (done < n) {
     size_t want = n - done;
     if (want > kMaxIo) want = kMaxIo;

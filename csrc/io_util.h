@@ -15,8 +15,8 @@ std::string errno_text(int err);
 // Writes all n bytes of buf at file offset off, retrying partial writes and EINTR.
 // Returns "" on success, otherwise a message like
 // "pwrite of 1048576 bytes at offset 4096 failed: No space left on device (errno 28)".
-// `fault` simulates the failure of that name (kEio, kEnospc, kShortWrite) or a hung device
-// (kStall: sleeps first, then writes); others are ignored.
+// `fault` simulates the failure of that name (kEio, kEnospc, kShortWrite); others are ignored
+// here (kStall holds the flush before it gets here, see Engine::flush_chunk).
 std::string pwrite_full(int fd, const void* buf, size_t n, uint64_t off, FaultKind fault = FaultKind::kNone);
 
 // Reads up to n bytes at off into buf, retrying partial reads and EINTR, stopping at EOF.

@@ -237,6 +237,7 @@ void WriteJob::release(uint64_t file_offset) {
   it->slot = -1;
   --held_;
   const uint64_t bytes = it->data_bytes;
+  bytes_done_.fetch_add(bytes, std::memory_order_acq_rel);
   const bool last = stream_finish_locked(i);
   lk.unlock();
   if (engine_) engine_->note_stream_release(bytes);
@@ -244,9 +245,9 @@ void WriteJob::release(uint64_t file_offset) {
 }
 
 void WriteJob::abort(const std::string& msg) {
-  if (!stream_) throw std::logic_error(path_ + ": abort on a job that is not streaming");
-  fail(msg.empty() ? path_ + ": aborted by the consumer" : msg);
-  stream_drop_held(true);
+  fail(msg.empty() ? path_ + ": aborted" : msg);
+  if (stream_) stream_drop_held(true);
+  // File jobs wind down through the workers, which check failed() at every step.
 }
 
 size_t WriteJob::chunks_held() const {

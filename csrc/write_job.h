@@ -109,9 +109,16 @@ class WriteJob {
   // Gives back the slot of a chunk next_chunk returned. Throws std::invalid_argument when no
   // chunk handed out and not yet released starts at file_offset.
   void release(uint64_t file_offset);
-  // Fails the job with `msg` (the first error wins) and gives back every slot it holds, the
-  // consumer's included: the consumer must not touch a chunk's memory after calling this.
+  // Fails the job with `msg` (the first error wins) at once, for any job. Streaming jobs give
+  // back every slot they hold, the consumer's included (it must not touch a chunk's memory after
+  // calling this). File jobs stop where they are: copy workers skip their remaining chunks (a
+  // worker waiting for a cache slot for one gives up), flush workers drop their chunks between
+  // two blocks and give the slots back, and the job is done (waiters wake) as soon as no worker
+  // touches it any more, normally within milliseconds. The file is left incomplete.
   void abort(const std::string& msg);
+  // Data bytes durable so far: written to the file (file jobs; synced only once done) or
+  // handed to and released by the consumer (streaming jobs).
+  uint64_t bytes_done() const { return bytes_done_.load(std::memory_order_acquire); }
   // Chunks handed out and not released (for tests).
   size_t chunks_held() const;
 
@@ -156,6 +163,7 @@ class WriteJob {
   std::atomic<size_t> chunks_staged_{0};
   std::atomic<size_t> chunks_flushed_{0};
   std::atomic<bool> failed_{false};
+  std::atomic<uint64_t> bytes_done_{0};
 
   // The file is opened and the header written once, by the first flush of the job.
   std::mutex open_mu_;

@@ -8,6 +8,7 @@
     dcp.load(state, storage_reader=DataStatesReader("ckpt/step-100"))
 """
 
+from .checkpoint_stats import CheckpointStats, recent_checkpoints
 from .commit import check_commit, is_committed, latest_checkpoint
 from .config import DataStatesConfig, parse_size
 from .errors import (
@@ -45,6 +46,8 @@ __all__ = [
     "validate_data_file",
     "checkpoint_error_cause",
     "engine_stats",
+    "CheckpointStats",
+    "recent_checkpoints",
     "start_engine",
     "shutdown_engine",
     "DataStatesError",

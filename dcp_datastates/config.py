@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
-__all__ = ["DataStatesConfig", "parse_size"]
+__all__ = ["DataStatesConfig", "parse_size", "cache_size", "default_cache_plan", "CachePlan", "ENGINE_OPTIONS", "check_cache_fits", "memory_limit"]
 
 _UNITS = {
     "": 1,
@@ -36,16 +36,23 @@ _UNITS = {
 _SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(value: Any, *, bare_unit: int = 1, name: str = "size") -> int:
+# A unitless number below this is GiB for the cache sizes (the seeds' ``host_cache_size: 16``);
+# from it up, bytes. A cache is at least this many bytes (and 64 Ki GiB is no cache), so the two
+# never overlap and a size in bytes reads back as itself.
+GIB_BELOW = 1 << 16
+
+
+def parse_size(value: Any, *, bare_unit: int = 1, name: str = "size", bare_gib_below: int = 0) -> int:
     """Parse a byte size: an int, a float, or a string such as "16GB", "512MiB", "1.5G".
 
-    ``bare_unit`` is the multiplier applied to a bare number (the seeds give ``host_cache_size``
-    in GB, so the config passes ``1 << 30`` there; integers in keyword options are bytes).
+    A number without a unit is multiplied by ``bare_unit``; with ``bare_gib_below`` set, a
+    unitless number below it is GiB instead (the rule for ``host_cache_size`` and
+    ``gpu_cache_size``, the same wherever the size is written: see ``cache_size``).
     """
     if isinstance(value, bool):
         raise ValueError(f"{name}: expected a size, got a boolean {value!r}")
     if isinstance(value, (int, float)):
-        nbytes = int(value * bare_unit)
+        number, unit = float(value), None
     elif isinstance(value, str):
         m = _SIZE_RE.match(value)
         if not m or m.group(2).lower() not in _UNITS:
@@ -53,22 +60,88 @@ def parse_size(value: Any, *, bare_unit: int = 1, name: str = "size") -> int:
                 f"{name}: cannot parse size {value!r}; expected a number with an optional unit "
                 f"such as '16GB', '512MiB' or '1.5G'"
             )
-        unit = _UNITS[m.group(2).lower()] if m.group(2) else bare_unit
-        nbytes = int(float(m.group(1)) * unit)
+        number, unit = float(m.group(1)), (_UNITS[m.group(2).lower()] if m.group(2) else None)
     else:
         raise ValueError(f"{name}: expected a size (int or string like '16GB'), got {type(value).__name__}")
+    if unit is None:
+        unit = (1 << 30) if 0 <= number < bare_gib_below else bare_unit
+    nbytes = value * unit if isinstance(value, int) else int(number * unit)
     if nbytes < 0:
         raise ValueError(f"{name}: size must not be negative, got {value!r}")
     return nbytes
 
 
-def _default_cache_size() -> int:
-    """A quarter of physical memory, at most 8 GiB, at least 256 MiB."""
+def cache_size(value: Any, name: str = "host_cache_size") -> int:
+    """The one rule for ``host_cache_size`` / ``gpu_cache_size``, in every entry point (keyword,
+    dict, YAML, JSON, TorchTitan, environment): a string with a unit means that unit; a number
+    without a unit (``16``, ``"16"``, ``0.5``) is GiB below 65536 and bytes from 65536 up
+    (``64 << 20``)."""
+    return parse_size(value, name=name, bare_gib_below=GIB_BELOW)
+
+
+def memory_limit() -> int:
+    """Bytes of memory this process's node can use: physical memory, or the cgroup's limit when
+    that is lower (a container: pinned and resident memory count against it)."""
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         total = 8 << 30
-    return max(256 << 20, min(8 << 30, total // 4))
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and 0 < int(text) < total:
+            total = int(text)
+    return total
+
+
+# Environment variables that give the number of processes on this node, in order of trust.
+_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
+# The share of the node's memory that all default-sized caches of the node take together.
+CACHE_SHARE = 0.25
+MIN_DEFAULT_CACHE = 256 << 20
+
+
+def local_ranks() -> tuple[int, str]:
+    """(processes sharing this node, where that number came from)."""
+    for var in _LOCAL_SIZE_VARS:
+        text = os.environ.get(var, "").strip()
+        if text.isdigit() and int(text) > 0:
+            return int(text), var
+    return 1, "no LOCAL_WORLD_SIZE"
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """How the default host cache size was chosen (see ``default_cache_plan``)."""
+
+    nbytes: int
+    memory: int
+    local_ranks: int
+    local_ranks_from: str
+
+    def describe(self) -> str:
+        return (
+            f"default: {CACHE_SHARE:.0%} of {self.memory / 2**30:.1f} GiB node memory shared by "
+            f"{self.local_ranks} local rank(s) ({self.local_ranks_from}); set host_cache_size to choose"
+        )
+
+
+def default_cache_plan() -> CachePlan:
+    """The default host cache: a quarter of the node's memory (physical, or the cgroup limit),
+    split between the processes of the node, at least 256 MiB. The caches of a node then take a
+    quarter of its memory together, pinned or not: pinned memory must stay well below the
+    node's memory, since the kernel can neither swap nor reclaim it."""
+    memory = memory_limit()
+    n, source = local_ranks()
+    nbytes = max(MIN_DEFAULT_CACHE, int(memory * CACHE_SHARE) // n)
+    nbytes -= nbytes % 4096
+    return CachePlan(nbytes, memory, n, source)
+
+
+def _default_cache_size() -> int:
+    return default_cache_plan().nbytes
 
 
 def _default_read_threads() -> int:
@@ -87,7 +160,11 @@ _ALIASES = {
 }
 # Keys that belong to the surrounding framework's config and mean nothing to us.
 _IGNORED = {"checkpointing_engine", "single_file_per_rank", "per_thread_copy_ahead"}
-# Fields that hold byte sizes; host_cache_size and gpu_cache_size are GB when bare (seeds).
+# Options the process-wide engine takes when it starts (it cannot change them while it runs).
+ENGINE_OPTIONS = ("host_cache_size", "chunk_size", "copy_threads", "flush_threads", "read_threads", "pin_host_cache", "cache_wait_timeout")
+# Environment variable giving host_cache_size when no config does (same size rule).
+CACHE_SIZE_ENV = "DCP_DATASTATES_HOST_CACHE_SIZE"
+# Fields that hold byte sizes; host_cache_size and gpu_cache_size follow ``cache_size``'s rule.
 _GB_SIZES = {"host_cache_size", "gpu_cache_size"}
 _BYTE_SIZES = {"chunk_size"}
 
@@ -98,16 +175,18 @@ class DataStatesConfig:
 
     Attributes:
         host_cache_size: bytes of host memory the engine preallocates once and reuses for every
-            checkpoint (the seeds' ``host_cache_size``; a bare number in a config file or dict is
-            GB). Default: a quarter of RAM, between 256 MiB and 8 GiB. A checkpoint larger than
-            the cache streams through it.
+            checkpoint (the seeds' ``host_cache_size``). A number without a unit is GiB below
+            65536 (``16``: 16 GiB, as in the seeds) and bytes from 65536 up, wherever it is
+            written; at least 65536 bytes.
+            None (default): ``$DCP_DATASTATES_HOST_CACHE_SIZE``, else a quarter of the node's
+            memory split between its local ranks (``default_cache_plan``). A checkpoint larger
+            than the cache streams through it.
         pin_host_cache: page-lock the cache with ``cudaHostRegister`` when CUDA is present.
         prefault_host_cache: fault the whole cache in on a background thread when the engine
             starts, so the first checkpoint pays no page faults and resident memory is flat from
             it on. None (default): only when ``host_cache_size`` was chosen (a cache of the
-            built-in default size, a guess of a quarter of RAM per process, is left to fault in
-            as checkpoints use it: several ranks per node would otherwise commit more than the
-            machine has). A pinned cache is resident anyway.
+            built-in default size is left to fault in as checkpoints use it). A pinned cache is
+            resident anyway.
         gpu_cache_size: optional device-side snapshot tier (bytes, 0 = off).
         chunk_size: unit of copy, flush and checksum (bytes). Clamped to a quarter of the cache.
         copy_threads: threads copying tensors into the cache (seeds: ``parser_threads``).
@@ -126,7 +205,7 @@ class DataStatesConfig:
         storage_options: passed to fsspec for remote URLs.
     """
 
-    host_cache_size: int = field(default_factory=_default_cache_size)
+    host_cache_size: int | None = None
     pin_host_cache: bool = True
     prefault_host_cache: bool | None = None
     gpu_cache_size: int = 0
@@ -143,11 +222,11 @@ class DataStatesConfig:
     storage_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.host_cache_size = parse_size(self.host_cache_size, name="host_cache_size")
-        self.gpu_cache_size = parse_size(self.gpu_cache_size, name="gpu_cache_size")
+        if self.host_cache_size is not None:
+            self.host_cache_size = cache_size(self.host_cache_size, "host_cache_size")
+            _check_cache_min(self.host_cache_size, "host_cache_size")
+        self.gpu_cache_size = cache_size(self.gpu_cache_size, "gpu_cache_size")
         self.chunk_size = parse_size(self.chunk_size, name="chunk_size")
-        if self.host_cache_size < 4096:
-            raise ValueError(f"host_cache_size: must be at least 4096 bytes, got {self.host_cache_size}")
         if self.chunk_size < 4096:
             raise ValueError(f"chunk_size: must be at least 4096 bytes, got {self.chunk_size}")
         for name in ("copy_threads", "flush_threads", "read_threads"):
@@ -168,7 +247,8 @@ class DataStatesConfig:
         """Build from a mapping: flat options, or a ``datastates:`` / ``datastates_ckpt`` block
         (the other keys of such a document, e.g. the rest of a DeepSpeed config, are ignored).
 
-        ``host_cache_size``/``gpu_cache_size`` given as bare numbers are GB, as in the seeds.
+        Sizes follow ``cache_size``'s rule, as everywhere (``bare_sizes_in_gb`` is kept for
+        callers of older releases and changes nothing).
         """
         if not isinstance(data, Mapping):
             raise ValueError(f"DataStatesConfig.from_dict: expected a mapping, got {type(data).__name__}")
@@ -205,7 +285,7 @@ class DataStatesConfig:
     @classmethod
     def resolve(cls, config: "DataStatesConfig | Mapping | str | os.PathLike | None", options: Mapping[str, Any]) -> "DataStatesConfig":
         """What the writer/reader constructors accept: a config, a dict, a file path, or None,
-        then keyword options on top (keyword sizes that are bare ints are bytes)."""
+        then keyword options on top (sizes follow the same rule as everywhere: ``cache_size``)."""
         if config is None:
             base = cls()
         elif isinstance(config, DataStatesConfig):
@@ -220,11 +300,44 @@ class DataStatesConfig:
             return base
         return dataclasses.replace(base, **_normalize(options, bare_sizes_in_gb=False))
 
+    def cache_plan(self) -> tuple[int, str]:
+        """(host cache bytes, how they were chosen): the option, the environment, or the default."""
+        if self.host_cache_size is not None:
+            return self.host_cache_size, "host_cache_size"
+        env = os.environ.get(CACHE_SIZE_ENV, "").strip()
+        if env:
+            nbytes = cache_size(env, CACHE_SIZE_ENV)
+            _check_cache_min(nbytes, CACHE_SIZE_ENV)
+            return nbytes, CACHE_SIZE_ENV
+        plan = default_cache_plan()
+        return plan.nbytes, plan.describe()
+
+    def cache_bytes(self) -> int:
+        return self.cache_plan()[0]
+
+    def cache_was_chosen(self) -> bool:
+        """True when the user chose the cache size (option or environment), not the default."""
+        return self.host_cache_size is not None or bool(os.environ.get(CACHE_SIZE_ENV, "").strip())
+
     def prefault_enabled(self) -> bool:
         """Whether the engine should fault its cache in at start (see ``prefault_host_cache``)."""
         if self.prefault_host_cache is not None:
             return self.prefault_host_cache
-        return self.host_cache_size != _default_cache_size()
+        return self.cache_was_chosen()
+
+    def engine_settings(self) -> dict:
+        """The options the engine takes at start, resolved (the cache size in bytes)."""
+        out = {name: getattr(self, name) for name in ENGINE_OPTIONS}
+        out["host_cache_size"] = self.cache_bytes()
+        return out
+
+    def is_default_engine(self) -> bool:
+        """True when no engine option differs from its default (a reader's or a bare writer's
+        config): such an engine may be restarted with the next writer's settings."""
+        base = DataStatesConfig()
+        return not self.cache_was_chosen() and all(
+            getattr(self, n) == getattr(base, n) for n in ENGINE_OPTIONS if n != "host_cache_size"
+        )
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -241,12 +354,30 @@ def _normalize(data: Mapping[str, Any], *, bare_sizes_in_gb: bool) -> dict:
             raise ValueError(
                 f"unknown DataStates option {key!r}; known options: {', '.join(sorted(known | set(_ALIASES)))}"
             )
-        if name in _GB_SIZES and not isinstance(value, str):
-            value = parse_size(value, bare_unit=(1 << 30) if bare_sizes_in_gb else 1, name=name)
-        elif name in _GB_SIZES or name in _BYTE_SIZES:
+        if name in _GB_SIZES and value is not None:
+            value = cache_size(value, name)
+        elif name in _BYTE_SIZES:
             value = parse_size(value, name=name)
         out[name] = value
     return out
+
+
+def _check_cache_min(nbytes: int, name: str) -> None:
+    if nbytes < GIB_BELOW:
+        raise ValueError(f"{name}: must be at least {GIB_BELOW} bytes, got {nbytes}")
+
+
+def check_cache_fits(nbytes: int, name: str = "host_cache_size") -> None:
+    """Raise MemoryError when a cache of ``nbytes`` cannot fit in this node's memory. Checked when
+    the engine starts (``start_engine`` or the first checkpoint), not when a config is parsed: a
+    config file is machine-independent and may be read on a smaller machine than it runs on."""
+    memory = memory_limit()
+    if nbytes > memory:
+        raise MemoryError(
+            f"{name}: {nbytes} bytes ({nbytes / 2**30:.1f} GiB) asked, but this machine has "
+            f"{memory} bytes ({memory / 2**30:.1f} GiB) of memory; choose a smaller host_cache_size "
+            f"(a unitless number is GiB below 65536 and bytes from 65536 up; '16GB' or '512MiB' are explicit)"
+        )
 
 
 def _strip_json_comments(text: str) -> str:

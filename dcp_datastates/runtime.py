@@ -10,7 +10,9 @@ import atexit
 import logging
 import threading
 
-from .config import DataStatesConfig
+from . import inflight
+from .compat import register_before_thread_join
+from .config import ENGINE_OPTIONS, DataStatesConfig, check_cache_fits, memory_limit
 
 __all__ = ["get_engine", "start_engine", "engine_stats", "shutdown_engine"]
 
@@ -19,7 +21,9 @@ log = logging.getLogger("dcp_datastates")
 _lock = threading.Lock()
 _engine = None
 _engine_config: DataStatesConfig | None = None
-_warned_cache_size = False  # the "larger cache requested" warning is logged once per engine
+_engine_settings: dict = {}  # the engine options in force, resolved (cache size in bytes)
+_engine_provisional = False  # started with defaults only (e.g. by a load): the next writer may restart it
+_warned: set = set()  # (option, asked, in force) already reported for this engine
 
 
 def _load_extension():
@@ -33,29 +37,74 @@ def _load_extension():
     return _engine
 
 
+# Defaults of the engine options other than the cache size (fixed for the life of the process).
+_DEFAULTS = {n: getattr(DataStatesConfig(), n) for n in ENGINE_OPTIONS if n != "host_cache_size"}
+
+
+def _asked(config: DataStatesConfig) -> dict:
+    """The engine options ``config`` sets on purpose: those that differ from the defaults, and
+    the cache size when it was chosen (option or environment)."""
+    asked = {n: getattr(config, n) for n in ENGINE_OPTIONS if n != "host_cache_size" and getattr(config, n) != _DEFAULTS[n]}
+    if config.cache_was_chosen():  # never the default plan here: get_engine runs at every stage()
+        asked["host_cache_size"] = config.cache_bytes()
+    return asked
+
+
+def _idle(engine) -> bool:
+    st = engine.stats()
+    return st["jobs_submitted"] == st["jobs_done"]
+
+
 def get_engine(config: DataStatesConfig):
     """Return the process-wide engine, creating it with ``config`` on first use.
 
-    Later configs reuse the existing engine (its host cache is never reallocated); a request for a
-    larger cache than the running engine has is logged once, not honoured, so memory stays bounded.
+    The engine's options (``ENGINE_OPTIONS``: cache size, chunk size, threads, pinning, timeout)
+    are fixed while it runs. A config asking for other values either restarts it, when it was
+    started with defaults only (by a load, or a writer without options) and no checkpoint is in
+    flight, or is reported once per option with the value asked and the value in force.
     """
-    global _engine, _engine_config, _warned_cache_size
+    global _engine
     with _lock:
         if _exiting and (_engine is None or _engine.is_shut_down):
             raise RuntimeError("dcp_datastates: the interpreter is exiting; no new checkpoint I/O can start")
         if _engine is not None and not _engine.is_shut_down:
-            if config.host_cache_size > _engine_config.host_cache_size and not _warned_cache_size:
-                _warned_cache_size = True
-                log.warning(
-                    "dcp_datastates: engine already running with a %d-byte host cache; a config asked "
-                    "for %d bytes. The existing cache is reused (call shutdown_engine() first to resize).",
-                    _engine_config.host_cache_size,
-                    config.host_cache_size,
+            differing = {n: v for n, v in _asked(config).items() if _engine_settings.get(n) != v}
+            if not differing:
+                return _engine
+            if _engine_provisional and _idle(_engine):
+                old, _engine = _engine, None
+                old.shutdown()
+                log.info(
+                    "dcp_datastates engine: restarting with %s (it was started with default settings, "
+                    "e.g. by a load, and no checkpoint is in flight)",
+                    ", ".join(f"{n}={v!r}" for n, v in differing.items()),
                 )
+                return _start(config)
+            for name, value in differing.items():
+                key = (name, value, _engine_settings.get(name))
+                if key not in _warned:
+                    _warned.add(key)
+                    log.warning(
+                        "dcp_datastates: %s=%r is ignored: the process-wide engine already runs with %s=%r "
+                        "(engine options take effect when the engine starts; set them on the first writer, "
+                        "or with start_engine(), or call shutdown_engine() between checkpoints to restart it)",
+                        name, value, name, _engine_settings.get(name),
+                    )
             return _engine
-        ext = _load_extension()
-        _engine = ext.Engine(
-            cache_bytes=config.host_cache_size,
+        return _start(config)
+
+
+def _start(config: DataStatesConfig):
+    """Create the engine (caller holds _lock). Raises MemoryError naming the option when the
+    cache cannot be allocated or pinned."""
+    global _engine, _engine_config, _engine_settings, _engine_provisional
+    ext = _load_extension()
+    cache_bytes, how = config.cache_plan()
+    option = "host_cache_size" if how == "host_cache_size" or not config.cache_was_chosen() else how
+    check_cache_fits(cache_bytes, option)
+    try:
+        engine = ext.Engine(
+            cache_bytes=cache_bytes,
             chunk_bytes=config.chunk_size,
             copy_threads=config.copy_threads,
             flush_threads=config.flush_threads,
@@ -64,30 +113,45 @@ def get_engine(config: DataStatesConfig):
             pin=bool(config.pin_host_cache),
             prefault=config.prefault_enabled(),
         )
-        _engine_config = config
-        _warned_cache_size = False
-        st = _engine.stats()
-        log.info(
-            "dcp_datastates engine: %s, host cache %d bytes (chunk %d bytes, %d copy / %d flush "
-            "threads, CRC32C: %s)",
-            engine_mode(_engine),
-            st["cache_bytes"],
-            st["chunk_bytes"],
-            st["copy_threads"],
-            st["flush_threads"],
-            ext.crc32c_implementations()[0],
+    except MemoryError as exc:
+        raise MemoryError(
+            f"{option}: cannot allocate a host cache of {cache_bytes} bytes ({cache_bytes / 2**30:.2f} GiB); "
+            f"this machine has {memory_limit()} bytes of memory. Choose a smaller host_cache_size. ({exc})"
+        ) from exc
+    st = engine.stats()
+    if st["cuda"] and config.pin_host_cache and not st["pinned"]:
+        status = engine.cuda_status
+        engine.shutdown()
+        raise MemoryError(
+            f"{option}: cannot pin a host cache of {cache_bytes} bytes ({cache_bytes / 2**30:.2f} GiB) with "
+            f"cudaHostRegister ({status}); this machine has {memory_limit()} bytes of memory. Choose a smaller "
+            f"host_cache_size, or pin_host_cache=False (slower copies from GPUs)."
         )
-        if st["cuda"] and config.pin_host_cache and not st["pinned"]:
-            log.warning("dcp_datastates engine: host cache not pinned (%s); copies from GPUs are slower", _engine.cuda_status)
-        elif not st["cuda"]:
-            log.debug("dcp_datastates engine: no CUDA: %s", _engine.cuda_status)
-        if config.gpu_cache_size:
-            log.warning(
-                "dcp_datastates engine: gpu_cache_size=%d is ignored: there is no device-side snapshot tier; "
-                "copies go device -> pinned host cache directly",
-                config.gpu_cache_size,
-            )
-        return _engine
+    _engine, _engine_config = engine, config
+    _engine_settings = dict(config.engine_settings(), host_cache_size=cache_bytes)
+    _engine_provisional = config.is_default_engine()
+    _warned.clear()
+    log.info(
+        "dcp_datastates engine: %s, host cache %d bytes (%.2f GiB, %s; chunk %d bytes, %d copy / %d flush "
+        "threads, CRC32C: %s)",
+        engine_mode(engine),
+        st["cache_bytes"],
+        st["cache_bytes"] / 2**30,
+        how,
+        st["chunk_bytes"],
+        st["copy_threads"],
+        st["flush_threads"],
+        ext.crc32c_implementations()[0],
+    )
+    if not st["cuda"]:
+        log.debug("dcp_datastates engine: no CUDA: %s", engine.cuda_status)
+    if config.gpu_cache_size:
+        log.warning(
+            "dcp_datastates engine: gpu_cache_size=%d is ignored: there is no device-side snapshot tier; "
+            "copies go device -> pinned host cache directly",
+            config.gpu_cache_size,
+        )
+    return engine
 
 
 def start_engine(config=None, **options) -> dict:
@@ -126,9 +190,9 @@ def engine_stats() -> dict:
 
 def shutdown_engine() -> None:
     """Drain in-flight checkpoints and stop the engine. Idempotent; the next use starts a new one."""
-    global _engine, _engine_config
+    global _engine, _engine_config, _engine_provisional
     with _lock:
-        eng, _engine, _engine_config = _engine, None, None
+        eng, _engine, _engine_config, _engine_provisional = _engine, None, None, False
     if eng is not None:
         eng.shutdown()
 
@@ -191,3 +255,83 @@ def _shutdown_at_exit() -> None:
 
 
 atexit.register(_shutdown_at_exit)
+
+
+# ------------------------------------------------------------------- Ctrl-C with a save in flight
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _describe(saves: list) -> str:
+    parts = []
+    for s in saves:
+        try:
+            done, total = s.progress()
+            parts.append(f"{s.path} ({_mib(max(0, total - done))} of {_mib(total)} left to write)")
+        except Exception:  # noqa: BLE001 - a handle that cannot report still gets named
+            parts.append(str(s.path))
+    return "; ".join(parts)
+
+
+def _pending(saves_of=None) -> list:
+    """Saves still in flight whose checkpoint threads still run (a save whose threads are gone
+    cannot progress; waiting for it would hang the exit)."""
+    saves = (saves_of or inflight.inflight)()
+    return saves if saves and _checkpoint_threads() else []
+
+
+def _wait_for_inflight_before_exit() -> None:
+    """Before Python joins DCP's checkpoint threads at exit: say which checkpoint is still being
+    written and how much is left, then wait for it (it commits, and the exit goes on). Ctrl-C
+    while waiting abandons it: its files are failed at once, nothing is committed, the last
+    committed checkpoint stays the newest, and the process exits within about a second."""
+    import sys  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    saves = _pending()
+    if not saves:
+        return
+    again = "again " if getattr(sys, "last_type", None) is KeyboardInterrupt else ""
+    try:  # the next Ctrl-C may land anywhere in here, the log call included
+        log.warning(
+            "dcp_datastates: checkpoint %s still being written; waiting for it to commit. Ctrl-C %sto abandon it.",
+            _describe(saves),
+            again,
+        )
+        while _pending():
+            time.sleep(0.05)
+        return
+    except KeyboardInterrupt:
+        pass
+    _abandon_all(time)
+
+
+def _abandon_all(time) -> None:
+    """Abandon every save in flight, say so, and give their threads a second to end. Further
+    Ctrl-Cs are ignored meanwhile, so the abandoning itself is never cut short."""
+    import signal  # noqa: PLC0415
+
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: nothing to protect
+        previous = None
+    try:
+        saves = inflight.inflight()
+        for s in saves:
+            try:
+                s.abandon("interrupted (Ctrl-C) while exiting")
+            except Exception as exc:  # noqa: BLE001 - abandon the others anyway
+                log.debug("dcp_datastates: abandoning %s failed: %s", getattr(s, "path", s), exc)
+        log.warning(
+            "dcp_datastates: abandoned checkpoint %s: not committed; the last committed checkpoint is kept.",
+            ", ".join(str(getattr(s, "path", s)) for s in saves),
+        )
+        deadline = time.monotonic() + 1.0  # the checkpoint threads see the failure and end
+        while _pending() and time.monotonic() < deadline:
+            time.sleep(0.02)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+register_before_thread_join(_wait_for_inflight_before_exit)

@@ -21,6 +21,7 @@ import os
 import shutil
 import statistics
 import time
+import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -93,7 +94,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--out", default="ckpt_demo")
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's start-up line, per-checkpoint lines
+    # One process, no process group: DCP warns "torch.distributed is disabled ... single process"
+    # on every save and load. Expected here (no collectives run); see docs/troubleshooting.md.
+    warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     shutil.rmtree(args.out, ignore_errors=True)
 
     model, opt = build(args.width, args.layers)

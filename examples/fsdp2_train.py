@@ -55,7 +55,9 @@ class TinyTransformer(torch.nn.Module):
         x = self.embed(tokens)
         for layer in self.layers:
             x = layer(x)
-        return self.head(x)
+        # Logits as (tokens, vocab) from a 2-D matmul: a fresh tensor, not a view (FSDP2 warns
+        # about root outputs that are views: in-place ops on them would skip its hooks).
+        return self.head(x.reshape(-1, DIM))
 
 
 def batch(step: int, rank: int, world: int, device):

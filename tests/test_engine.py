@@ -646,9 +646,10 @@ def test_open_failure_is_reported_on_the_job(tmp_path):
 
 
 def test_cache_wait_timeout_when_flushes_stall(tmp_path):
-    """A hung device (the "stall" fault: each write of the file first sleeps 1 s) releases no slot
-    in time, so the copy worker gives up after cache_wait_timeout_s and the job fails instead of
-    hanging. (A FIFO used to stall the open; the engine now refuses FIFOs without blocking.)"""
+    """A hung device (the "stall" fault: flushes of the file wait until it is cleared or their job
+    fails) releases no slot in time, so the copy worker gives up after cache_wait_timeout_s and
+    the job fails instead of hanging. (A FIFO used to stall the open; the engine now refuses
+    FIFOs without blocking.)"""
     stalled = tmp_path / "stalled.bin"
     rng = np.random.default_rng(40)
     eng = E.Engine(16 * KiB, chunk_bytes=4096, copy_threads=1, flush_threads=1, cache_wait_timeout_s=0.2)
@@ -659,9 +660,8 @@ def test_cache_wait_timeout_when_flushes_stall(tmp_path):
         assert job.wait_staged(10)
         assert "host cache full for 0.2 s" in job.error()
         assert str(stalled) in job.error()
-        assert not job.wait_done(0.05)  # the flush worker is still inside the stalled write
         eng.set_fault("none")
-        wait(job)
+        wait(job)  # the failed job's held flushes are dropped, its slots given back
         s = eng.stats()
         assert s["slots_free"] == s["slots_total"] and s["backpressure_waits"] >= 1
 
@@ -807,5 +807,60 @@ def test_prefault_waits_while_copies_run():
         assert eng.stats()["cache_prefaulted_bytes"] == paused < cache
         job.fail("test: nobody consumes this stream")
         assert _until(lambda: eng.stats()["cache_prefaulted_bytes"] == cache)
+    finally:
+        eng.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# abort of a file job (Ctrl-C abandoning a checkpoint in flight)
+
+
+def test_fail_abandons_a_file_job_in_flight(tmp_path):
+    """job.fail() on a file job whose flushes are held up (the "stall" fault) and whose copies
+    wait for cache slots (4x larger than the cache): the job is done at once with that error,
+    every slot is given back, nothing more is written, and the engine goes on working."""
+    rng = np.random.default_rng(41)
+    eng = E.Engine(64 * KiB, chunk_bytes=16 * KiB, copy_threads=1, flush_threads=2, cache_wait_timeout_s=600)
+    try:
+        a = rand_array(rng, 256 * KiB)
+        path = tmp_path / "stalled.bin"
+        eng.set_fault("stall", 0, "stalled")
+        job = eng.submit_write(str(path), b"H" * 64, 64 + a.nbytes, [(ptr(a), a.nbytes, 64)])
+        assert not job.wait_done(0.3)  # held: flushes stalled, copies wait for slots
+        assert job.bytes_done == 0 and job.error() is None
+        job.fail("checkpoint abandoned: Ctrl-C")
+        assert job.wait_done(5.0)  # no copy worker waits out cache_wait_timeout_s (600 s)
+        assert job.error() == "checkpoint abandoned: Ctrl-C"
+        assert job.bytes_done == 0
+        with pytest.raises(RuntimeError, match="write failed, no checksums: checkpoint abandoned"):
+            job.checksums()
+        s = eng.stats()
+        assert s["slots_free"] == s["slots_total"]
+        assert s["jobs_failed"] == 1
+        assert os.path.getsize(path) < 64 + a.nbytes  # left incomplete
+        job.fail("a second reason")  # idempotent: the first error wins
+        assert job.error() == "checkpoint abandoned: Ctrl-C"
+
+        eng.set_fault("none", 0, "")
+        ok = tmp_path / "after.bin"
+        job2 = eng.submit_write(str(ok), b"", a.nbytes, [(ptr(a), a.nbytes, 0)])
+        wait(job2)
+        assert job2.error() is None and ok.read_bytes() == a.tobytes()
+        assert job2.bytes_done == a.nbytes
+    finally:
+        eng.set_fault("none", 0, "")
+        eng.shutdown()
+
+
+def test_fail_after_done_marks_the_job_failed_and_leaves_the_file(tmp_path):
+    rng = np.random.default_rng(42)
+    eng = E.Engine(64 * KiB, chunk_bytes=16 * KiB, copy_threads=1, flush_threads=1)
+    try:
+        a = rand_array(rng, 40 * KiB)
+        job = eng.submit_write(str(tmp_path / "f.bin"), b"", a.nbytes, [(ptr(a), a.nbytes, 0)])
+        wait(job)
+        job.fail("too late")
+        assert job.error() == "too late"  # recorded, but the file was already complete
+        assert (tmp_path / "f.bin").read_bytes() == a.tobytes()
     finally:
         eng.shutdown()

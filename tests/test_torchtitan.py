@@ -351,3 +351,26 @@ def test_two_ranks_fsdp2_per_rank_dataloader_state(tt, tmp_path):
     assert sorted(os.listdir(os.path.join(root, "checkpoint"))) == ["step-2", "step-4"]
     files = sorted(os.listdir(os.path.join(root, "checkpoint", "step-4")))
     assert files == [".metadata", "__0_0.safetensors", "__1_0.safetensors"]
+
+
+def test_the_manager_defaults_to_lazy_async_saves_and_says_when_it_is_synchronous(tt, tmp_path, caplog):
+    import logging
+
+    from torchtitan.components.checkpoint import AsyncMode
+
+    assert tt.DataStatesCheckpointManager.Config(enable=True).async_mode == "async"
+    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+        *_, manager = build(tt, tmp_path / "a", async_mode=tt.DataStatesCheckpointManager.Config(enable=True).async_mode)
+        assert manager.async_mode == AsyncMode.ASYNC
+        manager.close()
+        assert not any("synchronous" in r.getMessage() for r in caplog.records)
+        *_, sync = build(tt, tmp_path / "s", async_mode="disabled")
+        sync.close()
+    lines = [r.getMessage() for r in caplog.records if "synchronous" in r.getMessage()]
+    assert len(lines) == 1 and "async_mode=disabled: saves are synchronous" in lines[0]
+
+
+def test_sizes_in_the_torchtitan_config_follow_the_one_rule(tt):
+    Config = tt.DataStatesCheckpointManager.Config
+    for written, nbytes in [("16", 16 << 30), ("0.5", 512 << 20), ("67108864", 64 << 20), ("512MiB", 512 << 20)]:
+        assert Config(enable=True, host_cache_size=written).to_datastates_config().host_cache_size == nbytes

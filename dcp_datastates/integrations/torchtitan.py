@@ -14,7 +14,8 @@ code. Select it in a TorchTitan config function (``--module``/``--config`` regis
         )
         return config
 
-With ``async_mode="async"`` a save returns as soon as the copies are enqueued; forward and backward
+``async_mode`` defaults to ``"async"`` here (TorchTitan's own manager defaults to ``"disabled"``);
+``"disabled"`` saves synchronously and says so once in the log. With ``"async"`` a save returns as soon as the copies are enqueued; forward and backward
 of the next steps run while the engine copies the state into its host cache and flushes it, and
 TorchTitan's ``maybe_wait_for_staging()`` (called right before ``optimizers.step()``) waits only
 for the copies (``dcp_datastates.wait_staged()``). ``"async_with_pinned_mem"`` takes the same
@@ -29,12 +30,12 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..config import DataStatesConfig, parse_size
+from ..config import DataStatesConfig, cache_size
 from ..metadata import METADATA_NAME
 from ..reader import DataStatesReader
 from ..staging import wait_staged
@@ -80,10 +81,9 @@ def is_datastates_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def _bare_gb(value: Any, name: str) -> int:
-    """Sizes in a TorchTitan config follow the seeds: a bare number is GB, strings carry a unit."""
-    if isinstance(value, str) and value.strip().replace(".", "", 1).isdigit():
-        value = float(value)
-    return parse_size(value, bare_unit=1 << 30, name=name)
+    """Sizes in a TorchTitan config follow the rule of every entry point (``config.cache_size``):
+    a unitless number is GiB below 65536 and bytes from 65536 up; strings may carry a unit."""
+    return cache_size(value, name)
 
 
 if TORCHTITAN_AVAILABLE:
@@ -104,9 +104,15 @@ if TORCHTITAN_AVAILABLE:
             or the library default (see docs/configuration.md).
             """
 
+            async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = "async"
+            """TorchTitan's option, with the lazy asynchronous path as this manager's default
+            (TorchTitan's own manager defaults to "disabled"). "disabled" saves synchronously
+            (logged once); "async_with_pinned_mem" is the same as "async" here."""
+
             host_cache_size: str | None = None
             """Host memory the engine preallocates once and reuses, e.g. "16GB" or "512MiB"; a
-            bare number is GB. Default: a quarter of RAM, between 256 MiB and 8 GiB."""
+            unitless number is GiB below 65536 and bytes from it up. Default: a quarter of the
+            node's memory split between its local ranks (docs/configuration.md)."""
 
             pin_host_cache: bool | None = None
             """Page-lock the host cache (cudaHostRegister) when CUDA is present. Default: true."""
@@ -175,6 +181,11 @@ if TORCHTITAN_AVAILABLE:
                 return
             self.datastates_config = config.to_datastates_config()
             self.staging_completion = None
+            if self.async_mode == AsyncMode.DISABLED:
+                log.info(
+                    "dcp_datastates: checkpoint.async_mode=disabled: saves are synchronous (training waits "
+                    "for each checkpoint to be durable); set async_mode=async for lazy asynchronous saves"
+                )
             if self.async_mode == AsyncMode.ASYNC_WITH_PINNED_MEM:
                 log.info(
                     "dcp_datastates: async_mode=async_with_pinned_mem uses lazy staging into the "

@@ -1,0 +1,275 @@
+"""Every command and snippet in README.md and docs/ runs here, so the docs cannot drift from the code.
+
+Each document's code blocks run in order in a fresh folder (with ``examples/`` linked in): a
+``python`` block is a script of its own (one process each, so a resume recipe really runs in a
+new process; a block starting with ``# name.py`` is written to that file for a later ``bash``
+block to run), a ``bash`` block runs in bash with this interpreter's ``bin`` first on PATH.
+Blocks without a language are program output or diagrams, unless their first line is a command.
+
+A block that cannot run here says where it runs instead, and this file checks that the same
+commands are there: ``<!-- ci: ... -->`` before a block (the README's install commands, run by
+.ci/run), or ``ELSEWHERE`` (a test file running the same command), or ``ARGS_ONLY`` (the long
+benchmark runs: their arguments are checked against the command's ``--help``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))]
+COMMAND_WORDS = ("python", "python3", "pip", "torchrun", "dcp-datastates")
+RUN_TIMEOUT = 300
+
+
+@dataclass
+class Block:
+    doc: str
+    line: int
+    lang: str
+    text: str
+    marker: str  # the HTML comment right before the fence, or ""
+
+    @property
+    def first(self) -> str:
+        return next((ln.strip() for ln in self.text.splitlines() if ln.strip()), "")
+
+    def is_command(self) -> bool:
+        if self.lang in ("python", "bash", "sh", "console"):
+            return True
+        return self.lang == "" and self.first.split(" ")[0] in COMMAND_WORDS
+
+
+def blocks(doc: str) -> list[Block]:
+    out, lines = [], (ROOT / doc).read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        m = re.match(r"^```(\w*)\s*$", lines[i])
+        if not m:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and not lines[j].startswith("```"):
+            j += 1
+        marker = lines[i - 1].strip() if i > 0 and lines[i - 1].strip().startswith("<!--") else ""
+        out.append(Block(doc, i + 1, m.group(1), "\n".join(lines[i + 1 : j]) + "\n", marker))
+        i = j + 1
+    return out
+
+
+def commands_of(text: str) -> list[str]:
+    """Shell commands of a block: continuation lines joined, comments dropped, split on &&."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    cmds = []
+    for line in joined.splitlines():
+        line = line.split(" #")[0].strip()
+        if line and not line.startswith("#"):
+            cmds += [c.strip() for c in line.split("&&") if c.strip()]
+    return cmds
+
+
+def normalized(cmd: str) -> str:
+    return " ".join(w for w in cmd.split() if w != "-q")
+
+
+# ----------------------------------------------------------- blocks that run somewhere else
+# (doc, a line of the block) -> (test file, texts that test must contain: the same command)
+ELSEWHERE = {
+    ("docs/integrations.md", "torchrun --nproc_per_node 8 -m torchtitan.train"): (
+        "tests/test_torchtitan.py", ["--checkpoint.host_cache_size", "--checkpoint.flush_threads", "ConfigManager()"]),
+    ("docs/integrations.md", "from torchtitan.models.llama3.config_registry import llama3_8b"): (
+        # llama3's registry imports triton, absent on CPU machines; the same from_base call runs there
+        "tests/test_torchtitan.py", ["Config.from_base(base, host_cache_size="]),
+}
+# Long benchmark runs: each --flag must be one the command accepts.
+ARGS_ONLY = ("python -m dcp_datastates bench --dir", "python examples/bench_remote.py", "python examples/bench_planning.py")
+
+# Code a block needs from the surrounding text (a model, a saved checkpoint), run before it.
+_SAVED = """
+import os, torch, torch.distributed.checkpoint as dcp, warnings
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+from dcp_datastates import DataStatesWriter
+def _save_ckpt(path):
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        dcp.save({"model": {"w": torch.arange(12.0).reshape(3, 4)}, "step": 3}, storage_writer=DataStatesWriter(path))
+"""
+PRELUDES = {
+    ("docs/integrations.md", "protect_optimizer(optimizer)   # optimizer.step() waits"): _SAVED + """
+model = torch.nn.Linear(8, 8); optimizer = torch.optim.AdamW(model.parameters())
+state = {"model": model.state_dict(), "step": 1}; path = "ckpt/plain"; ckpt_group = None
+""",
+    ("docs/integrations.md", "model_sd, optim_sd = get_state_dict(model, optimizer)"): """
+import torch, torch.distributed.checkpoint as dcp
+from dcp_datastates import DataStatesWriter
+model = torch.nn.Linear(8, 8); optimizer = torch.optim.AdamW(model.parameters()); step = 1; ckpt_group = None
+""",
+    ("docs/integrations.md", 'opts = {"endpoint_url"'): """
+import torch, torch.distributed.checkpoint as dcp, dcp_datastates
+from dcp_datastates import DataStatesReader, DataStatesWriter
+state = {"w": torch.arange(4.0)}
+""",
+    ("docs/integrations.md", 'DataStatesConfig.from_file("deepspeed_config.json")'): f"""
+import shutil
+for name in ("deepspeed_config.json", "nanotron.yaml"):
+    shutil.copy({str(ROOT / "examples" / "configs")!r} + "/" + name, name)
+""",
+    ("docs/troubleshooting.md", "except CheckpointException as exc:"): _SAVED + """
+from dcp_datastates import DataStatesReader
+path = "ckpt/broken"; _save_ckpt(path); os.unlink(os.path.join(path, ".metadata"))
+state = {"model": {"w": torch.zeros(3, 4)}, "step": 0}
+""",
+    ("docs/troubleshooting.md", "dcp-datastates verify ckpt/step-300"): _SAVED + '_save_ckpt("ckpt/step-300")\n',
+    ("docs/file-format.md", 'safe_open("ckpt/step-100/__0_0.safetensors"'): _SAVED + '_save_ckpt("ckpt/step-100")\n',
+    ("docs/migrating.md", "dcp-datastates convert ckpt/step-100 dcp-out --to dcp"): _SAVED + '_save_ckpt("ckpt/step-100")\n',
+}
+# Text swapped in before running (a local stand-in for a remote store).
+SUBSTITUTIONS = {
+    ("docs/integrations.md", 'opts = {"endpoint_url"'): [
+        ('opts = {"endpoint_url": "http://127.0.0.1:9000", "key": "...", "secret": "..."}', "opts = {}"),
+        ("s3://", "memory://"),
+    ],
+}
+# Checks appended to a block: the quick start's resume recipe restores everything, by value.
+EPILOGUES = {
+    ("docs/quickstart.md", "# train.py"): """
+torch.save({"model": model.state_dict(), "optim": optimizer.state_dict(), "rng": data.get_state()}, "expected.pt")
+""",
+    ("docs/quickstart.md", "# resume.py"): """
+expected = torch.load("expected.pt")
+for k, v in expected["model"].items():
+    assert torch.equal(model.state_dict()[k], v), k
+got = optimizer.state_dict()["state"]
+assert len(got) == len(expected["optim"]["state"]) == 4, len(got)
+for i, st in expected["optim"]["state"].items():
+    assert set(got[i]) == {"step", "exp_avg", "exp_avg_sq"}, got[i].keys()
+    for k, v in st.items():
+        assert torch.equal(got[i][k], v), (i, k)
+assert float(got[0]["step"]) == 6.0
+assert torch.equal(data.get_state(), expected["rng"]) and start == 7
+print("RESUME-CHECKED")
+""",
+}
+
+
+def _keyed(table: dict, b: Block):
+    return [v for (doc, needle), v in table.items() if doc == b.doc and needle in b.text]
+
+
+def _where(b: Block) -> str:
+    if b.marker.startswith("<!-- ci"):
+        return "ci"
+    if _keyed(ELSEWHERE, b):
+        return "elsewhere"
+    if any(b.first.startswith(a) for a in ARGS_ONLY):
+        return "args"
+    return "run"
+
+
+ALL = [b for d in DOCS for b in blocks(d) if b.is_command()]
+
+
+def test_the_docs_have_commands_and_each_is_accounted_for():
+    assert len(ALL) >= 20
+    unclaimed = [k for k in list(PRELUDES) + list(EPILOGUES) + list(SUBSTITUTIONS) + list(ELSEWHERE)
+                 if not any(b.doc == k[0] and k[1] in b.text for b in ALL)]
+    assert not unclaimed, f"stale entries (the doc changed): {unclaimed}"
+
+
+def test_ci_blocks_are_what_ci_runs():
+    ci = normalized((ROOT / ".ci" / "run").read_text())
+    marked = [b for b in ALL if _where(b) == "ci"]
+    assert any(b.doc == "README.md" for b in marked) and any(b.doc == "docs/quickstart.md" for b in marked)
+    for b in marked:
+        for cmd in commands_of(b.text):
+            assert normalized(cmd) in ci, f"{b.doc}:{b.line}: {cmd!r} is not in .ci/run"
+
+
+@pytest.mark.parametrize("key", list(ELSEWHERE), ids=lambda k: k[1][:40])
+def test_blocks_run_elsewhere_are_there(key):
+    test_file, needles = ELSEWHERE[key]
+    text = (ROOT / test_file).read_text()
+    for needle in needles:
+        assert needle in text, f"{test_file} no longer runs {needle!r} ({key[0]})"
+
+
+def test_benchmark_commands_take_their_arguments():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    checked = 0
+    for b in ALL:
+        if _where(b) != "args":
+            continue
+        for cmd in commands_of(b.text):
+            words = shlex.split(cmd)
+            script = words[: words.index("bench") + 1] if "bench" in words else words[:2]
+            helptext = subprocess.run([sys.executable, *script[1:], "--help"], cwd=ROOT, env=env,
+                                      capture_output=True, text=True, timeout=120).stdout
+            for flag in (w for w in words if w.startswith("--")):
+                assert flag in helptext, f"{b.doc}:{b.line}: {flag} is not an option of {' '.join(script)}"
+            checked += 1
+    assert checked >= 3
+
+
+def _run_doc(doc: str, tmp: Path) -> list[str]:
+    (tmp / "examples").symlink_to(ROOT / "examples")
+    (tmp / "docs").symlink_to(ROOT / "docs")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
+    outputs = []
+    for k, b in enumerate(x for x in ALL if x.doc == doc and _where(x) == "run"):
+        text = b.text
+        for old, new in (sum(_keyed(SUBSTITUTIONS, b), [])):
+            assert old in text, f"{doc}:{b.line}: substitution {old!r} no longer applies"
+            text = text.replace(old, new)
+        prelude = "".join(_keyed(PRELUDES, b))
+        epilogue = "".join(_keyed(EPILOGUES, b))
+        if b.lang == "python":
+            name = b.first[2:].strip() if re.fullmatch(r"# [\w.-]+\.py", b.first) else f"_block{k}.py"
+            (tmp / name).write_text(prelude + text + epilogue)
+            if not name.startswith("_block"):
+                continue  # run by the bash block that follows, as the doc says
+            args = [sys.executable, name]
+        else:
+            if prelude:
+                (tmp / f"_prelude{k}.py").write_text(prelude)
+                subprocess.run([sys.executable, f"_prelude{k}.py"], cwd=tmp, env=env, check=True, timeout=RUN_TIMEOUT)
+            args = ["bash", "-e", "-o", "pipefail", "-c", text]
+        r = subprocess.run(args, cwd=tmp, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+        assert r.returncode == 0, f"{doc}:{b.line} failed ({r.returncode}):\n{text}\n--- stdout\n{r.stdout[-3000:]}\n--- stderr\n{r.stderr[-4000:]}"
+        outputs.append(r.stdout)
+    return outputs
+
+
+RUN_DOCS = sorted({b.doc for b in ALL if _where(b) == "run"})
+
+
+@pytest.mark.parametrize("doc", RUN_DOCS)
+def test_doc_blocks_run_in_order(doc, tmp_path):
+    outputs = _run_doc(doc, tmp_path)
+    assert outputs
+    if doc == "docs/quickstart.md":
+        text = "".join(outputs)
+        assert "RESUME-CHECKED" in text  # model, Adam moments and step, data: equal by value
+        assert "resumed from ckpt/step-6; training goes on at step 7" in text
+        assert "resumed from ckpt_fsdp2/step-6 at step 6" in text
+        assert (tmp_path / "dcp-out" / ".metadata").exists() and (tmp_path / "state.pt").exists()
+
+
+def test_config_file_blocks_in_the_docs_load(tmp_path):
+    from dcp_datastates import DataStatesConfig
+
+    loaded = 0
+    for b in blocks("docs/configuration.md"):
+        if b.lang in ("yaml", "json"):
+            path = tmp_path / f"block{b.line}.{b.lang}"
+            path.write_text(b.text)
+            config = DataStatesConfig.from_file(path)
+            assert config.host_cache_size == 16 << 30, b.line  # the seeds' `host_cache_size: 16`
+            loaded += 1
+    assert loaded == 2

@@ -1,0 +1,218 @@
+"""Ctrl-C while a checkpoint is in flight, with real SIGINTs sent to a subprocess.
+
+The first Ctrl-C says which checkpoint is still being written, how much is left, and that a
+second one abandons it; the second abandons it (nothing committed, the last committed checkpoint
+kept) and the process exits.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from dcp_datastates import inflight, latest_checkpoint
+
+EXIT_TIMEOUT = 30  # generous: only a hang fails it (the stalled save would hold the exit forever)
+
+
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default action, so Python installs its
+    Ctrl-C handler even when this test runs with SIGINT ignored (a background job of a
+    non-interactive shell ignores it, and children inherit that)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class Child:
+    """A Python subprocess whose stdout and stderr lines are collected as they come."""
+
+    def __init__(self, script: str, *args: str, cwd=None):
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(script), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+            preexec_fn=_default_sigint,
+        )
+        self.lines: queue.Queue = queue.Queue()
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, store in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=self._pump, args=(stream, store), daemon=True).start()
+
+    def _pump(self, stream, store):
+        for line in stream:
+            store.append(line)
+            self.lines.put(line)
+
+    def wait_for(self, text: str, timeout: float = 60) -> str:
+        while True:
+            try:
+                line = self.lines.get(timeout=timeout)
+            except queue.Empty:
+                self.proc.kill()
+                raise AssertionError(f"{text!r} never appeared; stdout={''.join(self.out)!r} stderr={''.join(self.err)[-3000:]!r}")
+            if text in line:
+                return line
+
+    def interrupt(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+
+    def finish(self) -> int:
+        try:
+            return self.proc.wait(timeout=EXIT_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            raise AssertionError(f"the process did not exit; stderr={''.join(self.err)[-3000:]!r}")
+
+
+# A save double: a thread named like DCP's executor thread waits until the save completes (a file
+# appears) or is abandoned, as DCP's background thread waits for the writer's jobs.
+DOUBLE = """
+    import os, sys, threading, time
+    from dcp_datastates import inflight
+
+    class Save:
+        path = "ckpt/step-200"
+        def __init__(self):
+            self.abandoned = threading.Event()
+        def progress(self):
+            return (3 << 20, 8 << 20)
+        def abandon(self, reason):
+            print("abandoned:", reason, flush=True)
+            self.abandoned.set()
+
+    save = Save()
+    inflight.register(save)
+    finish_file = sys.argv[1]
+
+    def executor():
+        while not save.abandoned.is_set() and not os.path.exists(finish_file):
+            time.sleep(0.01)
+        print("committed" if not save.abandoned.is_set() else "failed", flush=True)
+        inflight.unregister(save)
+
+    threading.Thread(target=executor, name="AsyncCheckpointExecutor_0").start()
+    print("READY", flush=True)
+    time.sleep(120)  # the training loop, interrupted here
+"""
+
+
+def test_first_ctrl_c_names_the_checkpoint_and_waits_for_its_commit(tmp_path):
+    child = Child(DOUBLE, str(tmp_path / "finish"))
+    child.wait_for("READY")
+    child.interrupt()
+    line = child.wait_for("Ctrl-C again to abandon it")
+    assert "ckpt/step-200 (5.0 MiB of 8.0 MiB left to write)" in line
+    (tmp_path / "finish").write_text("")  # the save completes on its own
+    child.finish()
+    assert "committed\n" in child.out and not any("abandoned" in x for x in child.out)
+    assert sum("still being written" in x for x in child.err) == 1  # one line, once
+
+
+def test_second_ctrl_c_abandons_the_checkpoint_and_exits(tmp_path):
+    child = Child(DOUBLE, str(tmp_path / "never"))
+    child.wait_for("READY")
+    child.interrupt()
+    child.wait_for("Ctrl-C again to abandon it")
+    child.interrupt()
+    rc = child.finish()
+    assert rc != 0  # KeyboardInterrupt
+    assert "abandoned: interrupted (Ctrl-C) while exiting\n" in child.out and "failed\n" in child.out
+    assert any("abandoned checkpoint ckpt/step-200: not committed" in x for x in child.err)
+
+
+# A real save: the engine's "stall" fault holds the second checkpoint's writes, so it stays in
+# flight until it is abandoned.
+REAL = """
+    import sys
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from dcp_datastates import DataStatesWriter, inflight
+    from dcp_datastates.runtime import current_engine
+
+    root = sys.argv[1]
+    opts = dict(host_cache_size="1MiB", chunk_size="64KiB")
+    state = {"w": torch.randn(1 << 20)}  # 4 MiB through a 1 MiB cache
+    dcp.async_save(state, storage_writer=DataStatesWriter(f"{root}/step-1", **opts)).upload_completion.result()
+    current_engine().set_fault("stall", 0, "step-2")
+    resp = dcp.async_save(state, storage_writer=DataStatesWriter(f"{root}/step-2", **opts))
+    if not inflight.inflight():
+        # Until the writer registers its saves itself: the same handle, built from its record.
+        from dcp_datastates import writer
+        staged = writer._inflight[f"{root}/step-2"]
+        inflight.register(inflight.EngineSave(staged.path, [f.job for f in staged.files]))
+    print("READY", flush=True)
+    resp.upload_completion.result()
+"""
+
+
+def test_second_ctrl_c_abandons_a_real_save_and_keeps_the_last_checkpoint(tmp_path):
+    root = str(tmp_path / "ckpt")
+    child = Child(REAL, root)
+    child.wait_for("READY")
+    child.interrupt()
+    line = child.wait_for("Ctrl-C again to abandon it")
+    assert f"{root}/step-2 (" in line and "of 4.0 MiB left to write" in line
+    child.interrupt()
+    rc = child.finish()
+    assert rc != 0
+    err = "".join(child.err)
+    assert f"abandoned checkpoint {root}/step-2: not committed" in err
+    assert not os.path.exists(os.path.join(root, "step-2", ".metadata"))
+    assert latest_checkpoint(root) == os.path.join(root, "step-1")
+    assert "Fatal Python error" not in err and "terminate called" not in err
+
+
+def test_registry_lists_saves_until_unregistered_or_done():
+    class Save:
+        path = "p"
+        finished = False
+
+        def progress(self):
+            return (0, 1)
+
+        def abandon(self, reason):
+            pass
+
+        def done(self):
+            return self.finished
+
+    a, b = Save(), Save()
+    try:
+        inflight.register(a)
+        inflight.register(a)
+        inflight.register(b)
+        assert inflight.inflight() == [a, b]
+        b.finished = True
+        assert inflight.inflight() == [a]
+        inflight.unregister(a)
+        inflight.unregister(a)  # unknown now: ignored
+        assert inflight.inflight() == []
+    finally:
+        inflight.unregister(a)
+        inflight.unregister(b)
+
+
+def test_engine_save_handle_reports_progress_and_fails_its_jobs():
+    class Job:
+        def __init__(self, done, total):
+            self.bytes_done, self.nbytes, self.errors = done, total, []
+
+        def fail(self, msg):
+            self.errors.append(msg)
+
+        def is_done(self):
+            return bool(self.errors)
+
+    jobs = [Job(1, 4), Job(2, 6)]
+    save = inflight.EngineSave("ckpt/step-9", jobs)
+    assert save.progress() == (3, 10) and not save.done() and save.abandoned is None
+    save.abandon("Ctrl-C")
+    assert save.abandoned == "Ctrl-C" and save.done()
+    assert [j.errors for j in jobs] == [["ckpt/step-9: checkpoint abandoned: Ctrl-C"]] * 2
