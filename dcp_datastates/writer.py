@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from . import commit, remote, storage
+from . import checkpoint_stats, commit, inflight, remote, storage
 from .compat import unflatten_state_dict
 from .config import DataStatesConfig
 from .consolidate import consolidate_results
@@ -141,7 +141,10 @@ class _StagedSave:
     guard: VersionGuard | None = None  # the sources this rank copies
     late_guard: VersionGuard | None = None  # tensors it may have to write from live memory
     error: BaseException | None = None  # raised from prepare_local_plan
+    abandoned: str | None = None  # why the save was abandoned (Ctrl-C at exit, an error): never commit
     requested: float = field(default_factory=time.monotonic)
+    stall_s: float = 0.0  # the training thread's time in stage()
+    staged_s: float | None = None  # request -> every byte in the host cache
     _sealed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     finished: threading.Event = field(default_factory=threading.Event)
@@ -186,15 +189,23 @@ class _StagedSave:
         if changed is not None and self.error is None:
             self.error = CheckpointWriteError(torn_message(self.path or "(unnamed)", *changed))
 
+    # The in-flight save handle (inflight.py): what Ctrl-C at exit names and abandons.
     def abandon(self, reason: str) -> None:
         """Fail every job at once: nothing of this save gets written or committed."""
+        if self.abandoned is None:
+            self.abandoned = reason
         for j in self.jobs():
             j.abort(reason)
 
     def progress(self) -> tuple[int, int]:
-        total = sum(j.job.nbytes for j in self.jobs())
-        done = sum(j.job.nbytes for j in self.jobs() if j.is_done())
-        return done, total
+        jobs = [j.job for j in self.jobs()]
+        return sum(int(getattr(j, "bytes_done", 0)) for j in jobs), sum(int(j.nbytes) for j in jobs)
+
+    def done(self) -> bool:
+        return self.is_over()
+
+    def nbytes(self) -> int:
+        return sum(int(j.job.nbytes) for j in self.jobs())
 
 
 # Saves not finished yet, by checkpoint path (process-wide): a second save to the same folder
@@ -342,13 +353,18 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def stage(self, state_dict: dict) -> Future:
         """Enqueue this rank's copies and return a Future of the staged state dict at once. The
         Future never fails: errors surface from the save (``upload_completion``) on every rank."""
+        t0 = time.monotonic()
         with gc_paused():  # thousands of small objects per checkpoint: no collection mid-stage
-            return self._stage(state_dict)
+            future = self._stage(state_dict, t0)
+        with self._lock:
+            if self._pending:
+                self._pending[-1].stall_s = time.monotonic() - t0
+        return future
 
-    def _stage(self, state_dict: dict) -> Future:
+    def _stage(self, state_dict: dict, t0: float) -> Future:
         future: Future = Future()
         target = None if self._retargeted else self.path
-        staged = _StagedSave(path=target)
+        staged = _StagedSave(path=target, requested=t0)
         flat, mappings = None, None
         try:
             self._check_launch()
@@ -362,6 +378,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         with self._lock:
             self._pending.append(staged)
         tracker().add(staged)
+        inflight.register(staged)
         if flat is None:
             future.set_result(state_dict)
             return future
@@ -483,6 +500,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def _finish_staging(self, staged: _StagedSave, resolve: tuple | None) -> None:
         try:
             staged.wait_staged(None)
+            staged.staged_s = time.monotonic() - staged.requested
             staged.seal()
         finally:
             for f in staged.files:
@@ -663,14 +681,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             # and DCP's own gather then fails the save on every rank.
             results = consolidate_results(results if error is None else [], self.process_group, 0)
         if error is not None:
-            staged.finished.set()
-            _release_path(staged.path, staged)
+            self._close(staged, error=error)
             if isinstance(error, CheckpointWriteError):
                 raise error
             raise CheckpointWriteError(f"saving checkpoint {self.path} failed: {type(error).__name__}: {error}") from error
         if self.use_collectives and not self.is_coordinator:
-            staged.finished.set()  # the coordinator commits; nothing more happens here
-            _release_path(staged.path, staged)
+            self._close(staged)  # the coordinator commits; nothing more happens here
         else:
             self._finishing = staged
         fut: torch.futures.Future = torch.futures.Future()
@@ -680,6 +696,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def _write_local(self, staged: _StagedSave, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
         if staged.error is not None:
             raise staged.error
+        if staged.abandoned is not None:
+            raise CheckpointWriteError(f"checkpoint {staged.path} abandoned: {staged.abandoned}")
         given = {item_key(i.index) for i in plan.items}
         for h in staged.held:
             if not h.selection_known():
@@ -697,6 +715,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 errors.append(str(exc))
         if errors:
             raise CheckpointWriteError(f"saving checkpoint {staged.path} failed: " + "; ".join(errors))
+        if staged.abandoned is not None:  # abandoned after its files were durable: still never committed
+            raise CheckpointWriteError(f"checkpoint {staged.path} abandoned: {staged.abandoned}")
         if staged.moved_from is not None:
             locations = self._relocate(staged, locations)
         if staged.decision_key is not None:
@@ -753,9 +773,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         return self._submit(engine, staged, index, sources)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        staged = getattr(self, "_finishing", None)
+        staged = self._finishing
         self._finishing = None
+        error: BaseException | None = None
         try:
+            if staged is not None and staged.abandoned is not None:
+                raise CheckpointWriteError(f"checkpoint {self.path} abandoned: {staged.abandoned}; not committed")
             if metadata.storage_meta is None:  # DCP's default planner does not fill it
                 metadata = dataclasses.replace(metadata, storage_meta=self.storage_meta())
             locations: dict[MetadataIndex, ItemLocation] = {}
@@ -768,10 +791,33 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 storage_options=self.config.storage_options, rank_local=rank_local,
                 in_use=_names_in_use(self.path) if staged is None else frozenset(),
             )
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             if staged is not None:
-                staged.finished.set()
-                _release_path(staged.path, staged)
+                total = sum(r.size_in_bytes for rank_results in results for r in rank_results)
+                self._close(staged, error=error, total_bytes=total, committed=error is None)
+
+    def _close(self, staged: _StagedSave, *, error: BaseException | None = None, total_bytes: int | None = None,
+               committed: bool = False) -> None:
+        """The save needs nothing more from this rank: release its folder, leave the in-flight
+        list, and record its figures (the coordinator's record, with the commit, is logged)."""
+        staged.finished.set()
+        _release_path(staged.path, staged)
+        inflight.unregister(staged)
+        rank, world = _global_rank_world()
+        try:
+            checkpoint_stats.record(checkpoint_stats.CheckpointStats(
+                path=str(staged.path or self.path), rank=rank, world_size=world,
+                bytes=total_bytes if total_bytes is not None else staged.nbytes(),
+                stall_s=staged.stall_s, staged_s=staged.staged_s,
+                durable_s=time.monotonic() - staged.requested if committed else None,
+                coordinator=self.is_coordinator or not self.use_collectives,
+                error=None if error is None else str(error).splitlines()[0][:500],
+            ))
+        except Exception as exc:  # noqa: BLE001 - figures must never fail a save
+            log.debug("dcp_datastates: could not record checkpoint figures: %s", exc)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

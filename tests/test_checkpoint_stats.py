@@ -107,3 +107,25 @@ def test_bad_figures_are_refused():
         stats(bytes=-5)
     with pytest.raises(TypeError, match="expected CheckpointStats"):
         record({"path": "x"})
+
+
+def test_a_save_records_its_figures_and_the_coordinator_logs_one_line(tmp_path, caplog):
+    import logging
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter, recent_checkpoints
+
+    from dcp_datastates import checkpoint_stats
+
+    checkpoint_stats._clear()
+    state = {"w": torch.randn(256 * 1024), "step": 3}
+    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+        dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "s1")).upload_completion.result(timeout=60)
+    (rec,) = recent_checkpoints(1)
+    assert rec.path == str(tmp_path / "s1") and rec.committed and rec.error is None
+    assert rec.bytes >= 1024 * 1024  # the tensor's bytes at least
+    assert 0 <= rec.stall_s <= rec.durable_s and rec.staged_s is not None and rec.staged_s <= rec.durable_s
+    lines = [r.getMessage() for r in caplog.records if "checkpoint" in r.getMessage() and "durable in" in r.getMessage()]
+    assert len(lines) == 1 and str(tmp_path / "s1") in lines[0] and "training stalled" in lines[0]

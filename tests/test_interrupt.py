@@ -142,11 +142,7 @@ REAL = """
     dcp.async_save(state, storage_writer=DataStatesWriter(f"{root}/step-1", **opts)).upload_completion.result()
     current_engine().set_fault("stall", 0, "step-2")
     resp = dcp.async_save(state, storage_writer=DataStatesWriter(f"{root}/step-2", **opts))
-    if not inflight.inflight():
-        # Until the writer registers its saves itself: the same handle, built from its record.
-        from dcp_datastates import writer
-        staged = writer._inflight[f"{root}/step-2"]
-        inflight.register(inflight.EngineSave(staged.path, [f.job for f in staged.files]))
+    assert [s.path for s in inflight.inflight()] == [f"{root}/step-2"]  # the writer registered it
     print("READY", flush=True)
     resp.upload_completion.result()
 """
