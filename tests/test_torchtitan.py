@@ -215,8 +215,14 @@ def test_resumes_from_a_stock_torchtitan_checkpoint(tt, tmp_path):
     stock.close()
     assert (tmp_path / "checkpoint" / "step-3" / ".metadata").read_bytes()[:1] != b"{"  # a pickle
 
+    # By default a stock DCP checkpoint (its .metadata is a pickle) is refused, never unpickled.
     model2, opt2, lrs2, ts2, manager = build(tt, tmp_path, seed=7, keep_latest_k=0)
-    assert manager.load() and ts2.step == 3  # stock DCP checkpoint, loaded through TorchTitan's path
+    with pytest.raises(BaseException, match="is a stock DCP checkpoint .* nothing of it was unpickled"):
+        manager.load()
+    manager.close()
+    # A user who trusts it opts in: TorchTitan's own loader reads it.
+    model2, opt2, lrs2, ts2, manager = build(tt, tmp_path, seed=7, keep_latest_k=0, trust_checkpoints=True)
+    assert manager.load() and ts2.step == 3
     assert_matches(snaps[3], model2, opt2)
     manager.close()
 
@@ -374,3 +380,35 @@ def test_sizes_in_the_torchtitan_config_follow_the_one_rule(tt):
     Config = tt.DataStatesCheckpointManager.Config
     for written, nbytes in [("16", 16 << 30), ("0.5", 512 << 20), ("67108864", 64 << 20), ("512MiB", 512 << 20)]:
         assert Config(enable=True, host_cache_size=written).to_datastates_config().host_cache_size == nbytes
+
+
+def test_dataloader_state_is_decoded_restricted_before_torchtitan_unpickles_it(tt):
+    """TorchTitan's dataloader calls pickle.loads on its stored bytes: the manager's load checks
+    them with the restricted unpickler first."""
+    import os
+    import pickle
+
+    from dcp_datastates.errors import UnsafeCheckpointError
+
+    class Loader:
+        def __init__(self):
+            self.loaded = None
+
+        def state_dict(self):
+            return {"dp_rank_0": b"", "world_size": 1}
+
+        def load_state_dict(self, sd):
+            self.loaded = {k: pickle.loads(v) if isinstance(v, bytes) else v for k, v in sd.items()}
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo pwned",))
+
+    inner = Loader()
+    proxy = tt._RestrictedStateful(inner, "ckpt/step-1")
+    proxy.load_state_dict({"dp_rank_0": pickle.dumps({"epoch": 2, "order": [3, 1]}), "world_size": 1})
+    assert inner.loaded == {"dp_rank_0": {"epoch": 2, "order": [3, 1]}, "world_size": 1}
+    inner.loaded = None
+    with pytest.raises(UnsafeCheckpointError, match=r"item 'dataloader\.dp_rank_0'.*would import (posix|os)\.system"):
+        proxy.load_state_dict({"dp_rank_0": pickle.dumps(Evil()), "world_size": 1})
+    assert inner.loaded is None  # the dataloader never saw the bytes

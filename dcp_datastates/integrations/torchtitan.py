@@ -35,9 +35,12 @@ from typing import Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 
+from ..commit import open_for_reading
 from ..config import DataStatesConfig, cache_size
+from ..errors import CheckpointFormatError
 from ..metadata import METADATA_NAME
 from ..reader import DataStatesReader
+from ..safe_unpickle import restricted_pickle_loads
 from ..staging import wait_staged
 from ..writer import DataStatesWriter
 
@@ -46,7 +49,7 @@ __all__ = ["DataStatesCheckpointManager", "TORCHTITAN_AVAILABLE", "is_datastates
 log = logging.getLogger("dcp_datastates")
 
 try:  # TorchTitan is optional
-    from torchtitan.components.checkpoint import MODEL, AsyncMode, CheckpointManager
+    from torchtitan.components.checkpoint import DATALOADER, MODEL, AsyncMode, CheckpointManager
     from torchtitan.tools.utils import GarbageCollection
 
     _IMPORT_ERROR: BaseException | None = None
@@ -72,11 +75,13 @@ def is_datastates_checkpoint(path: str | os.PathLike) -> bool:
     path = os.fspath(path)
     if "://" in path and not path.startswith("file://"):
         return False
-    try:
-        with open(os.path.join(path, METADATA_NAME), "rb") as f:
+    try:  # never through a symlink, never blocking on a FIFO planted as the marker
+        with os.fdopen(open_for_reading(os.path.join(path, METADATA_NAME)), "rb") as f:
             head = f.read(64)
     except FileNotFoundError:
         return True
+    except (OSError, CheckpointFormatError):
+        return True  # not a stock DCP checkpoint either: DataStatesReader says what is wrong
     return head.lstrip().startswith(b"{")
 
 
@@ -130,11 +135,15 @@ if TORCHTITAN_AVAILABLE:
             """fsync data files and the .metadata commit marker. Default: true."""
 
             dedup_replicated: bool | None = None
-            """Write each replicated tensor (DTensor replicas, plain tensors every rank holds)
-            from one rank chosen at stage time. Default: true. Set it to false with pipeline
-            parallelism, where ranks hold different plain tensors (the save would otherwise
-            fail with "ranks hold different sets"). Non-tensor values such as the per-rank
-            dataloader state are always written by every rank (DCP picks one copy)."""
+            """Write each replicated tensor (DTensor replicas, plain tensors several ranks hold)
+            once in total. Default: true (pipeline parallelism included: DCP's planner picks the
+            writer). Non-tensor values such as the per-rank dataloader state are written by
+            every rank (DCP picks one copy)."""
+
+            trust_checkpoints: bool = False
+            """Allow resuming from checkpoints whose values need arbitrary unpickling: stock DCP
+            checkpoints (pickled .metadata) and values outside PyTorch's restricted unpickler.
+            This runs code from the checkpoint: only for checkpoints you wrote or trust."""
 
             datastates_config: str | None = None
             """Optional YAML/JSON file with a Nanotron-style ``datastates:`` block or a
@@ -177,6 +186,7 @@ if TORCHTITAN_AVAILABLE:
 
         def __init__(self, config: Config, **kwargs: Any) -> None:
             super().__init__(config, **kwargs)
+            self.trust_checkpoints = bool(config.trust_checkpoints)
             if not self.enable:
                 return
             self.datastates_config = config.to_datastates_config()
@@ -206,7 +216,9 @@ if TORCHTITAN_AVAILABLE:
             (asynchronous, what TorchTitan's ``_save`` keeps as ``save_future``)."""
             if to_hf:  # Hugging Face export: TorchTitan's own writer
                 return CheckpointManager.dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
-            writer = DataStatesWriter(checkpoint_id, config=self.datastates_config)
+            # The checkpoint's own group: write results are consolidated rank -> node leader ->
+            # coordinator on it, never on the training group.
+            writer = DataStatesWriter(checkpoint_id, config=self.datastates_config, process_group=self.pg)
             ret = None
             if async_mode in (AsyncMode.ASYNC, AsyncMode.ASYNC_WITH_PINNED_MEM):
                 resp = dcp.async_save(
@@ -216,7 +228,7 @@ if TORCHTITAN_AVAILABLE:
                 self.staging_completion = staging
                 ret = getattr(resp, "upload_completion", resp)
             else:
-                dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id)
+                dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, process_group=self.pg)
             if enable_garbage_collection:
                 GarbageCollection.collect("GC collection invoked by checkpointer.")
             return ret
@@ -224,9 +236,15 @@ if TORCHTITAN_AVAILABLE:
         def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
             """Load with DataStatesReader; stock DCP and Hugging Face checkpoints (an
             ``initial_load_path``, a seed checkpoint) go through TorchTitan's loader."""
-            if from_hf or not is_datastates_checkpoint(checkpoint_id):
+            trusted = bool(getattr(self, "trust_checkpoints", False))
+            if from_hf or (trusted and not is_datastates_checkpoint(checkpoint_id)):
+                # Hugging Face weights (safetensors), or a stock DCP checkpoint the user trusts
+                # (its .metadata is a pickle): TorchTitan's own loader.
                 return CheckpointManager.dcp_load(self, state_dict, checkpoint_id, from_hf, from_quantized)
-            reader = DataStatesReader(checkpoint_id, config=self.datastates_config)
+            reader = DataStatesReader(checkpoint_id, config=self.datastates_config, trusted=trusted)
+            if not trusted and hasattr(state_dict.get(DATALOADER), "load_state_dict"):
+                state_dict = dict(state_dict)
+                state_dict[DATALOADER] = _RestrictedStateful(state_dict[DATALOADER], str(checkpoint_id))
             dcp.load(state_dict, storage_reader=reader, checkpoint_id=checkpoint_id)
             # The model's state is flattened into state_dict: hand it back to the model.
             if MODEL in self.states:
@@ -238,6 +256,24 @@ if TORCHTITAN_AVAILABLE:
             future (``maybe_wait_for_saving``), as TorchTitan expects."""
             wait_staged()
             self.staging_completion = None
+
+    class _RestrictedStateful:
+        """Wraps TorchTitan's dataloader for a load: its ``load_state_dict`` calls
+        ``pickle.loads`` on the bytes stored per data-parallel rank, so each bytes value is first
+        decoded with the restricted unpickler (numbers, strings, containers, CPU tensors): a
+        value that would import anything else is refused before the dataloader sees it."""
+
+        def __init__(self, inner: Any, checkpoint: str) -> None:
+            self.inner, self.checkpoint = inner, checkpoint
+
+        def state_dict(self) -> dict:
+            return self.inner.state_dict()
+
+        def load_state_dict(self, state_dict: dict) -> None:
+            for key, value in (state_dict or {}).items():
+                if isinstance(value, (bytes, bytearray)):
+                    restricted_pickle_loads(bytes(value), checkpoint=self.checkpoint, item=f"item '{DATALOADER}.{key}'")
+            self.inner.load_state_dict(state_dict)
 
 else:
 
