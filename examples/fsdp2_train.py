@@ -130,7 +130,8 @@ def main() -> None:
             msd, osd = get_state_dict(model, opt)
             pending = dcp.async_save(
                 {"model": msd, "optim": osd, "step": step},
-                storage_writer=DataStatesWriter(os.path.join(args.out, f"step-{step}")),
+                # the writer consolidates write results on the checkpoint's group too
+                storage_writer=DataStatesWriter(os.path.join(args.out, f"step-{step}"), process_group=ckpt_group),
                 planner=DataStatesSavePlanner(),
                 process_group=ckpt_group,
             ).upload_completion

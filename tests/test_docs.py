@@ -126,9 +126,30 @@ from dcp_datastates import DataStatesReader
 path = "ckpt/broken"; _save_ckpt(path); os.unlink(os.path.join(path, ".metadata"))
 state = {"model": {"w": torch.zeros(3, 4)}, "step": 0}
 """,
+    ("docs/troubleshooting.md", "cause = checkpoint_error_cause(exc, reader)"): _SAVED + """
+from dcp_datastates import DataStatesReader, IncompleteCheckpointError, checkpoint_error_cause
+path = "ckpt/broken"; _save_ckpt(path); os.unlink(os.path.join(path, ".metadata"))
+state = {"model": {"w": torch.zeros(3, 4)}, "step": 0}
+""",
     ("docs/troubleshooting.md", "dcp-datastates verify ckpt/step-300"): _SAVED + '_save_ckpt("ckpt/step-300")\n',
     ("docs/file-format.md", 'safe_open("ckpt/step-100/__0_0.safetensors"'): _SAVED + '_save_ckpt("ckpt/step-100")\n',
     ("docs/migrating.md", "dcp-datastates convert ckpt/step-100 dcp-out --to dcp"): _SAVED + '_save_ckpt("ckpt/step-100")\n',
+    # a checkpoint holding values outside PyTorch's restricted unpickler, loaded after opting in
+    ("docs/security.md", "torch.serialization.add_safe_globals([MyTrainState])"): _SAVED + """
+import dataclasses, datetime
+from dcp_datastates import DataStatesReader
+@dataclasses.dataclass
+class MyTrainState:
+    step: int = 0
+path = "ckpt/values"
+dcp.save({"ts": MyTrainState(5), "day": datetime.date(2026, 11, 23)}, storage_writer=DataStatesWriter(path))
+state = {"ts": None, "day": None}
+""",
+    ("docs/security.md", "DataStatesReader(path, trusted=True)"): _SAVED + """
+from dcp_datastates import DataStatesReader
+path = "ckpt/plain"; _save_ckpt(path)
+state = {"model": {"w": torch.zeros(3, 4)}, "step": 0}
+""",
 }
 # Text swapped in before running (a local stand-in for a remote store).
 SUBSTITUTIONS = {
