@@ -157,7 +157,8 @@ def write_commit(
         names = os.listdir(path)
     except OSError:
         return
-    _remove_stale_markers(path)
+    if rank_local is None:  # rank-local commits run at once on every rank: their temporaries are live
+        _remove_stale_markers(path)
     _remove_obsolete(names, set(files) | set(in_use), rank_local, lambda n: os.unlink(os.path.join(path, n)))
 
 
