@@ -201,13 +201,15 @@ def run_protocol(rank: int, world: int, root: str) -> None:
     # 3. Rank 1 changes a tensor in place right after async_save (no protect_optimizer): every
     # rank raises CheckpointException naming it; the previous checkpoint stays.
     path = f"{root}/torn"
-    state = {f"t{i}": torch.full((512, 512), float(i)) for i in range(8)}
+    state = {f"t{i}": torch.full((512, 512), float(i)) for i in range(16)}  # 16 MiB through an 8 MiB cache
     dcp.save(state, storage_writer=DataStatesWriter(path))
     tiny = DataStatesWriter(path, host_cache_size=CACHE, chunk_size=CHUNK)
+    current_engine().set_fault("stall", 0, "/torn/")  # flushes held: copies cannot all finish yet
     resp = dcp.async_save(state, storage_writer=tiny)
     if rank == 1:
         for t in state.values():
             t.add_(100.0)
+    current_engine().set_fault("none", 0, "")
     try:
         resp.upload_completion.result(timeout=60)
         out["torn"] = "no error"
@@ -215,9 +217,9 @@ def run_protocol(rank: int, world: int, root: str) -> None:
         out["torn"] = type(exc).__name__ == "CheckpointException" and "changed in place" in str(exc)
     wait_staged()
     dist.barrier()
-    back = {f"t{i}": torch.zeros(512, 512) for i in range(8)}
+    back = {f"t{i}": torch.zeros(512, 512) for i in range(16)}
     dcp.load(back, storage_reader=DataStatesReader(path))
-    out["torn_kept_old"] = all(torch.equal(back[f"t{i}"], torch.full((512, 512), float(i))) for i in range(8))
+    out["torn_kept_old"] = all(torch.equal(back[f"t{i}"], torch.full((512, 512), float(i))) for i in range(16))
     gathered = [None] * world
     dist.all_gather_object(gathered, out)
     if rank == 0:

@@ -17,7 +17,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import raises_through_dcp
-from dcp_datastates import DataStatesReader, DataStatesWriter, protect_optimizer, wait_staged
+from dcp_datastates import DataStatesReader, DataStatesWriter, protect_optimizer, start_engine, wait_staged
+from dcp_datastates.runtime import current_engine
 
 N, SIDE = 8, 2048
 # A small cache makes staging of 128 MiB take a while (flushes free the space), as it would on a
@@ -42,10 +43,12 @@ def test_in_place_change_after_async_save_fails_and_keeps_the_last_good_checkpoi
     path = tmp_path / "ckpt"
     dcp.save(model.state_dict(), storage_writer=DataStatesWriter(path, **OPTS))  # the last good one
     good = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    current_engine().set_fault("stall", 0, str(path))  # flushes held: the copies cannot all finish first
     resp = dcp.async_save(model.state_dict(), storage_writer=DataStatesWriter(path, **OPTS))
     with torch.no_grad():  # what a migrating user writes: stock DCP copied before returning
         for p in model.parameters():
             p.add_(1.0)
+    current_engine().set_fault("none", 0, "")
     with raises_through_dcp(r"tensor 'w\d' was changed in place after the save was requested .*protect_optimizer") as err:
         resp.upload_completion.result(timeout=120)
     assert "not committed" in str(err.value)
@@ -76,9 +79,12 @@ def test_protect_optimizer_waits_before_a_pre_hook_registered_earlier(tmp_path, 
 def test_manual_update_needs_wait_staged(tmp_path, small_engine):
     model = make_model()
     snapshot = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    start_engine(host_cache_size=OPTS["host_cache_size"], chunk_size=OPTS["chunk_size"])
+    current_engine().set_fault("stall", 0, str(tmp_path / "bad"))
     resp = dcp.async_save(model.state_dict(), storage_writer=DataStatesWriter(tmp_path / "bad", **OPTS))
     with torch.no_grad():
         model["w7"].mul_(0.999)  # EMA-style update, no wait
+    current_engine().set_fault("none", 0, "")
     with raises_through_dcp("tensor 'w7' was changed in place"):
         resp.upload_completion.result(timeout=120)
     resp = dcp.async_save(model.state_dict(), storage_writer=DataStatesWriter(tmp_path / "ok", **OPTS))
