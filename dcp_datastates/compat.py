@@ -22,6 +22,9 @@ __all__ = [
     "cached_save_plans",
     "global_optimizer_pre_hooks",
     "register_before_thread_join",
+    "HAS_CHECKPOINTABLE_TENSOR",
+    "is_checkpointable_tensor",
+    "checkpointable_global_shape",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -75,6 +78,36 @@ def dcp_compat_mode() -> str | None:
     from torch.distributed.checkpoint import _version  # noqa: PLC0415
 
     return getattr(_version, "_derived_version", None)
+
+
+# -------------------------------------------------------------- CheckpointableTensor (2.14+)
+# From torch 2.14 DCP saves a plain ``torch.Tensor`` that carries ``global_shape``,
+# ``global_offsets``, ``local_offsets`` and ``local_sizes`` (the public, runtime-checkable
+# ``torch.distributed.checkpoint.CheckpointableTensor`` protocol) as shards of a global tensor:
+# its write items are SHARD items at those offsets, and loads compare ``global_shape``. The fast
+# paths that take ``type(obj) is torch.Tensor`` for a whole tensor must ask this first.
+try:
+    from torch.distributed.checkpoint import CheckpointableTensor as _CheckpointableTensor
+except ImportError:  # torch < 2.14: no such protocol, every plain tensor is a whole tensor
+    _CheckpointableTensor = None
+
+HAS_CHECKPOINTABLE_TENSOR = _CheckpointableTensor is not None
+
+
+def is_checkpointable_tensor(obj: Any) -> bool:
+    """Whether DCP treats ``obj`` as CheckpointableTensor shards (never before torch 2.14).
+    Costs one attribute probe on an ordinary tensor."""
+    if _CheckpointableTensor is None or not hasattr(obj, "global_offsets"):
+        return False
+    return isinstance(obj, torch.Tensor) and isinstance(obj, _CheckpointableTensor)
+
+
+def checkpointable_global_shape(obj: Any) -> tuple:
+    """The shape DCP stores and checks for ``obj``: ``global_shape`` for a CheckpointableTensor,
+    else the tensor's own shape."""
+    if is_checkpointable_tensor(obj):
+        return tuple(obj.global_shape)
+    return tuple(obj.shape)
 
 
 # ------------------------------------------------------------------------------ plan caching

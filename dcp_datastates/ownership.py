@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .compat import is_checkpointable_tensor
 from .stage_items import ItemKey, SourceItem
 
 __all__ = ["RankReport", "select_owned"]
@@ -65,7 +66,9 @@ def select_owned(items: list[SourceItem], flat: dict, rank: int, world: int) -> 
                 owned.append(it)
             else:
                 skipped.add(it.key)
-        elif it.entry.kind == "bytes" or type(obj).__name__ == "ShardedTensor":
+        elif it.entry.kind == "bytes" or type(obj).__name__ == "ShardedTensor" or is_checkpointable_tensor(obj):
+            # Shards (ShardedTensor, CheckpointableTensor): each rank writes its own; DCP's
+            # planner dedups any shard two ranks hold.
             owned.append(it)
         else:
             shared.append(it)

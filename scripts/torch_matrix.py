@@ -53,9 +53,14 @@ def run(cmd: list[str], logfile: Path, env: dict | None = None, cwd: Path | None
             return 124
 
 
+_NO_CONSTRAINTS = Path("/nonexistent")
+
+
 def pip_env() -> dict:
     env = dict(os.environ)
-    env["PIP_CONSTRAINT"] = ""  # a machine-wide cap (torch<=X) must not hide the release asked for
+    # A machine-wide pip constraint (a cap like torch<=X) must not hide the release asked for: an
+    # empty constraints file replaces it for these commands (an empty variable would not).
+    env["PIP_CONSTRAINT"] = str(_NO_CONSTRAINTS)
     env.pop("PYTHONPATH", None)
     env.pop("VIRTUAL_ENV", None)
     return env
@@ -109,7 +114,7 @@ def install_package(release: str, venv: Path, cache: Path, checkout: Path) -> bo
     # The installed torch satisfies the package's requirement; the constraint keeps pip from
     # replacing it whatever the declared range says.
     pin = cache / f"torch-{release}.pin.txt"
-    pin.write_text(f"torch=={venv_torch(venv / 'bin' / 'python')['torch']}\n")
+    pin.write_text(f"torch=={venv_torch(venv / 'bin' / 'python')['torch'].split('+')[0]}\n")
     env["PIP_CONSTRAINT"] = str(pin)
     if run([py, "-m", "pip", "install", "--progress-bar", "off", "-e", f"{checkout}[test]"], logfile, env=env, cwd=checkout) != 0:
         raise RuntimeError(f"{release}: pip install -e {checkout}[test] failed (see {logfile})")
@@ -205,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for one release's suite")
     args = ap.parse_args(argv)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
+    global _NO_CONSTRAINTS
+    _NO_CONSTRAINTS = args.cache_dir / "no-constraints.txt"
+    _NO_CONSTRAINTS.write_text("")
     checkout = args.checkout.resolve()
 
     results = json.loads(args.results.read_text()) if args.results.exists() else {}

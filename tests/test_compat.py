@@ -72,3 +72,25 @@ def test_global_optimizer_pre_hooks_run_before_instance_hooks():
 
 def test_register_before_thread_join_exists():
     assert hasattr(threading, "_register_atexit"), "this Python has no threading._register_atexit"
+
+
+def test_checkpointable_tensor_protocol_matches_dcp_write_items():
+    """torch 2.14 added DCP's CheckpointableTensor protocol; the library keys such a tensor by
+    its shards and checks its global shape (compat.is_checkpointable_tensor)."""
+    t = torch.zeros(3, 4)
+    t.global_shape, t.global_offsets, t.local_offsets, t.local_sizes = (6, 4), ((3, 0),), ((0, 0),), ((3, 4),)
+    release = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if release < (2, 14):
+        assert not compat.HAS_CHECKPOINTABLE_TENSOR and not compat.is_checkpointable_tensor(t), (
+            f"{RELEASE}: CheckpointableTensor found before 2.14"
+        )
+        assert compat.checkpointable_global_shape(t) == (3, 4)
+        return
+    assert compat.HAS_CHECKPOINTABLE_TENSOR, f"{RELEASE}: torch.distributed.checkpoint.CheckpointableTensor is gone"
+    assert compat.is_checkpointable_tensor(t), f"{RELEASE}: the CheckpointableTensor protocol fields changed"
+    assert not compat.is_checkpointable_tensor(torch.zeros(3, 4))
+    assert compat.checkpointable_global_shape(t) == (6, 4)
+    items = compat.create_write_items("w", t)
+    assert [(tuple(i.index.offset), tuple(i.tensor_data.size)) for i in items] == [((3, 0), (6, 4))], (
+        f"{RELEASE}: DCP's write items of a CheckpointableTensor changed: {items}"
+    )
