@@ -8,6 +8,7 @@ release (one test per touch point). Callers import the wrappers below, never the
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any, Callable
 
@@ -25,6 +26,9 @@ __all__ = [
     "HAS_CHECKPOINTABLE_TENSOR",
     "is_checkpointable_tensor",
     "checkpointable_global_shape",
+    "ASYNC_EXECUTOR_THREAD_PREFIX",
+    "pending_async_save_arguments",
+    "pending_save_group",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -108,6 +112,45 @@ def checkpointable_global_shape(obj: Any) -> tuple:
     if is_checkpointable_tensor(obj):
         return tuple(obj.global_shape)
     return tuple(obj.shape)
+
+
+# ------------------------------------------------------------------- DCP's save call, by frame
+# DCP never hands a storage writer the arguments of the save running it (the checkpoint id
+# before stage(), the process group), so the writer reads them from DCP's own frames. The frame
+# names and local names below are the same in DCP 2.9 to 2.15.
+_ASYNC_SAVE_FRAME = "async_save"
+_SAVE_FRAME, _SAVE_DIST_LOCAL = "_save_state_dict", "distW"
+
+
+def pending_async_save_arguments() -> dict:
+    """The arguments of the ``dcp.async_save`` call this thread is inside (``checkpoint_id``,
+    ``process_group``, ``no_dist``, ``async_checkpointer_type``, ...), or {} outside one."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == _ASYNC_SAVE_FRAME and str(frame.f_globals.get("__name__", "")).startswith(
+            "torch.distributed.checkpoint"
+        ):
+            return dict(frame.f_locals)
+        frame = frame.f_back
+    return {}
+
+
+def pending_save_group() -> tuple | None:
+    """(process group, distributed?, coordinator rank) of the DCP save this thread is inside
+    (``dcp.save``, or ``async_save``'s background part), or None outside one."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == _SAVE_FRAME and _SAVE_DIST_LOCAL in frame.f_locals:
+            w = frame.f_locals[_SAVE_DIST_LOCAL]
+            distributed = bool(w.use_dist) and bool(frame.f_locals.get("use_collectives", True))
+            return w.group, distributed, w.coordinator_rank
+        frame = frame.f_back
+    return None
+
+
+# The name prefix of the threads ``dcp.async_save`` runs planning, write_data and finish on
+# (named since DCP 2.9; the exit-time join finds them by it).
+ASYNC_EXECUTOR_THREAD_PREFIX = "AsyncCheckpointExecutor"
 
 
 # ------------------------------------------------------------------------------ plan caching

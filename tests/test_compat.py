@@ -94,3 +94,65 @@ def test_checkpointable_tensor_protocol_matches_dcp_write_items():
     assert [(tuple(i.index.offset), tuple(i.tensor_data.size)) for i in items] == [((3, 0), (6, 4))], (
         f"{RELEASE}: DCP's write items of a CheckpointableTensor changed: {items}"
     )
+
+
+class _Recorder:
+    """What compat's frame readers and the thread name show from inside DCP's save calls."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def stager(self):
+        from torch.distributed.checkpoint.staging import AsyncStager
+
+        rec = self
+
+        class Stager(AsyncStager):
+            _synchronize_after_execute = False
+
+            def stage(self, state_dict):
+                rec.seen["async_args"] = compat.pending_async_save_arguments()
+                return state_dict
+
+            def synchronize_staging(self):
+                pass
+
+        return Stager()
+
+    def planner(self):
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        rec = self
+
+        class Planner(DefaultSavePlanner):
+            def create_local_plan(self):
+                rec.seen["group"] = compat.pending_save_group()
+                rec.seen["thread"] = threading.current_thread().name
+                return super().create_local_plan()
+
+        return Planner()
+
+
+def test_pending_async_save_arguments_and_save_group_and_executor_thread(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    assert compat.pending_async_save_arguments() == {} and compat.pending_save_group() is None
+    rec = _Recorder()
+    path = tmp_path / "c"
+    resp = dcp.async_save(
+        {"w": torch.ones(2)}, checkpoint_id=path, storage_writer=FileSystemWriter(path),
+        async_stager=rec.stager(), planner=rec.planner(), no_dist=True,
+    )  # fmt: skip
+    getattr(resp, "upload_completion", resp).result()
+    args = rec.seen.get("async_args", {})
+    assert args.get("checkpoint_id") == path and args.get("no_dist") is True and "process_group" in args, (
+        f"{RELEASE}: dcp.async_save's frame no longer shows its arguments: {sorted(args)}"
+    )
+    assert "async_checkpointer_type" in args, f"{RELEASE}: async_save lost async_checkpointer_type"
+    assert rec.seen.get("group") == (None, False, 0), (
+        f"{RELEASE}: DCP's _save_state_dict frame (distW, use_collectives) changed: {rec.seen.get('group')!r}"
+    )
+    assert rec.seen.get("thread", "").startswith(compat.ASYNC_EXECUTOR_THREAD_PREFIX), (
+        f"{RELEASE}: async_save's executor thread is named {rec.seen.get('thread')!r}"
+    )
