@@ -29,6 +29,7 @@ __all__ = [
     "ASYNC_EXECUTOR_THREAD_PREFIX",
     "pending_async_save_arguments",
     "pending_save_group",
+    "default_stager_reusable",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -151,6 +152,31 @@ def pending_save_group() -> tuple | None:
 # The name prefix of the threads ``dcp.async_save`` runs planning, write_data and finish on
 # (named since DCP 2.9; the exit-time join finds them by it).
 ASYNC_EXECUTOR_THREAD_PREFIX = "AsyncCheckpointExecutor"
+
+
+# ---------------------------------------------------------------------- DCP's DefaultStager
+_stager_reusable: bool | None = None
+
+
+def default_stager_reusable() -> bool:
+    """Whether one ``torch.distributed.checkpoint.staging.DefaultStager`` can stage more than one
+    state dict. torch 2.11's closes its inner ``StateDictStager`` after every stage, and the next
+    stage fails (``KeyError: <class 'type'>``); code that reuses a stager across saves (the
+    benchmark's DCP baseline) must then make one per save. Probed once (two tiny stages)."""
+    global _stager_reusable
+    if _stager_reusable is None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: PLC0415
+
+        stager = DefaultStager(StagingOptions(False, False, False, False))
+        try:
+            for _ in range(2):
+                stager.stage({"t": torch.zeros(1), "nested": {"n": 1}})
+            _stager_reusable = True
+        except Exception:  # noqa: BLE001 - any failure of the second stage means "not reusable"
+            _stager_reusable = False
+        finally:
+            stager.close()
+    return _stager_reusable
 
 
 # ------------------------------------------------------------------------------ plan caching

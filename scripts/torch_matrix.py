@@ -159,25 +159,51 @@ def run_suite(release: str, venv: Path, cache: Path, checkout: Path, extra: list
     return {"rc": rc, "seconds": round(time.monotonic() - start), **counts, "failing": failing}
 
 
+def source_commit(checkout: Path) -> str | None:
+    out = subprocess.run(["git", "-C", str(checkout), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if out.returncode == 0:
+        dirty = subprocess.run(["git", "-C", str(checkout), "status", "--porcelain", "-uno"], capture_output=True, text=True)
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    return None
+
+
+def short_failures(failing: list[str], per_module: int = 3) -> str:
+    """Failing test ids for the table: by name, or a count for a module with many (the JSON
+    results keep every id)."""
+    if not failing:
+        return "-"
+    by_module: dict[str, list[str]] = {}
+    for tid in failing:
+        module, _, name = tid.partition("::")
+        by_module.setdefault(module.rsplit(".", 1)[-1], []).append(name)
+    parts = []
+    for module, names in by_module.items():
+        if len(names) > per_module:
+            parts.append(f"`{module}`: {len(names)} tests")
+        else:
+            parts.extend(f"`{module}::{n.replace('|', '/')}`" for n in names)
+    return ", ".join(parts)
+
+
 def render(results: dict) -> str:
     def key(rel: str):
         return tuple(int(p) if p.isdigit() else 0 for p in re.split(r"[.+]", rel))
 
     lines = [
         BEGIN,
-        "| date (UTC) | torch | build | python | passed | failed | errors | skipped | failing tests |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| date (UTC) | torch | build | python | commit | TorchTitan | passed | failed | errors | skipped | failing tests |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for rel in sorted(results, key=key):
         r = results[rel]
         build = "CPU" if not r.get("cuda") else f"CUDA {r['cuda']}"
         if r.get("error"):
-            lines.append(f"| {r['date']} | {rel} | {build} | {r.get('python', '?')} | - | - | - | - | not run: {r['error']} |")
+            lines.append(f"| {r['date']} | {rel} | {build} | {r.get('python', '?')} | - | - | - | - | - | - | not run: {r['error']} |")
             continue
-        fails = ", ".join(f"`{t}`" for t in r["failing"]) or "-"
         lines.append(
-            f"| {r['date']} | {r.get('torch', rel)} | {build} | {r['python']} | {r['passed']} | {r['failed']} | "
-            f"{r['errors']} | {r['skipped']} | {fails} |"
+            f"| {r['date']} | {r.get('torch', rel)} | {build} | {r['python']} | {r.get('commit') or '-'} | "
+            f"{'yes' if r.get('torchtitan') else 'no'} | {r['passed']} | {r['failed']} | {r['errors']} | {r['skipped']} | "
+            f"{short_failures(r['failing'])} |"
         )
     lines.append(END)
     return "\n".join(lines)
@@ -206,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", default="python3.11", help="interpreter the venvs are made from (default: python3.11)")
     ap.add_argument("--doc", type=Path, default=REPO / "docs" / "torch-versions.md")
     ap.add_argument("--results", type=Path, default=REPO / "docs" / "torch-matrix.json", help="per-release results (JSON)")
+    ap.add_argument("--commit", help="the source commit tested, for the table (default: the checkout's HEAD, if a git tree)")
     ap.add_argument("--prepare-only", action="store_true", help="build the environments, run nothing")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for one release's suite")
     args = ap.parse_args(argv)
@@ -231,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[rel] = {"date": today, "error": str(exc)}
             continue
         res = run_suite(rel, venv, args.cache_dir, checkout, extra, args.timeout)
-        results[rel] = {"date": today, **info, "torchtitan": titan, **res}
+        results[rel] = {"date": today, **info, "torchtitan": titan, "commit": args.commit or source_commit(checkout), **res}
         log(f"{rel}: {res['passed']} passed, {res['failed']} failed, {res['errors']} errors, {res['skipped']} skipped ({res['seconds']} s)")
         for t in res["failing"]:
             log(f"{rel}:   FAILED {t}")
