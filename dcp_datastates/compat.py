@@ -160,7 +160,7 @@ _stager_reusable: bool | None = None
 
 def default_stager_reusable() -> bool:
     """Whether one ``torch.distributed.checkpoint.staging.DefaultStager`` can stage more than one
-    state dict. torch 2.11's closes its inner ``StateDictStager`` after every stage, and the next
+    state dict. torch 2.11's and 2.12's close their inner ``StateDictStager`` after every stage: the next
     stage fails (``KeyError: <class 'type'>``); code that reuses a stager across saves (the
     benchmark's DCP baseline) must then make one per save. Probed once (two tiny stages)."""
     global _stager_reusable
