@@ -642,6 +642,12 @@ class DcpAsyncStagerMethod(DcpSaveMethod):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
 
+        from torch.distributed.checkpoint.staging import DefaultStager
+
+        from .compat import default_stager_reusable
+
+        if not default_stager_reusable():  # torch 2.11-2.12 close a DefaultStager after one stage
+            self.stager = DefaultStager(self.options)
         t0 = time.perf_counter()
         resp = dcp.async_save(state, storage_writer=FileSystemWriter(path), async_stager=self.stager)
         return _Pending(t0, resp.upload_completion, lambda: resp.staging_completion.result())

@@ -24,6 +24,11 @@ __all__ = [
     "register_before_thread_join",
     "tensor_version",
     "versions_of",
+    "HAS_CHECKPOINTABLE_TENSOR",
+    "is_checkpointable_tensor",
+    "checkpointable_global_shape",
+    "ASYNC_EXECUTOR_THREAD_PREFIX",
+    "default_stager_reusable",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -77,6 +82,66 @@ def dcp_compat_mode() -> str | None:
     from torch.distributed.checkpoint import _version  # noqa: PLC0415
 
     return getattr(_version, "_derived_version", None)
+
+
+# -------------------------------------------------------------- CheckpointableTensor (2.14+)
+# From torch 2.14 DCP saves a plain ``torch.Tensor`` that carries ``global_shape``,
+# ``global_offsets``, ``local_offsets`` and ``local_sizes`` (the public, runtime-checkable
+# ``torch.distributed.checkpoint.CheckpointableTensor`` protocol) as shards of a global tensor:
+# its write items are SHARD items at those offsets, and loads compare ``global_shape``. The fast
+# paths that take ``type(obj) is torch.Tensor`` for a whole tensor must ask this first.
+try:
+    from torch.distributed.checkpoint import CheckpointableTensor as _CheckpointableTensor
+except ImportError:  # torch < 2.14: no such protocol, every plain tensor is a whole tensor
+    _CheckpointableTensor = None
+
+HAS_CHECKPOINTABLE_TENSOR = _CheckpointableTensor is not None
+
+
+def is_checkpointable_tensor(obj: Any) -> bool:
+    """Whether DCP treats ``obj`` as CheckpointableTensor shards (never before torch 2.14).
+    Costs one attribute probe on an ordinary tensor."""
+    if _CheckpointableTensor is None or not hasattr(obj, "global_offsets"):
+        return False
+    return isinstance(obj, torch.Tensor) and isinstance(obj, _CheckpointableTensor)
+
+
+def checkpointable_global_shape(obj: Any) -> tuple:
+    """The shape DCP stores and checks for ``obj``: ``global_shape`` for a CheckpointableTensor,
+    else the tensor's own shape."""
+    if is_checkpointable_tensor(obj):
+        return tuple(obj.global_shape)
+    return tuple(obj.shape)
+
+
+# --------------------------------------------------------------- DCP's async executor thread
+# DCP names the thread of each async_save by this prefix; the exit-time join looks for it.
+ASYNC_EXECUTOR_THREAD_PREFIX = "AsyncCheckpointExecutor"
+
+
+# ---------------------------------------------------------------------- DCP's DefaultStager
+_stager_reusable: bool | None = None
+
+
+def default_stager_reusable() -> bool:
+    """Whether one ``torch.distributed.checkpoint.staging.DefaultStager`` can stage more than one
+    state dict. torch 2.11's and 2.12's close their inner ``StateDictStager`` after every stage: the next
+    stage fails (``KeyError: <class 'type'>``); code that reuses a stager across saves (the
+    benchmark's DCP baseline) must then make one per save. Probed once (two tiny stages)."""
+    global _stager_reusable
+    if _stager_reusable is None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: PLC0415
+
+        stager = DefaultStager(StagingOptions(False, False, False, False))
+        try:
+            for _ in range(2):
+                stager.stage({"t": torch.zeros(1), "nested": {"n": 1}})
+            _stager_reusable = True
+        except Exception:  # noqa: BLE001 - any failure of the second stage means "not reusable"
+            _stager_reusable = False
+        finally:
+            stager.close()
+    return _stager_reusable
 
 
 # ------------------------------------------------------------------------------ plan caching

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .compat import is_checkpointable_tensor
 from .stage_items import ItemKey, SourceItem
 
 __all__ = ["Ownership", "Decisions", "decisions", "split_by_owner", "plain_signature"]
@@ -55,7 +56,8 @@ def _is_dtensor(obj) -> bool:
 
 def is_plain_tensor(obj) -> bool:
     """A tensor DCP treats as replicated on every rank (not a DTensor, not a ShardedTensor)."""
-    return isinstance(obj, torch.Tensor) and not _is_dtensor(obj) and type(obj).__name__ != "ShardedTensor"
+    return (isinstance(obj, torch.Tensor) and not _is_dtensor(obj) and type(obj).__name__ != "ShardedTensor"
+            and not is_checkpointable_tensor(obj))
 
 
 def plain_signature(items: list[SourceItem], flat: dict) -> tuple:
@@ -90,7 +92,9 @@ def split_by_owner(items: list[SourceItem], flat: dict, rank: int, world: int, d
                 out.owned.append(it)
             else:
                 out.skipped.add(it.key)
-        elif type(obj).__name__ == "ShardedTensor":
+        elif type(obj).__name__ == "ShardedTensor" or is_checkpointable_tensor(obj):
+            # Shards (ShardedTensor, CheckpointableTensor): each rank writes its own; DCP's
+            # planner dedups any shard two ranks hold.
             out.owned.append(it)
         elif decision is None:
             out.held.append(it)

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, Def
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner
 
-from .compat import cached_save_plans
+from .compat import cached_save_plans, checkpointable_global_shape
 from .errors import CheckpointMismatchError
 
 __all__ = ["DataStatesSavePlanner", "DataStatesLoadPlanner"]
@@ -133,11 +133,12 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
                 )
             if not isinstance(md, TensorStorageMetadata):
                 continue
-            if tuple(value.shape) != tuple(md.size):
+            shape = checkpointable_global_shape(value)  # a CheckpointableTensor's global shape
+            if shape != tuple(md.size):
                 raise CheckpointMismatchError(
                     f"Size mismatch between saved {md.size} and current: {value.size()} for {fqn}. "
                     f"{where}: item {fqn!r} has shape {list(md.size)} in the checkpoint, "
-                    f"the state dict expects {list(value.shape)}"
+                    f"the state dict expects {list(shape)}"
                 )
             if self.strict_dtype and value.dtype != md.properties.dtype:
                 raise CheckpointMismatchError(

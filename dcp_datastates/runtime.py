@@ -11,7 +11,7 @@ import logging
 import threading
 
 from . import inflight
-from .compat import register_before_thread_join
+from .compat import ASYNC_EXECUTOR_THREAD_PREFIX, register_before_thread_join
 from .config import ENGINE_OPTIONS, DataStatesConfig, check_cache_fits, memory_limit
 
 __all__ = ["get_engine", "start_engine", "engine_stats", "shutdown_engine"]
@@ -200,7 +200,7 @@ def shutdown_engine() -> None:
 # ------------------------------------------------------------------------------ interpreter exit
 # Threads that may sit in an engine wait (GIL released) while a checkpoint is in flight: DCP's
 # async_save executor (planning, write_data, finish) and the writer's staging watchers.
-_CHECKPOINT_THREAD_PREFIXES = ("AsyncCheckpointExecutor", "dcp-datastates-staging")
+_CHECKPOINT_THREAD_PREFIXES = (ASYNC_EXECUTOR_THREAD_PREFIX, "dcp-datastates-staging")
 _exiting = False
 
 

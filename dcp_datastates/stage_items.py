@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.utils import find_tensor_shard
 
-from .compat import create_write_items, dcp_compat_mode, flatten_state_dict
+from .compat import create_write_items, dcp_compat_mode, flatten_state_dict, is_checkpointable_tensor
 from .layout import FileEntry, dtype_to_name
 
 __all__ = ["ItemKey", "SourceItem", "bytes_source", "flatten", "items_of_flat", "item_key", "source_for_resolved"]
@@ -131,12 +131,13 @@ def flatten(state_dict: dict) -> tuple[dict, dict]:
 
 def items_of_flat(flat: dict, serialized: dict[int, SourceItem] | None = None) -> list[SourceItem]:
     """The items of a flat state dict, in its order. Plain tensors take a fast path; DTensor and
-    ShardedTensor go through DCP's own ``_create_write_items`` so their chunk offsets are exactly
-    DCP's. ``serialized``: non-tensor values already serialized in this stage(), by position."""
+    ShardedTensor (and CheckpointableTensor shards, torch 2.14+) go through DCP's own
+    ``_create_write_items`` so their chunk offsets are exactly DCP's. ``serialized``: non-tensor values already serialized in this stage(), by position."""
     items: list[SourceItem] = []
     taken: set[str] = set()
     for pos, (fqn, obj) in enumerate(flat.items()):
-        if type(obj) is torch.Tensor or (isinstance(obj, torch.nn.Parameter) and type(obj.data) is torch.Tensor):
+        whole = type(obj) is torch.Tensor or (isinstance(obj, torch.nn.Parameter) and type(obj.data) is torch.Tensor)
+        if whole and not is_checkpointable_tensor(obj):  # (2.14+: shards of a global tensor)
             key = (fqn, (0,) * obj.dim())
             items.append(_tensor_source(key, _unique_name(fqn, None, taken), obj))
         elif isinstance(obj, torch.Tensor):

@@ -9,7 +9,7 @@ every time is only what a checkpoint captures: each tensor's memory (pointer and
 serialized non-tensor values, whose lengths are part of the signature.
 
 States the fast scan does not cover (non-contiguous views, tensors on devices other than CPU and
-CUDA, ShardedTensor, tensor subclasses) are never cached: they take the full path every time.
+CUDA, ShardedTensor, CheckpointableTensor shards, tensor subclasses) are never cached: they take the full path every time.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compat import versions_of
+from .compat import is_checkpointable_tensor, versions_of
 from .layout import FileLayout
 from .metadata import ItemLocation
 from .stage_items import ItemKey, SourceItem, bytes_source, serialize_object
@@ -88,6 +88,8 @@ def scan_state(flat: dict) -> Scan | None:
     for i, (name, v) in enumerate(flat.items()):
         tp = type(v)
         if tp is _Tensor or (tp is _Parameter and type(v.data) is _Tensor):
+            if is_checkpointable_tensor(v):
+                return None  # shards of a global tensor (torch 2.14+): DCP's write items
             t, extra = v, None
         elif DTensor is not None and tp is DTensor:
             entry = _dtensor_entry(v)

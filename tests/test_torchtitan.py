@@ -353,7 +353,8 @@ def test_two_ranks_fsdp2_per_rank_dataloader_state(tt, tmp_path):
     ]
     results = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, results):
-        assert p.returncode == 0 and out.strip() == "ok", err[-3000:]
+        # the last line: torch 2.10's gloo prints "[Gloo] Rank 0 is connected to ..." to stdout
+        assert p.returncode == 0 and out.strip().splitlines()[-1:] == ["ok"], (out[-1000:], err[-3000:])
     assert sorted(os.listdir(os.path.join(root, "checkpoint"))) == ["step-2", "step-4"]
     files = sorted(os.listdir(os.path.join(root, "checkpoint", "step-4")))
     assert files == [".metadata", "__0_0.safetensors", "__1_0.safetensors"]
