@@ -11,7 +11,7 @@ import dataclasses
 import torch
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, SavePlanner
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
 
 from .compat import cached_save_plans, checkpointable_global_shape
 from .errors import CheckpointMismatchError

@@ -14,7 +14,6 @@ import os
 import statistics
 import time
 
-import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter

@@ -18,7 +18,6 @@ import tempfile
 import time
 import warnings
 
-import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesWriter

@@ -523,13 +523,11 @@ def test_engine_mode_log_line(fake, monkeypatch):
         logger.setLevel(old_level)
 
 
-def test_async_save_of_device_tensors_through_the_writer(tmp_path, fake, monkeypatch):
-    """Float CPU tensors marked as device 0 stand in for CUDA tensors: the writer submits one job
-    per device with the caller's stream, and wait_staged() is a device-side wait."""
-    import torch.distributed.checkpoint as dcp
-
-    from conftest import assert_state_equal, clone_state, zeros_like_state
-    from dcp_datastates import DataStatesReader, DataStatesWriter, engine_stats, runtime, stage_items, staging, wait_staged, writer
+def _float_tensors_on_fake_device(fake, monkeypatch, delay_us: int) -> int:
+    """Float CPU tensors stand in for CUDA tensors on device 0 of the double: the writer submits
+    their copies to the fake runtime with a fresh stream as the caller's current stream, and
+    wait_staged() sees that stream. Returns the stream (destroy it after the test)."""
+    from dcp_datastates import runtime, stage_items, staging, writer
 
     original = stage_items._tensor_source
 
@@ -544,7 +542,19 @@ def test_async_save_of_device_tensors_through_the_writer(tmp_path, fake, monkeyp
     monkeypatch.setattr(writer, "_current_stream", lambda device: s)
     monkeypatch.setattr(staging, "_cuda_stream", lambda device: s)
     runtime.shutdown_engine()
-    fake.delay("cudaMemcpyAsync", 10_000)
+    fake.delay("cudaMemcpyAsync", delay_us)
+    return s
+
+
+def test_async_save_of_device_tensors_through_the_writer(tmp_path, fake, monkeypatch):
+    """Float CPU tensors marked as device 0 stand in for CUDA tensors: the writer submits one job
+    per device with the caller's stream, and wait_staged() is a device-side wait."""
+    import torch.distributed.checkpoint as dcp
+
+    from conftest import assert_state_equal, clone_state, zeros_like_state
+    from dcp_datastates import DataStatesReader, DataStatesWriter, engine_stats, runtime, staging, wait_staged
+
+    s = _float_tensors_on_fake_device(fake, monkeypatch, delay_us=10_000)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     try:
@@ -601,21 +611,9 @@ def test_torn_guard_seals_at_the_device_side_wait(tmp_path, fake, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
     from conftest import raises_through_dcp
-    from dcp_datastates import DataStatesReader, DataStatesWriter, runtime, stage_items, staging, wait_staged, writer
+    from dcp_datastates import DataStatesReader, DataStatesWriter, runtime, staging, wait_staged
 
-    original = stage_items._tensor_source
-
-    def on_device(key, name, tensor):
-        item = original(key, name, tensor)
-        item.device = 0
-        return item
-
-    s = fake.stream()
-    monkeypatch.setattr(stage_items, "_tensor_source", on_device)
-    monkeypatch.setattr(writer, "_current_stream", lambda device: s)
-    monkeypatch.setattr(staging, "_cuda_stream", lambda device: s)
-    runtime.shutdown_engine()
-    fake.delay("cudaMemcpyAsync", 20_000)
+    s = _float_tensors_on_fake_device(fake, monkeypatch, delay_us=20_000)
     try:
         state = {f"w{i}": torch.randn(64 * 1024) for i in range(4)}
         snapshot = {k: v.clone() for k, v in state.items()}

@@ -17,12 +17,10 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import raises_through_dcp
 from dcp_datastates import (
-    CheckpointWriteError,
     DataStatesReader,
     DataStatesWriter,
     engine_stats,
     protect_optimizer,
-    shutdown_engine,
 )
 from dcp_datastates.runtime import current_engine
 

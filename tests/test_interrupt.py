@@ -15,7 +15,6 @@ import sys
 import textwrap
 import threading
 
-import pytest
 
 from dcp_datastates import inflight, latest_checkpoint
 

@@ -10,7 +10,6 @@ from dcp_datastates import (
     DataStatesWriter,
     engine_stats,
     protect_optimizer,
-    shutdown_engine,
     wait_staged,
 )
 

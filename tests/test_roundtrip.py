@@ -11,8 +11,6 @@ from safetensors import safe_open
 
 from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
 from dcp_datastates import (
-    ChecksumMismatchError,
-    CheckpointWriteError,
     DataStatesReader,
     DataStatesWriter,
     IncompleteCheckpointError,
