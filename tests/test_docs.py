@@ -90,7 +90,8 @@ ELSEWHERE = {
         "tests/test_torchtitan.py", ["Config.from_base(base, host_cache_size="]),
 }
 # Long benchmark runs: each --flag must be one the command accepts.
-ARGS_ONLY = ("python -m dcp_datastates bench --dir", "python examples/bench_remote.py", "python examples/bench_planning.py")
+ARGS_ONLY = ("python -m dcp_datastates bench --dir", "python examples/bench_remote.py", "python examples/bench_planning.py",
+             "python3 scripts/torch_matrix.py")  # hours of downloads and runs: arguments checked only
 
 # Code a block needs from the surrounding text (a model, a saved checkpoint), run before it.
 _SAVED = """
