@@ -45,6 +45,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from dcp_datastates import DataStatesWriter, engine_stats, protect_optimizer, shutdown_engine, wait_staged  # noqa: E402
+from dcp_datastates.compat import default_stager_reusable  # noqa: E402
 
 MODES = ("none", "datastates", "dcp-async", "dcp-save")
 GB = 1e9
@@ -141,21 +142,20 @@ def run_mode(mode: str, args, device, ckpt_root: str) -> dict:
     ckpt_bytes = state_bytes(state)
     sync_files = not args.no_sync
 
-    # protect_optimizer's wait, timed by step pre-hooks registered around it (hooks run in order).
+    # protect_optimizer's wait runs first among the step pre-hooks: timed from the step() call to
+    # the optimizer's own first pre-hook.
     marks: dict[str, float] = {}
-    timers = [opt.register_step_pre_hook(lambda *_: marks.__setitem__("before", time.perf_counter()))]
     guard = protect_optimizer(opt) if mode == "datastates" else None
-    timers.append(opt.register_step_pre_hook(lambda *_: marks.__setitem__("after", time.perf_counter())))
+    timers = [opt.register_step_pre_hook(lambda *_: marks.__setitem__("after", time.perf_counter()))]
     stager = None
     if mode == "dcp-async":
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
         cuda = device.type == "cuda"
-        stager = DefaultStager(
-            StagingOptions(
-                use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
-            )
+        stager_options = StagingOptions(
+            use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
         )
+        stager = DefaultStager(stager_options)
     writer_options = {"host_cache_size": args.host_cache, "sync_files": sync_files}
     result: dict = {"mode": mode, "checkpoint_bytes": ckpt_bytes}
 
@@ -197,6 +197,9 @@ def run_mode(mode: str, args, device, ckpt_root: str) -> dict:
             if mode == "datastates":
                 pending = dcp.async_save(state, storage_writer=DataStatesWriter(path, **writer_options)).upload_completion
             elif mode == "dcp-async":
+                if not default_stager_reusable():  # torch 2.11-2.12 close a DefaultStager after one stage
+                    stager.close()
+                    stager = DefaultStager(stager_options)
                 resp = dcp.async_save(state, storage_writer=FileSystemWriter(path, sync_files=sync_files, thread_count=args.dcp_threads), async_stager=stager)
                 pending = resp.upload_completion
                 staging = resp.staging_completion
@@ -211,6 +214,7 @@ def run_mode(mode: str, args, device, ckpt_root: str) -> dict:
         if mode == "dcp-async":
             staging.result()  # DCP's contract: live tensors may change only after staging
         step_wait_s = time.perf_counter() - tw
+        marks["before"] = time.perf_counter()
         opt.step()  # datastates: the pre-hook's wait (device-side or host) happens in here
         hook_s = marks["after"] - marks["before"]
         opt.zero_grad(set_to_none=False)
