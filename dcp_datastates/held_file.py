@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import uuid
 from concurrent.futures import Future
 from typing import Any
 
@@ -227,12 +226,7 @@ class _GridChecksums:
 class _LocalWriter:
     def __init__(self, path: str, sync: bool) -> None:
         self.path, self.sync = path, sync
-        aside = f"{path}.old-{uuid.uuid4().hex}"
-        try:  # never write into an existing inode (another checkpoint may link to it)
-            os.rename(path, aside)
-            os.unlink(aside)
-        except OSError:
-            pass
+        storage.retire_local_file(path, _unlink_quietly)  # never write into a shared inode
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
         try:
             self.fd = os.open(path, flags, 0o644)
@@ -265,6 +259,13 @@ class _LocalWriter:
             os.unlink(self.path)
         except OSError:
             pass
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 class _RemoteWriter:

@@ -9,15 +9,15 @@ A save handle is any object with:
 - optionally ``done() -> bool``: True once the save needs nothing more (it is then not listed).
 
 The writer registers a handle when ``stage()`` starts a save and unregisters it once the save is
-committed or failed. ``EngineSave`` is the handle for a save made of engine write jobs.
+committed or failed (``writer._StagedSave`` is such a handle).
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
-__all__ = ["SaveHandle", "EngineSave", "register", "unregister", "inflight"]
+__all__ = ["SaveHandle", "register", "unregister", "inflight"]
 
 
 class SaveHandle(Protocol):
@@ -58,34 +58,3 @@ def _finished(save: Any) -> bool:
         return bool(done()) if callable(done) else False
     except Exception:  # noqa: BLE001 - a broken handle counts as still in flight
         return False
-
-
-class EngineSave:
-    """A save handle over engine write jobs (one per data file this rank writes).
-
-    ``abandoned`` holds the reason once ``abandon`` ran: whoever commits the checkpoint must check
-    it and refuse (a save abandoned after its files were durable is still never committed).
-    """
-
-    def __init__(self, path: str, jobs: Sequence[Any]) -> None:
-        self.path = str(path)
-        self.jobs = list(jobs)
-        self.abandoned: str | None = None
-
-    def progress(self) -> tuple[int, int]:
-        return sum(int(j.bytes_done) for j in self.jobs), sum(int(j.nbytes) for j in self.jobs)
-
-    def abandon(self, reason: str) -> None:
-        if self.abandoned is None:
-            self.abandoned = reason
-        for job in self.jobs:
-            job.fail(f"{self.path}: checkpoint abandoned: {reason}")
-
-    def done(self) -> bool:
-        """The data files are finished (or failed); the commit may still be pending, and an
-        abandoned save is done once its jobs wound down."""
-        return self.abandoned is not None and all(j.is_done() for j in self.jobs)
-
-    def __repr__(self) -> str:
-        done, total = self.progress()
-        return f"<EngineSave {self.path} {done}/{total} bytes{' abandoned' if self.abandoned else ''}>"

@@ -72,6 +72,20 @@ def is_supported_url(path: str | os.PathLike) -> bool:
     return all(p in known_implementations or p in registry for p in protocols)
 
 
+def retire_local_file(path: str, unlink) -> None:
+    """Move an existing file at ``path`` out of the way so the next create makes a new inode (a
+    hard link or symlink shared with another checkpoint must never be truncated in place);
+    ``unlink(aside)`` frees it (the writer hands this to a background thread)."""
+    import uuid  # noqa: PLC0415
+
+    aside = f"{path}.old-{uuid.uuid4().hex}"
+    try:
+        os.rename(path, aside)
+    except OSError:
+        return  # no old file (or nothing we may move): the create reports real errors
+    unlink(aside)
+
+
 class RemoteFolder:
     """A checkpoint folder on an fsspec file system.
 

@@ -289,14 +289,8 @@ def _new_tag() -> str:
 
 
 def _retire_old_file(path: str) -> None:
-    """Move an old data file out of the way so the engine creates a new inode (a hard link or
-    symlink shared with another checkpoint must never be truncated in place)."""
-    aside = f"{path}.old-{uuid.uuid4().hex}"
-    try:
-        os.rename(path, aside)
-    except OSError:
-        return
-    _watchers.submit(_unlink_quietly, aside)
+    """A new inode for the engine's file; freeing the old blocks happens off the training thread."""
+    storage.retire_local_file(path, lambda aside: _watchers.submit(_unlink_quietly, aside))
 
 
 def _unlink_quietly(path: str) -> None:

@@ -192,22 +192,3 @@ def test_registry_lists_saves_until_unregistered_or_done():
     finally:
         inflight.unregister(a)
         inflight.unregister(b)
-
-
-def test_engine_save_handle_reports_progress_and_fails_its_jobs():
-    class Job:
-        def __init__(self, done, total):
-            self.bytes_done, self.nbytes, self.errors = done, total, []
-
-        def fail(self, msg):
-            self.errors.append(msg)
-
-        def is_done(self):
-            return bool(self.errors)
-
-    jobs = [Job(1, 4), Job(2, 6)]
-    save = inflight.EngineSave("ckpt/step-9", jobs)
-    assert save.progress() == (3, 10) and not save.done() and save.abandoned is None
-    save.abandon("Ctrl-C")
-    assert save.abandoned == "Ctrl-C" and save.done()
-    assert [j.errors for j in jobs] == [["ckpt/step-9: checkpoint abandoned: Ctrl-C"]] * 2
