@@ -109,11 +109,22 @@ def _run_all(tmp_path) -> dict:
             out.flush()
             if line.strip() == "started" and delay is not None:
                 time.sleep(delay)
-                try:
-                    p.send_signal(signal.SIGINT)
-                except ProcessLookupError:
-                    pass
+                threading.Thread(target=interrupt, args=(p,), daemon=True).start()
                 delay = None
+
+    def interrupt(p):
+        # Python drops a KeyboardInterrupt raised inside a finalizer (a weakref callback prints
+        # "Exception ignored ... KeyboardInterrupt"): like a user, press Ctrl-C again if the
+        # process did not react within 10 s.
+        for _ in range(5):
+            try:
+                p.send_signal(signal.SIGINT)
+                p.wait(timeout=10)
+                return
+            except ProcessLookupError:
+                return
+            except subprocess.TimeoutExpired:
+                continue
 
     pumps = [threading.Thread(target=pump, args=(n, p, o), daemon=True) for n, (p, o, _) in procs.items()]
     for t in pumps:
