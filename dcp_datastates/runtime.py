@@ -243,6 +243,8 @@ def _shutdown_at_exit() -> None:
     try:
         # DCP's executor threads end after their one save (as Python's own exit join assumes).
         _join_checkpoint_threads(None, _CHECKPOINT_THREAD_PREFIXES[:1])
+    except KeyboardInterrupt:  # Ctrl-C again: stop waiting; the engine still drains below
+        pass
     finally:
         _exiting = True  # get_engine refuses from here on: no new engine threads at exit
         shutdown_engine()
@@ -288,10 +290,11 @@ def _wait_for_inflight_before_exit() -> None:
     import sys  # noqa: PLC0415
     import time  # noqa: PLC0415
 
+    again = "again " if getattr(sys, "last_type", None) is KeyboardInterrupt else ""
+    _release_uncaught_exception()
     saves = _pending()
     if not saves:
         return
-    again = "again " if getattr(sys, "last_type", None) is KeyboardInterrupt else ""
     try:  # the next Ctrl-C may land anywhere in here, the log call included
         log.warning(
             "dcp_datastates: checkpoint %s still being written; waiting for it to commit. Ctrl-C %sto abandon it.",
@@ -304,6 +307,25 @@ def _wait_for_inflight_before_exit() -> None:
     except KeyboardInterrupt:
         pass
     _abandon_all(time)
+
+
+def _release_uncaught_exception() -> None:
+    """Drop the interpreter's reference to the exception that ended the program (already
+    printed) and collect what only it kept alive.
+
+    A Ctrl-C that lands while ``async_save`` starts its executor thread (inside
+    ``ThreadPoolExecutor.submit``) leaves a worker that the executor never registered: nothing
+    tells it to stop but the executor's collection, and the traceback's frames keep the executor
+    alive, so Python's exit join would wait for that idle worker forever."""
+    import gc  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    if getattr(sys, "last_value", None) is None:
+        return
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    gc.collect()
 
 
 def _abandon_all(time) -> None:

@@ -69,6 +69,22 @@ SCENARIOS = {
         32,
         None,
     ),
+    # Ctrl-C lands while async_save starts its executor thread (inside ThreadPoolExecutor.submit):
+    # the executor never registers that worker, so only the executor's collection stops it
+    "ctrl_c_while_starting_the_thread": (
+        "from dcp_datastates.compat import ASYNC_EXECUTOR_THREAD_PREFIX\n"
+        "_start = threading.Thread.start\n"
+        "def start_then_ctrl_c(self):\n"
+        "    _start(self)\n"
+        "    if self.name.startswith(ASYNC_EXECUTOR_THREAD_PREFIX):\n"
+        "        print('started', flush=True)\n"
+        "        raise KeyboardInterrupt\n"
+        "threading.Thread.start = start_then_ctrl_c\n"
+        "dcp.async_save(make_state(1, 32), storage_writer=writer(folder))",
+        -signal.SIGINT,
+        32,
+        None,
+    ),
     # a training loop checkpointing every step, interrupted by Ctrl-C at some point
     "ctrl_c_in_training_loop": (
         "step = 0\n"
@@ -185,7 +201,9 @@ def _check_process(res: dict, expected_rc: int) -> None:
     assert "started" in res["stdout"]
 
 
-@pytest.mark.parametrize("name", ["end_of_script", "sys_exit", "exception", "keyboard_interrupt"])
+@pytest.mark.parametrize(
+    "name", ["end_of_script", "sys_exit", "exception", "keyboard_interrupt", "ctrl_c_while_starting_the_thread"]
+)
 def test_exit_drains_and_commits(runs, name):
     tmp, results = runs
     _, rc, mib, _ = SCENARIOS[name]
