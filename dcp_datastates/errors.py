@@ -3,6 +3,8 @@ the file, item and byte range involved."""
 
 from __future__ import annotations
 
+import threading
+
 __all__ = [
     "DataStatesError",
     "IncompleteCheckpointError",
@@ -42,22 +44,29 @@ class CheckpointWriteError(DataStatesError):
     """Writing a checkpoint failed (disk full, permission, I/O error, ...)."""
 
 
+# The exception of the last failed metadata read on each thread (None after a successful one).
+# DCP's load calls read_metadata on the thread that called dcp.load, then raises its own
+# AssertionError in place of that exception: this is how it is found again without a reader.
+_metadata_reads = threading.local()
+
+
+def record_metadata_read(error: BaseException | None) -> None:
+    """Called by the reader after each metadata read: the exception it raised, or None."""
+    _metadata_reads.error = error
+
+
 def checkpoint_error_cause(exc: BaseException, reader=None) -> BaseException:
     """The error behind what ``dcp.save`` / ``dcp.load`` raised, for code that reacts to it
     (fall back to an older checkpoint when the newest is incomplete, say).
 
     DCP wraps every rank's error into ``CheckpointException`` (a BaseException); this returns the
     first failing rank's exception instead. DCP also turns a failed ``read_metadata`` into an
-    ``AssertionError``, losing the type (2.9-2.11 without even the message). Pass the
-    ``DataStatesReader`` of that load as ``reader``: it keeps the exception its
-    ``read_metadata`` raised, which is then returned as it was, on every torch release. Without a
-    reader, from a 2.13-style message ("global metadata read failed: <message>") an
-    ``IncompleteCheckpointError``, a ``CheckpointFormatError`` or a ``FileNotFoundError`` /
-    ``NotADirectoryError`` is rebuilt with the original message. Anything else is returned
-    unchanged.
+    ``AssertionError`` (2.9: a bare one, without the message). The reader keeps the exception
+    its ``read_metadata`` raised, and it is returned as it was (``IncompleteCheckpointError``,
+    ``CheckpointFormatError``, ``FileNotFoundError``, ...), on every torch release: from
+    ``reader`` when given (``DataStatesReader.metadata_error``), else from the last metadata read
+    on this thread. Anything else is returned unchanged.
     """
-    import re  # noqa: PLC0415
-
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and type(exc).__name__ == "CheckpointException":
         for value in failures.values():
@@ -66,18 +75,11 @@ def checkpoint_error_cause(exc: BaseException, reader=None) -> BaseException:
                 exc = inner
                 break
     if isinstance(exc, AssertionError):
-        recorded = getattr(reader, "metadata_error", None)
+        recorded = getattr(reader, "metadata_error", None) if reader is not None else None
+        if recorded is None:
+            recorded = getattr(_metadata_reads, "error", None)
         if isinstance(recorded, BaseException):
             return recorded
-        m = re.search(r"global metadata read failed: (.*?)(?:; rank local metadata read failed: |\Z)", str(exc), re.S)
-        if m:
-            text = m.group(1)
-            if text.startswith("incomplete checkpoint "):
-                return IncompleteCheckpointError(text)
-            if text.startswith("no checkpoint at "):
-                return NotADirectoryError(text) if "it is a file" in text else FileNotFoundError(text)
-            if re.match(r"[^\n]*\.metadata: ", text):
-                return CheckpointFormatError(text)
     return exc
 
 

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from . import commit, remote, safe_unpickle, storage
 from .config import DataStatesConfig
-from .errors import ChecksumMismatchError, CheckpointFormatError, IncompleteCheckpointError
+from .errors import ChecksumMismatchError, CheckpointFormatError, IncompleteCheckpointError, record_metadata_read
 from .gcpause import gc_paused
 from .layout import name_to_dtype
 from .metadata import FileInfo, ItemLocation, piece_ranges
@@ -108,8 +108,8 @@ class DataStatesReader(StorageReader):
         super().__init__()
         self.config = DataStatesConfig.resolve(config, options)
         self.trusted = bool(trusted)
-        # The exception the last read_metadata raised: DCP 2.9-2.11 replace it by a bare
-        # AssertionError, so errors.checkpoint_error_cause(exc, reader) recovers it from here.
+        # The exception the last failed read_metadata raised: DCP replaces it by an
+        # AssertionError (2.9: a bare one), so errors.checkpoint_error_cause recovers it from here.
         self.metadata_error: BaseException | None = None
         self.path = storage.normalize(path)
         self.storage_data: _StorageIndex | None = None
@@ -130,13 +130,20 @@ class DataStatesReader(StorageReader):
         return self.path
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        self.metadata_error = None
+        # DCP's load reads the global metadata, then (when that failed) the rank-local one: the
+        # first failure is the one that says what is wrong with the checkpoint.
+        fallback = kwargs.get("rank") is not None and self.metadata_error is not None
         try:
             with gc_paused():  # decoding builds an object per item
-                return self._read_metadata(kwargs.get("rank"))
+                md = self._read_metadata(kwargs.get("rank"))
         except BaseException as exc:
-            self.metadata_error = exc
+            if not fallback:
+                self.metadata_error = exc
+            record_metadata_read(self.metadata_error)
             raise
+        self.metadata_error = None
+        record_metadata_read(None)
+        return md
 
     def _read_metadata(self, rank: int | None = None) -> Metadata:
         if self.path is None:

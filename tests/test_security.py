@@ -11,8 +11,10 @@ import os
 import pickle
 import random
 import stat
+import threading
 
 import numpy as np
+
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -476,20 +478,29 @@ def test_error_cause_comes_from_the_reader_on_every_release(tmp_path):
     (tmp_path / "nothing-here").mkdir()
     with pytest.raises(IncompleteCheckpointError):
         reader.read_metadata()
-    bare = AssertionError("metadata is None")  # what those releases raise
+    bare = AssertionError()  # what 2.9 raises (2.10-2.11: "metadata is None")
     cause = checkpoint_error_cause(bare, reader)
     assert isinstance(cause, IncompleteCheckpointError) and cause is reader.metadata_error
-    assert checkpoint_error_cause(bare) is bare  # without the reader nothing can be recovered
-    # Through DCP on this release too.
+    # Without the reader: the last failed metadata read of this thread; another thread has none.
+    assert checkpoint_error_cause(bare) is reader.metadata_error
+    elsewhere = []
+    t = threading.Thread(target=lambda: elsewhere.append(checkpoint_error_cause(bare)))
+    t.start()
+    t.join()
+    assert elsewhere == [bare]
+    # Through DCP on this release too, with and without the reader; the rank-local fallback read
+    # DCP tries next does not replace the first (telling) error.
     reader = DataStatesReader(str(tmp_path / "nothing-here"))
     with pytest.raises(BaseException) as info:
         dcp.load({"w": torch.zeros(1)}, storage_reader=reader, no_dist=True)
-    assert isinstance(checkpoint_error_cause(info.value, reader), IncompleteCheckpointError)
-    # A successful read clears it.
+    for cause in (checkpoint_error_cause(info.value, reader), checkpoint_error_cause(info.value)):
+        assert isinstance(cause, IncompleteCheckpointError) and "nothing-here" in str(cause), cause
+    # A successful read clears both.
     save(tmp_path / "ok", {"w": torch.ones(1)})
     reader = DataStatesReader(str(tmp_path / "ok"))
     reader.read_metadata()
     assert reader.metadata_error is None
+    assert checkpoint_error_cause(bare) is bare
 
 
 def test_cli_missing_fsspec_backend_is_one_line(capsys):
