@@ -14,6 +14,7 @@ benchmark runs: their arguments are checked against the command's ``--help``).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shlex
@@ -239,6 +240,15 @@ def test_benchmark_commands_take_their_arguments():
     assert checked >= 3
 
 
+@functools.cache
+def _torchtitan_imports() -> bool:
+    try:
+        import torchtitan  # noqa: F401, PLC0415
+    except Exception:  # noqa: BLE001 - missing, or built against another torch
+        return False
+    return True
+
+
 def _run_doc(doc: str, tmp: Path) -> list[str]:
     (tmp / "examples").symlink_to(ROOT / "examples")
     (tmp / "docs").symlink_to(ROOT / "docs")
@@ -246,6 +256,8 @@ def _run_doc(doc: str, tmp: Path) -> list[str]:
     outputs = []
     for k, b in enumerate(x for x in ALL if x.doc == doc and _where(x) == "run"):
         text = b.text
+        if "torchtitan" in text and not _torchtitan_imports():
+            continue  # e.g. torch 2.9, where TorchTitan 0.3.0 does not import (docs/torch-versions.md)
         for old, new in (sum(_keyed(SUBSTITUTIONS, b), [])):
             assert old in text, f"{doc}:{b.line}: substitution {old!r} no longer applies"
             text = text.replace(old, new)

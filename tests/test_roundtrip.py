@@ -298,7 +298,8 @@ def test_writer_built_for_one_folder_saved_to_another_by_checkpoint_id(tmp_path)
     dest = {"w": torch.zeros(4096), "step": None}
     dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "b"))
     assert_state_equal(snapshot, dest)
-    assert not [n for n in os.listdir(tmp_path / "a") if n.endswith(".safetensors")]
+    # (torch 2.9 names the folder before staging: then the writer's folder is never made)
+    assert not (tmp_path / "a").exists() or not [n for n in os.listdir(tmp_path / "a") if n.endswith(".safetensors")]
     # the same writer, retargeted again: its folder is now taken from checkpoint_id every time
     state["w"].add_(1)
     snapshot = clone_state(state)
