@@ -79,7 +79,7 @@ def test_sigkill_during_saves_never_yields_wrong_values(tmp_path):
             cause = checkpoint_error_cause(exc)
             assert isinstance(cause, IncompleteCheckpointError), f"{folder}: {type(cause).__name__}: {cause}"
             assert not marker, f"{folder} has a commit marker but does not load: {cause}"
-            assert "incomplete checkpoint" in str(exc)
+            assert "incomplete checkpoint" in str(cause)
             continue
         assert marker
         assert tag is not None and crash.same(crash.expected_state(tag), dest), f"{folder}: wrong values"

@@ -183,7 +183,7 @@ def _outcome(folder, seed: int, mib: int) -> str:
     except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
         cause = checkpoint_error_cause(exc)
         assert isinstance(cause, IncompleteCheckpointError), f"{folder}: {type(cause).__name__}: {cause}"
-        assert not marker and "incomplete checkpoint" in str(exc)
+        assert not marker and "incomplete checkpoint" in str(cause)
         return "incomplete"
     assert dest["step"] == seed
     for k, v in want["model"].items():
