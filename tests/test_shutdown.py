@@ -34,6 +34,9 @@ COMMON = textwrap.dedent(
 PRELUDE = COMMON + textwrap.dedent(
     """
     import os, sys, time, signal, threading, warnings
+    # Ctrl-C raises KeyboardInterrupt as in a terminal, even when pytest itself runs where SIGINT
+    # is ignored (a background job), which Python would otherwise pass on to this script.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     warnings.filterwarnings("ignore")
     import torch, torch.distributed.checkpoint as dcp
     from dcp_datastates import DataStatesWriter
