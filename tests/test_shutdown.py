@@ -91,7 +91,7 @@ SCENARIOS = {
     # a training loop checkpointing every step, interrupted by Ctrl-C at some point
     "ctrl_c_in_training_loop": (
         "step = 0\n"
-        "while True:\n"
+        "while step < 100:  # bounded: a lost Ctrl-C ends the loop (and fails the test) instead of filling the disk\n"
         "    resp = dcp.async_save(make_state(step, 8), storage_writer=writer(os.path.join(folder, f'step-{step}')))\n"
         "    if step == 0: print('started', flush=True)\n"
         "    time.sleep(0.02)  # forward/backward\n"
