@@ -1076,7 +1076,7 @@ def measure_stage_cost(root: str, count: int, reps: int, profile: bool, config) 
         staged.finished.set()  # no DCP save follows this stage(): release its path
         return wall, cpu
 
-    from .stage_plan import plan_stats
+    from .stage.plan_cache import plan_stats
 
     n = max(3, reps)
     before = plan_stats()

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from . import commit, remote, safe_unpickle, storage
+from . import commit, folders, remote, safe_unpickle
 from .config import DataStatesConfig
 from .errors import ChecksumMismatchError, CheckpointFormatError, IncompleteCheckpointError
 from .gcpause import gc_paused
@@ -111,16 +111,16 @@ class DataStatesReader(StorageReader):
         # The exception the last read_metadata raised: DCP 2.9-2.11 replace it by a bare
         # AssertionError, so errors.checkpoint_error_cause(exc, reader) recovers it from here.
         self.metadata_error: BaseException | None = None
-        self.path = storage.normalize(path)
+        self.path = folders.normalize(path)
         self.storage_data: _StorageIndex | None = None
         self.rank = 0
-        self._folder: storage.RemoteFolder | None = None  # remote checkpoints (fsspec URLs)
+        self._folder: folders.RemoteFolder | None = None  # remote checkpoints (fsspec URLs)
         self._sizes: dict[str, int] | None = None  # remote data-object sizes, one listing per load
 
     # ---------------------------------------------------------------------------- StorageReader
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = storage.normalize(checkpoint_id)
+            self.path = folders.normalize(checkpoint_id)
         self.storage_data = None
         self._folder = None
         self._sizes = None
@@ -141,10 +141,10 @@ class DataStatesReader(StorageReader):
     def _read_metadata(self, rank: int | None = None) -> Metadata:
         if self.path is None:
             raise ValueError("DataStatesReader: no checkpoint path (pass path= or checkpoint_id=)")
-        if rank is None and not storage.is_remote(self.path) and dist.is_available() and dist.is_initialized():
+        if rank is None and not folders.is_remote(self.path) and dist.is_available() and dist.is_initialized():
             # A rank-local checkpoint (saved with use_collectives=False): each rank reads its own
             # commit, unless the folder holds one committed by all ranks together.
-            local = os.path.join(storage.local_path(self.path), commit.rank_marker_name(dist.get_rank()))
+            local = os.path.join(folders.local_path(self.path), commit.rank_marker_name(dist.get_rank()))
             if not commit.is_committed(self.path) and os.path.isfile(local):
                 rank = dist.get_rank()
         md, files = commit.read_commit(self.path, storage_options=self.config.storage_options, rank=rank)
@@ -189,7 +189,7 @@ class DataStatesReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         """Local paths, ``file://`` and any URL whose protocol fsspec knows."""
-        return storage.is_supported_url(checkpoint_id)
+        return folders.is_supported_url(checkpoint_id)
 
     # --------------------------------------------------------------------------------- helpers
     def _location(self, req: ReadItem) -> ItemLocation:
@@ -201,9 +201,9 @@ class DataStatesReader(StorageReader):
                 f"at offset {list(req.storage_index.offset or [])}"
             ) from None
 
-    def _remote(self) -> storage.RemoteFolder:
+    def _remote(self) -> folders.RemoteFolder:
         if self._folder is None or self._folder.url != self.path:
-            self._folder = storage.remote_folder(self.path, self.config.storage_options)
+            self._folder = folders.remote_folder(self.path, self.config.storage_options)
             self._sizes = None
         return self._folder
 
@@ -227,7 +227,7 @@ class DataStatesReader(StorageReader):
             )
 
     def _check_file(self, name: str) -> str:
-        if storage.is_remote(self.path):
+        if folders.is_remote(self.path):
             self._check_remote_file(name)  # sizes from one listing per load
             return name
         info = self.storage_data.files.get(name)
@@ -240,7 +240,7 @@ class DataStatesReader(StorageReader):
         pending = [self._target(req, loc, planner) for req, loc in items]
         reading = [p for p in pending if p.nbytes]
         ranges = [(p.ptr, p.read_start, p.nbytes) for p in reading]
-        if ranges and storage.is_remote(self.path):
+        if ranges and folders.is_remote(self.path):
             concurrency = max(remote.READ_CONCURRENCY, self.config.read_threads)
             remote.read_ranges(self._remote(), name, ranges, concurrency=concurrency)
             if self.config.verify:

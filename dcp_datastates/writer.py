@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from . import checkpoint_stats, commit, inflight, remote, storage
+from . import checkpoint_stats, commit, folders, inflight, remote
 from .compat import unflatten_state_dict
 from .config import DataStatesConfig
 from .consolidate import consolidate_results
@@ -43,11 +43,11 @@ from .gcpause import gc_paused
 from .held_file import HeldFile
 from .layout import data_file_name, plan_file
 from .metadata import ItemLocation
-from .ownership import Ownership, decisions, is_plain_tensor, plain_signature, split_by_owner
+from .stage.ownership import Ownership, decisions, is_plain_tensor, plain_signature, split_by_owner
 from .runtime import get_engine
-from .stage_items import ItemKey, SourceItem, flatten, item_key, items_of_flat, source_for_resolved
-from .stage_plan import build_plan, find_plan, scan_state
-from .staging import tracker
+from .stage.items import ItemKey, SourceItem, flatten, item_key, items_of_flat, source_for_resolved
+from .stage.plan_cache import build_plan, find_plan, scan_state
+from .staging_tracker import tracker
 from .version_guard import VersionGuard, torn_message
 
 __all__ = ["DataStatesWriter"]
@@ -290,7 +290,7 @@ def _new_tag() -> str:
 
 def _retire_old_file(path: str) -> None:
     """A new inode for the engine's file; freeing the old blocks happens off the training thread."""
-    storage.retire_local_file(path, lambda aside: _watchers.submit(_unlink_quietly, aside))
+    folders.retire_local_file(path, lambda aside: _watchers.submit(_unlink_quietly, aside))
 
 
 def _unlink_quietly(path: str) -> None:
@@ -322,7 +322,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                  per_process: bool = False, **options: Any) -> None:
         super().__init__()
         self.config = DataStatesConfig.resolve(config, options)
-        self.path = storage.normalize(path)
+        self.path = folders.normalize(path)
         self.process_group = process_group
         self.per_process = bool(per_process)
         self.save_id = uuid.uuid4().hex
@@ -334,7 +334,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._current: _StagedSave | None = None  # the save DCP is planning/writing now
         self._sync_tag: str | None = None  # dcp.save into a committed folder: its file tag
         self._finishing: _StagedSave | None = None  # written, waiting for finish() (coordinator)
-        self._remote_folders: dict[str, storage.RemoteFolder] = {}
+        self._remote_folders: dict[str, folders.RemoteFolder] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self):
@@ -550,7 +550,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         folder = staged.path
         name = data_file_name(staged.rank, index, staged.tag)
         stream = _current_stream(device) if device >= 0 else 0
-        if storage.is_remote(folder):  # streamed to the object store by an uploader thread
+        if folders.is_remote(folder):  # streamed to the object store by an uploader thread
             job, upload = remote.submit_upload(
                 engine, self._remote(folder), name, layout.header, layout.file_size, spans, device, stream
             )
@@ -560,18 +560,18 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         job = engine.submit_write(path, layout.header, layout.file_size, spans, self.config.sync_files, device, stream)
         return job, None, name
 
-    def _remote(self, folder: str) -> storage.RemoteFolder:
+    def _remote(self, folder: str) -> folders.RemoteFolder:
         """The fsspec folder of a remote checkpoint (one per URL, reused by this writer)."""
         with self._lock:
             cached = self._remote_folders.get(folder)
             if cached is None:
-                cached = self._remote_folders[folder] = storage.remote_folder(folder, self.config.storage_options)
+                cached = self._remote_folders[folder] = folders.remote_folder(folder, self.config.storage_options)
             return cached
 
     # ---------------------------------------------------------------------------- StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            new = storage.normalize(checkpoint_id)
+            new = folders.normalize(checkpoint_id)
             if new != self.path and self.path is not None:
                 self._retargeted = True  # this writer is given its folder per save: defer it
             self.path = new
@@ -607,7 +607,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 staged.path = self.path
                 committed = commit.prepare_folder(self.path, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
                 staged.tag = _new_tag() if committed else None
-            remote_folder = self._remote(staged.path) if storage.is_remote(staged.path) else None
+            remote_folder = self._remote(staged.path) if folders.is_remote(staged.path) else None
             for k, h in enumerate(staged.held, start=len(staged.files)):
                 if h.name is None:
                     h.set_destination(staged.path, data_file_name(staged.rank, k, staged.tag),
@@ -730,7 +730,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         renamed: dict[str, str] = {}
         for f in staged.files:
             new = data_file_name(staged.rank, f.index, staged.tag)
-            if storage.is_remote(staged.path):
+            if folders.is_remote(staged.path):
                 src = self._remote(staged.moved_from)
                 dst = self._remote(staged.path)
                 src.fs.mv(src.join(f.name), dst.join(new))
@@ -816,7 +816,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         """Local paths, ``file://`` and any URL whose protocol fsspec knows."""
-        return storage.is_supported_url(checkpoint_id)
+        return folders.is_supported_url(checkpoint_id)
 
 
 def fp_index(name: str) -> int:

@@ -527,7 +527,8 @@ def _float_tensors_on_fake_device(fake, monkeypatch, delay_us: int) -> int:
     """Float CPU tensors stand in for CUDA tensors on device 0 of the double: the writer submits
     their copies to the fake runtime with a fresh stream as the caller's current stream, and
     wait_staged() sees that stream. Returns the stream (destroy it after the test)."""
-    from dcp_datastates import runtime, stage_items, staging, writer
+    from dcp_datastates import runtime, staging_tracker as staging, writer
+    from dcp_datastates.stage import items as stage_items
 
     original = stage_items._tensor_source
 

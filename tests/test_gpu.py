@@ -25,7 +25,7 @@ from dcp_datastates import (
     shutdown_engine,
     wait_staged,
 )
-from dcp_datastates import staging
+from dcp_datastates import staging_tracker as staging
 
 MiB = 1 << 20
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

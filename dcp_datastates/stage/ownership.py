@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .compat import is_checkpointable_tensor
-from .stage_items import ItemKey, SourceItem
+from ..compat import is_checkpointable_tensor
+from .items import ItemKey, SourceItem
 
 __all__ = ["Ownership", "Decisions", "decisions", "split_by_owner", "plain_signature"]
 

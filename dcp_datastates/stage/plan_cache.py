@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .compat import is_checkpointable_tensor, versions_of
-from .layout import FileLayout
-from .metadata import ItemLocation
-from .stage_items import ItemKey, SourceItem, bytes_source, serialize_object
+from ..compat import is_checkpointable_tensor, versions_of
+from ..layout import FileLayout
+from ..metadata import ItemLocation
+from .items import ItemKey, SourceItem, bytes_source, serialize_object
 
 __all__ = ["Scan", "FilePlan", "StagePlan", "scan_state", "find_plan", "build_plan", "plan_stats"]
 
