@@ -399,3 +399,14 @@ def _strip_json_comments(text: str) -> str:
                 break
         out_lines.append(line[:cut])
     return "\n".join(out_lines)
+
+
+def tool_config() -> DataStatesConfig:
+    """A small engine for offline tools (verify, convert): reads go straight into tensors, the
+    host cache is hardly used, so it must not reserve (and on GPU machines pin) gigabytes."""
+    return DataStatesConfig(
+        host_cache_size=64 << 20,
+        pin_host_cache=False,
+        chunk_size=16 << 20,
+        read_threads=max(2, min(8, os.cpu_count() or 2)),
+    )

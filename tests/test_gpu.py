@@ -221,8 +221,8 @@ def test_checkpoint_larger_than_the_cache_streams_through_it(tmp_path):
 
 
 def test_gpu_bench_dry_run(tmp_path):
-    """Not GPU-bound: keeps examples/gpu_bench.py importable and its plumbing working on CPU."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    """Not GPU-bound: keeps benchmarks/gpu_bench.py importable and its plumbing working on CPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     try:
         import gpu_bench
     finally:
