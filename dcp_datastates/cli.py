@@ -18,15 +18,12 @@ import os
 import stat
 import sys
 import warnings
-from collections import defaultdict
-from typing import Any, Iterable
+from typing import Any
 
 __all__ = ["main"]
 
 PROG = "dcp-datastates"
 
-# Bytes read per engine call when verifying (checksum pieces are at most the engine's chunk size).
-_VERIFY_WINDOW_BYTES = 64 << 20
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -77,12 +74,6 @@ def _read_metadata(path: str):
     return read_commit(path)
 
 
-def _file_kind(mode: int) -> str:
-    from .commit import file_kind
-
-    return file_kind(mode)
-
-
 def _safe(text: Any) -> str:
     """A name taken from a checkpoint, printable: control characters (terminal escapes, line
     breaks) and other unprintable characters are shown as Python escapes."""
@@ -115,6 +106,7 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
 
 # ------------------------------------------------------------------------------------ inspect
 def _cmd_inspect(args) -> int:
+    from .commit import file_kind
     from .convert import checkpoint_items
     from .layout import FORMAT_NAME
     from .metadata import FORMAT_VERSION
@@ -129,7 +121,7 @@ def _cmd_inspect(args) -> int:
         except FileNotFoundError:
             on_disk[name] = None
             continue
-        on_disk[name] = st.st_size if stat.S_ISREG(st.st_mode) else _file_kind(st.st_mode)
+        on_disk[name] = st.st_size if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)
     sm = md.storage_meta
     total_items = sum(i.nbytes for i in items)
     if args.json:
@@ -205,163 +197,25 @@ def _cmd_inspect(args) -> int:
 
 
 # ------------------------------------------------------------------------------------- verify
-def _check_header(full: str, name: str, info, locs: list) -> list[str]:
-    """The data file is a safetensors file whose header lists every item at its recorded place."""
-    import struct
-
-    problems = []
-    try:
-        with _open_regular(full) as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return [f"{name}: header damaged (file shorter than 8 bytes)"]
-            (hlen,) = struct.unpack("<Q", head)
-            if 8 + hlen != info.data_start:
-                return [f"{name}: header damaged (header length {hlen} does not end at the data start {info.data_start})"]
-            header = json.loads(f.read(hlen))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        return [f"{name}: header damaged (not valid safetensors JSON: {exc})"]
-    except OSError as exc:
-        return [f"{name}: cannot read the header: {_one_line(exc)}"]
-    except ValueError as exc:  # CheckpointFormatError: not a regular file
-        return [_one_line(exc)]
-    if not isinstance(header, dict):
-        return [f"{name}: header damaged (not a JSON object)"]
-    spans = set()
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            begin, end = entry["data_offsets"]
-            spans.add((info.data_start + int(begin), int(end) - int(begin)))
-        except (KeyError, TypeError, ValueError):
-            problems.append(f"{name}: header damaged (entry {key!r} has no valid data_offsets)")
-    unlisted = [(label, loc) for label, loc in locs if (loc.offset, loc.length) not in spans]
-    for label, loc in unlisted[:10]:
-        problems.append(f"{name}: header does not list {label} at bytes [{loc.offset}, {loc.offset + loc.length})")
-    if len(unlisted) > 10:
-        problems.append(f"{name}: header does not list {len(unlisted) - 10} more item(s)")
-    return problems
-
-
-def _open_regular(full: str):
-    """A data file opened for reading without following a link or blocking on a FIFO."""
-    from .commit import open_for_reading
-
-    return os.fdopen(open_for_reading(full), "rb")
-
-
-def _label(index) -> str:
-    if index.offset is None:
-        return f"item {index.fqn!r}"
-    return f"item {index.fqn!r} (chunk offsets {list(index.offset)})"
-
-
 def _cmd_verify(args) -> int:
-    import torch
-
     from .config import tool_config
-    from .metadata import piece_ranges
+    from .integrity import verify_checkpoint
     from .runtime import get_engine
 
     path = _checkpoint_dir(args.path)
-    md, files = _read_metadata(path)
-    problems: list[str] = []
-    by_file: dict[str, list] = defaultdict(list)
-    for index, loc in md.storage_data.items():
-        by_file[loc.file].append((_label(index), loc))
-
-    readable = []
-    for name, info in files.items():
-        full = os.path.join(path, name)
-        try:
-            st = os.lstat(full)  # a link is reported, never followed out of the folder
-        except FileNotFoundError:
-            problems.append(f"{_safe(name)}: data file is missing ({len(by_file[name])} items cannot be read)")
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            problems.append(f"{_safe(name)}: data file is {_file_kind(st.st_mode)}, not a regular file (not read)")
-            continue
-        size = st.st_size
-        if size != info.size:
-            how = "truncated" if size < info.size else "longer than recorded"
-            lost = [label for label, loc in by_file[name] if loc.offset + loc.length > size]
-            detail = ""
-            if size < info.size and lost:
-                detail = f"; past the end: {', '.join(lost[:5])}" + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
-            problems.append(f"{name}: {how}: {size} bytes on disk, the metadata records {info.size}{detail}")
-            continue
-        header_problems = _check_header(full, name, info, by_file[name])
-        problems += header_problems
-        readable.append(name)
-
-    engine = get_engine(tool_config())
-    total = sum(loc.length for name in readable for _, loc in by_file[name])
-    checked_items = unchecked_items = 0
-    checked_bytes = 0
-    with _progress(total, "verify", not args.no_progress) as bar:
-        for name in readable:
-            full = os.path.join(path, name)
-            pieces = []  # (label, loc, expected, offset, length)
-            for label, loc in sorted(by_file[name], key=lambda x: x[1].offset):
-                if not loc.crc32c:
-                    if loc.length:
-                        unchecked_items += 1
-                    bar.update(loc.length)
-                    continue
-                checked_items += 1
-                for expected, (off, length) in zip(loc.crc32c, piece_ranges(loc)):
-                    pieces.append((label, loc, expected, off, length))
-            window = max([_VERIFY_WINDOW_BYTES] + [p[4] for p in pieces])
-            buf = torch.empty(window if pieces else 0, dtype=torch.uint8)
-            base = buf.data_ptr()
-            for batch in _batches(pieces, window):
-                ranges, pos = [], 0
-                for p in batch:
-                    ranges.append((base + pos, p[3], p[4]))
-                    pos += p[4]
-                try:
-                    engine.read_into(full, ranges)
-                except (OSError, ValueError) as exc:
-                    first, last = batch[0], batch[-1]
-                    problems.append(f"{name}: cannot read bytes [{first[3]}, {last[3] + last[4]}): {_one_line(exc)}")
-                    bar.update(pos)
-                    continue
-                pos = 0
-                for label, loc, expected, off, length in batch:
-                    got = engine.crc32c(base + pos, length)
-                    pos += length
-                    if got != expected:
-                        problems.append(
-                            f"{name}: checksum mismatch in {label}, bytes [{off}, {off + length}): "
-                            f"stored crc32c {expected:#010x}, read {got:#010x}"
-                        )
-                checked_bytes += pos
-                bar.update(pos)
-
-    if problems:
-        for p in problems:
-            print(f"FAILED {p}", file=sys.stderr)
-        print(f"{PROG} verify: {path} is damaged: {len(problems)} problem(s) found", file=sys.stderr)
+    report = verify_checkpoint(path, engine=get_engine(tool_config()),
+                               progress=lambda total, desc: _progress(total, desc, not args.no_progress))
+    if report.problems:
+        for p in report.problems:
+            print(f"FAILED {_safe(p)}", file=sys.stderr)
+        print(f"{PROG} verify: {path} is damaged: {len(report.problems)} problem(s) found", file=sys.stderr)
         return 1
-    extra = f"; {unchecked_items} item(s) carry no checksum" if unchecked_items else ""
+    extra = f"; {report.unchecked_items} item(s) carry no checksum" if report.unchecked_items else ""
     print(
-        f"OK {path}: {len(md.state_dict_metadata)} items in {len(files)} file(s); "
-        f"{checked_items} stored chunk(s), {_human(checked_bytes)}, match their CRC32C{extra}"
+        f"OK {path}: {report.items} items in {report.files} file(s); "
+        f"{report.checked_items} stored chunk(s), {_human(report.checked_bytes)}, match their CRC32C{extra}"
     )
     return 0
-
-
-def _batches(pieces: list, window: int) -> Iterable[list]:
-    batch, size = [], 0
-    for p in pieces:
-        if batch and size + p[4] > window:
-            yield batch
-            batch, size = [], 0
-        batch.append(p)
-        size += p[4]
-    if batch:
-        yield batch
 
 
 # ------------------------------------------------------------------------------------ convert

@@ -34,7 +34,7 @@ from .metadata import METADATA_NAME, FileInfo, ItemLocation, decode_metadata, en
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["prepare_folder", "write_commit", "rank_marker_name", "read_commit", "check_data_files", "is_committed", "check_commit", "latest_checkpoint"]
+__all__ = ["prepare_folder", "write_commit", "rank_marker_name", "read_commit", "is_committed", "check_commit", "latest_checkpoint"]
 
 _TMP_PREFIX = f"{METADATA_NAME}.tmp-"
 
@@ -115,6 +115,8 @@ def write_commit(
 
     Raises CheckpointWriteError naming the folder and the cause; on failure the previous commit
     (if any) is untouched and no temporary file is left behind."""
+    from .integrity import check_data_files  # noqa: PLC0415 - integrity imports this module
+
     data = encode_metadata(md, locations)
     _, files = decode_metadata(data, f"{path}/{METADATA_NAME} (being committed)")
     try:
@@ -200,7 +202,7 @@ def file_kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _not_regular(where: str, what: str, full: str, mode: int) -> CheckpointFormatError:
+def not_regular_error(where: str, what: str, full: str, mode: int) -> CheckpointFormatError:
     detail = ""
     if stat.S_ISLNK(mode):
         try:
@@ -218,12 +220,12 @@ def open_for_reading(full: str) -> int:
         fd = os.open(full, _READ_FLAGS)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise _not_regular(os.path.dirname(full), os.path.basename(full), full, os.lstat(full).st_mode) from None
+            raise not_regular_error(os.path.dirname(full), os.path.basename(full), full, os.lstat(full).st_mode) from None
         raise
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise _not_regular(os.path.dirname(full), os.path.basename(full), full, st.st_mode)
+        raise not_regular_error(os.path.dirname(full), os.path.basename(full), full, st.st_mode)
     os.set_blocking(fd, True)
     return fd
 
@@ -235,14 +237,14 @@ def _read_marker(path: str, marker: str) -> bytes:
         fd = os.open(marker, _READ_FLAGS)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-            raise _not_regular(path, METADATA_NAME, marker, os.lstat(marker).st_mode) from None
+            raise not_regular_error(path, METADATA_NAME, marker, os.lstat(marker).st_mode) from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             if stat.S_ISDIR(st.st_mode):
                 raise CheckpointFormatError(f"{marker}: the commit marker is a folder, not a metadata file")
-            raise _not_regular(path, f"the commit marker {METADATA_NAME}", marker, st.st_mode)
+            raise not_regular_error(path, f"the commit marker {METADATA_NAME}", marker, st.st_mode)
         if st.st_size > MAX_METADATA_BYTES:
             raise CheckpointFormatError(
                 f"{marker}: {st.st_size} bytes, more than the {MAX_METADATA_BYTES}-byte limit of a metadata file "
@@ -341,40 +343,12 @@ def read_commit(path: str | os.PathLike, *, storage_options: dict | None = None,
     return decode_metadata(raw, marker)
 
 
-def check_data_files(path: str | os.PathLike, files: dict[str, FileInfo], *, storage_options: dict | None = None) -> None:
-    """Every data file in ``files`` exists as a regular file inside the folder (not a symlink,
-    FIFO or device) with the recorded size; one listing for remote folders."""
-    if folders.is_remote(path):
-        folder = folders.remote_folder(os.fspath(path), storage_options)
-        where, sizes = folder.url, folder.sizes()
-    else:
-        where, sizes = folders.local_path(path), {}
-        for name in files:
-            full = os.path.join(where, name)
-            try:
-                st = os.lstat(full)  # lstat: a symlink is refused, not followed
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                raise _not_regular(where, f"data file {name}", full, st.st_mode)
-            sizes[name] = st.st_size
-    for name, info in files.items():
-        size = sizes.get(name)
-        if size is None:
-            raise IncompleteCheckpointError(
-                f"incomplete checkpoint {where}: data file {name} is missing (the metadata lists it)"
-            )
-        if size != info.size:
-            raise IncompleteCheckpointError(
-                f"incomplete checkpoint {where}: data file {name} is {size} bytes, the metadata expects "
-                f"{info.size} ({'truncated' if size < info.size else 'replaced or appended to'})"
-            )
-
-
 def check_commit(path: str | os.PathLike, *, storage_options: dict | None = None) -> None:
     """Raise unless ``path`` holds a complete checkpoint: the marker decodes and every data file
     it lists exists with the recorded size. IncompleteCheckpointError when something is missing
     or short, CheckpointFormatError when the marker is damaged. Reads no tensor data."""
+    from .integrity import check_data_files  # noqa: PLC0415 - integrity imports this module
+
     _, files = read_commit(path, storage_options=storage_options)
     check_data_files(path, files, storage_options=storage_options)
 

@@ -13,9 +13,11 @@ import json
 import os
 import re
 import tempfile
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable
+
+from .commit import read_commit
+from .integrity import check_data_files, no_progress
 
 __all__ = ["CheckpointItem", "Converted", "checkpoint_items", "to_dcp", "to_hf", "to_torch"]
 
@@ -26,15 +28,6 @@ _LOAD_GROUP_BYTES = 256 << 20
 
 # progress(total_bytes, description) -> a context manager whose value has update(nbytes).
 Progress = Callable[[int, str], ContextManager[Any]]
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-
-def _no_progress(total: int, desc: str) -> ContextManager[Any]:
-    return nullcontext(_NoBar())
 
 
 @dataclass
@@ -161,7 +154,7 @@ def to_hf(path: str, out: str, *, max_shard_size: int = 5 * 10**9, prefix: str |
     if max_shard_size < 1:
         raise ValueError("max_shard_size must be positive")
     path, md = _open_checkpoint(path, out)
-    progress = progress or _no_progress
+    progress = progress or no_progress
     chosen: list[tuple[str, str, int]] = []  # (fqn, output name, bytes)
     skipped: list[str] = []
     for item in checkpoint_items(md):
@@ -223,8 +216,6 @@ def to_hf(path: str, out: str, *, max_shard_size: int = 5 * 10**9, prefix: str |
 def _open_checkpoint(path: str, out: str):
     """(folder, DCP Metadata) of a committed checkpoint whose data files all exist with the sizes
     it records, checked before allocating anything the metadata describes."""
-    from .commit import check_data_files, read_commit
-
     path = os.fspath(path)
     if os.path.abspath(out) == os.path.abspath(path):
         raise ValueError("the output must not be the checkpoint itself")
@@ -239,7 +230,7 @@ def _load_state(path: str, md, out: str, force: bool, trusted: bool, *, is_dir: 
     _prepare_output(out, force, is_dir=is_dir, create=False)  # fail fast
     keys = list(md.state_dict_metadata)
     total = sum(_sizes(md, keys).values())
-    with (progress or _no_progress)(total, "load") as bar:
+    with (progress or no_progress)(total, "load") as bar:
         flat = _load_flat(path, md, keys, bar, trusted=trusted)
     _prepare_output(out, force, is_dir=is_dir)
     return _unflatten(flat, md.planner_data), total

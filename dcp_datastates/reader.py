@@ -25,7 +25,8 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from . import commit, folders, remote, safe_unpickle
 from .config import DataStatesConfig
-from .errors import ChecksumMismatchError, CheckpointFormatError, IncompleteCheckpointError
+from .errors import ChecksumMismatchError, CheckpointFormatError
+from .integrity import check_data_files, checksum_mismatch, file_size_error
 from .gcpause import gc_paused
 from .layout import name_to_dtype
 from .metadata import FileInfo, ItemLocation, piece_ranges
@@ -215,16 +216,10 @@ class DataStatesReader(StorageReader):
         size = self._sizes.get(name)
         if size is None:
             size = folder.size(name)  # listings can be partial on some stores: ask for the object itself
-        if size is None:
-            raise IncompleteCheckpointError(
-                f"incomplete checkpoint {self.path}: data file {name} is missing ({folder.url_of(name)}; the metadata lists it)"
-            )
         info = self.storage_data.files.get(name)
-        if info is not None and size != info.size:
-            raise IncompleteCheckpointError(
-                f"incomplete checkpoint {self.path}: data file {name} is {size} bytes, the metadata expects "
-                f"{info.size} ({'truncated' if size < info.size else 'replaced or appended to'})"
-            )
+        error = file_size_error(self.path, name, size, size if info is None else info.size, location=folder.url_of(name))
+        if error is not None:
+            raise error
 
     def _check_file(self, name: str) -> str:
         if folders.is_remote(self.path):
@@ -232,7 +227,7 @@ class DataStatesReader(StorageReader):
             return name
         info = self.storage_data.files.get(name)
         if info is not None:
-            commit.check_data_files(self.path, {name: info})
+            check_data_files(self.path, {name: info})
         return os.path.join(self.path, name)
 
     def _read_file(self, name: str, items: list[tuple[ReadItem, ItemLocation]], planner: LoadPlanner) -> None:
@@ -345,8 +340,4 @@ class DataStatesReader(StorageReader):
                 raise self._mismatch(p, off, length, expected, got)
 
     def _mismatch(self, p: _Pending, off: int, length: int, expected: int, got: int) -> ChecksumMismatchError:
-        return ChecksumMismatchError(
-            f"checkpoint {self.path}: checksum mismatch in {p.loc.file}, item "
-            f"{p.req.storage_index.fqn!r} (chunk offsets {list(p.req.storage_index.offset or [])}), "
-            f"bytes [{off}, {off + length}): stored crc32c {expected:#010x}, read {got:#010x}"
-        )
+        return checksum_mismatch(self.path, p.loc.file, p.req.storage_index, off, length, expected, got)
