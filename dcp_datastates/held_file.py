@@ -29,6 +29,7 @@ from .errors import CheckpointWriteError
 from .layout import plan_file
 from .metadata import ItemLocation
 from .remote import UPLOAD_BLOCK_SIZE, _buffer, _discard
+from .stage.files import item_location
 from .stage.items import ItemKey, SourceItem
 
 __all__ = ["HeldFile"]
@@ -194,8 +195,8 @@ class HeldFile:
             raise
         out = {}
         for j, ((it, _), foff) in enumerate(zip(kept, final.offsets)):
-            out[it.key] = ItemLocation(dest.name, foff, it.entry.nbytes, it.entry.dtype, it.entry.shape,
-                                       tuple(crcs.of(j)), final.data_start, piece, final.file_size)
+            out[it.key] = item_location(dest.name, it.entry, foff, final.data_start, piece, tuple(crcs.of(j)),
+                                        final.file_size)
         return out
 
 

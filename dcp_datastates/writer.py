@@ -41,11 +41,12 @@ from .consolidate import consolidate_results
 from .errors import CheckpointWriteError
 from .gcpause import gc_paused
 from .held_file import HeldFile
-from .layout import data_file_name, plan_file
+from .layout import data_file_name
 from .metadata import ItemLocation
 from .stage.ownership import Ownership, decisions, is_plain_tensor, plain_signature, split_by_owner
 from .runtime import get_engine
 from .stage.items import ItemKey, SourceItem, flatten, item_key, items_of_flat, source_for_resolved
+from .stage.files import PlanContext, PlannedFile, moved, planned_file, written
 from .stage.plan_cache import build_plan, find_plan, scan_state
 from .staging_tracker import tracker
 from .version_guard import VersionGuard, torn_message
@@ -119,8 +120,7 @@ class _FileJob:
             raise CheckpointWriteError(error)
         crcs = self.job.checksums()
         size = self.file_size
-        return {k: dataclasses.replace(self.locations[k], file=self.name, crc32c=tuple(c), file_size=size)
-                for k, c in zip(self.keys, crcs)}
+        return {k: written(self.locations[k], self.name, tuple(c), size) for k, c in zip(self.keys, crcs)}
 
 
 @dataclass(eq=False)
@@ -272,6 +272,12 @@ def _on_one_device(engine, items: list[SourceItem]) -> tuple[int, list[SourceIte
     return -1, host
 
 
+def _planned(engine, index: int, items: list[SourceItem]) -> PlannedFile:
+    """File ``index`` of ``items``, laid out, with its memory on one device."""
+    device, items = _on_one_device(engine, items)
+    return planned_file(index, device, items)
+
+
 def _current_stream(device: int) -> int:
     """Handle of this thread's current CUDA stream on ``device``: the engine's copies of a job
     run after the work queued on it when the job is submitted (the kernels producing the state)."""
@@ -418,7 +424,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if dedup:
             dkey = (rank, world, scan.plain_signature() if scan is not None else None)
         decision = decisions().get(dkey) if dkey is not None and dkey[2] is not None else None
-        context = (rank, world, dedup, engine.cuda_devices > 0)
+        context = PlanContext(rank, world, dedup, engine.cuda_devices > 0)
         plan = find_plan(context, scan, decision) if staged.path is not None else None
         if plan is not None:
             self._stage_planned(staged, engine, plan, scan)
@@ -428,7 +434,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             staged.decision_key = dkey
 
     def _stage_full(self, staged: _StagedSave, engine, flat: dict, rank: int, world: int, dedup: bool,
-                    decision: frozenset | None, context: tuple, scan) -> None:
+                    decision: frozenset | None, context: PlanContext, scan) -> None:
         """Lay out and submit every file from the items themselves; cache what depends only on
         the structure when the scan covered the state and nothing was held."""
         items = items_of_flat(flat, scan.payloads if scan is not None else None)
@@ -444,25 +450,24 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         staged.skipped, staged.elsewhere = own.skipped, own.elsewhere
         staged.plain_keys = frozenset(it.key for it in items if is_plain_tensor(flat.get(it.key[0])))
         self._guard(staged, flat, own)
-        record: list = []
+        planned: list[PlannedFile] = []
         if staged.path is None:  # nothing can be flushed before the folder is named
             for group in _by_device(own.owned):
                 staged.held.append(self._hold(engine, group, known=True))
         else:
             for k, group in enumerate(_by_device(own.owned)):
-                staged.files.append(self._submit(engine, staged, k, group, record))
+                planned.append(_planned(engine, k, group))
+                staged.files.append(self._submit(engine, staged, planned[-1]))
         for group in _by_device(own.held):
             staged.held.append(self._hold(engine, group, known=False))
         if scan is not None and staged.files and not staged.held:
-            build_plan(context, scan, flat, record, own.skipped, own.elsewhere, decision, staged.files[0].job.piece_size())
+            build_plan(context, scan, flat, planned, own.skipped, own.elsewhere, decision, staged.files[0].job.piece_size())
 
     def _stage_planned(self, staged: _StagedSave, engine, plan, scan) -> None:
         """Submit every file of a cached plan with this checkpoint's pointers."""
         staged.skipped, staged.elsewhere = set(plan.skipped), set(plan.elsewhere)
         for fp in plan.files:
-            job, upload, name = self._start(engine, staged, fp_index(fp.name), fp.layout, fp.spans(scan), fp.device)
-            staged.files.append(_FileJob(fp_index(fp.name), name, job, fp.keys, fp.locations_for(job.piece_size()),
-                                         fp.keepalive(scan), engine, fp.layout.file_size, upload))
+            staged.files.append(self._submit(engine, staged, fp.planned(scan)))
         # The scan read every tensor's version counter: guard the copied ones (all but the late).
         versions = scan.versions
         if plan.late:
@@ -527,23 +532,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         return HeldFile(engine, items, device, stream, f"{self.path or 'checkpoint'} (held)",
                         selection=None, selection_known=known, timeout=float(self.config.cache_wait_timeout))
 
-    def _submit(self, engine, staged: _StagedSave, index: int, items: list[SourceItem], record: list | None = None) -> _FileJob:
-        """Lay out one file of ``items`` and submit it. ``record`` collects (name, device, layout,
-        items, locations) for a stage plan."""
-        device, items = _on_one_device(engine, items)
-        layout = plan_file([it.entry for it in items])
-        spans = [(it.ptr, it.entry.nbytes, off) for it, off in zip(items, layout.offsets)]
-        job, upload, name = self._start(engine, staged, index, layout, spans, device)
-        piece = job.piece_size()
-        base = data_file_name(staged.rank, index)
-        locations = {
-            it.key: ItemLocation(base, off, it.entry.nbytes, it.entry.dtype, it.entry.shape, (), layout.data_start, piece)
-            for it, off in zip(items, layout.offsets)
-        }
-        if record is not None:
-            record.append((base, device, layout, items, locations))
-        return _FileJob(index, name, job, [it.key for it in items], locations, [it.keepalive for it in items], engine,
-                        layout.file_size, upload)
+    def _submit(self, engine, staged: _StagedSave, pf: PlannedFile) -> _FileJob:
+        """Hand one planned file to the engine: the only place a ``_FileJob`` is made."""
+        job, upload, name = self._start(engine, staged, pf.index, pf.layout, pf.spans, pf.device)
+        locations = pf.locations(data_file_name(staged.rank, pf.index), job.piece_size())
+        return _FileJob(pf.index, name, job, pf.keys, locations, pf.keepalive, engine, pf.layout.file_size, upload)
 
     def _start(self, engine, staged: _StagedSave, index: int, layout, spans: list, device: int):
         """Hand one file to the engine: (job, upload Future for remote folders, file name)."""
@@ -743,7 +736,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                     os.unlink(src)
             renamed[f.name] = new
             f.name = new
-        return {k: dataclasses.replace(loc, file=renamed.get(loc.file, loc.file)) for k, loc in locations.items()}
+        return {k: moved(loc, renamed.get(loc.file, loc.file)) for k, loc in locations.items()}
 
     def _write_late(self, staged: _StagedSave, late: list, planner: SavePlanner) -> _FileJob:
         """Items the plan gives this rank that it did not stage (``dcp.save``; a planner that lays
@@ -764,7 +757,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         sources = [source_for_resolved(item, planner.resolve_data(item), taken) for item in late]
         engine = get_engine(self.config)
         index = len(staged.files) + len(staged.held)
-        return self._submit(engine, staged, index, sources)
+        return self._submit(engine, staged, _planned(engine, index, sources))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         staged = self._finishing
@@ -818,7 +811,3 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """Local paths, ``file://`` and any URL whose protocol fsspec knows."""
         return folders.is_supported_url(checkpoint_id)
 
-
-def fp_index(name: str) -> int:
-    """k of a cached file plan's ``__<rank>_<k>.safetensors``."""
-    return int(name.split(".")[0].rsplit("_", 1)[1])
