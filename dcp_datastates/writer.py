@@ -1,8 +1,8 @@
 """DataStatesWriter: a DCP StorageWriter that is also an AsyncStager (lazy staging).
 
-``stage()`` runs on the training thread: it lays out this rank's data files from the local state
-dict alone, hands the engine one job per file (pointers, sizes, offsets) and returns a Future at
-once. The engine's copy workers fill the host cache while training goes on; its flush workers
+``stage()`` runs on the training thread: it takes this rank's plan of data files, derived from
+the local state dict alone (``stage/pipeline.py``), hands the engine one job per file (pointers,
+sizes, offsets) and returns a Future at once. The engine's copy workers fill the host cache while training goes on; its flush workers
 write each chunk as soon as it is in the cache. DCP's planning, ``write_data`` and ``finish`` then
 run on DCP's thread: ``write_data`` waits for the files to be durable and reports each item's
 location; the coordinator's ``finish`` commits ``.metadata`` atomically.
@@ -43,11 +43,11 @@ from .gcpause import gc_paused
 from .held_file import HeldFile
 from .layout import data_file_name
 from .metadata import ItemLocation
-from .stage.ownership import Ownership, decisions, is_plain_tensor, plain_signature, split_by_owner
 from .runtime import get_engine
-from .stage.items import ItemKey, SourceItem, flatten, item_key, items_of_flat, source_for_resolved
-from .stage.files import PlanContext, PlannedFile, moved, planned_file, written
-from .stage.plan_cache import build_plan, find_plan, scan_state
+from .stage.files import PlannedFile, moved, planned_file, written
+from .stage.items import ItemKey, SourceItem, flatten, item_key, source_for_resolved
+from .stage.ownership import decisions
+from .stage.pipeline import on_one_device, plan_stage
 from .staging_tracker import tracker
 from .version_guard import VersionGuard, torn_message
 
@@ -242,39 +242,9 @@ def _names_in_use(path: str) -> frozenset:
         return frozenset(f.name for f in other.files) | frozenset(h.name for h in other.held if h.name)
 
 
-def _by_device(items: list[SourceItem]) -> list[list[SourceItem]]:
-    """The items split by the device they live on (one engine job copies from one device): a
-    single list when they share one, as CPU-only states do; else host items first (small
-    non-tensor values, staged at once ahead of the device copies), then by device index."""
-    first = items[0].device if items else -1
-    if all(it.device == first for it in items):
-        return [items] if items else []
-    groups: dict[int, list[SourceItem]] = {}
-    for it in items:
-        groups.setdefault(it.device, []).append(it)
-    return [groups[d] for d in sorted(groups)]
-
-
-def _on_one_device(engine, items: list[SourceItem]) -> tuple[int, list[SourceItem]]:
-    """(device, items) for one engine job. CUDA items are copied to host memory now (blocking)
-    when the engine has no CUDA runtime or they share a job with items of another device."""
-    device = items[0].device if items else -1
-    if device < 0 and all(it.device < 0 for it in items):
-        return -1, items
-    if engine.cuda_devices > 0 and all(it.device == device for it in items):
-        return device, items
-    host = []
-    for it in items:
-        if it.device >= 0:
-            t = it.keepalive.to("cpu")
-            it = dataclasses.replace(it, ptr=t.data_ptr() if it.entry.nbytes else 0, keepalive=t, device=-1, copied=True)
-        host.append(it)
-    return -1, host
-
-
 def _planned(engine, index: int, items: list[SourceItem]) -> PlannedFile:
     """File ``index`` of ``items``, laid out, with its memory on one device."""
-    device, items = _on_one_device(engine, items)
+    device, items = on_one_device(engine.cuda_devices > 0, items)
     return planned_file(index, device, items)
 
 
@@ -419,76 +389,17 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if staged.path is not None:
             committed = commit.prepare_folder(staged.path, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
             staged.tag = _new_tag() if committed else None
-        scan = scan_state(flat)
-        dkey = None
-        if dedup:
-            dkey = (rank, world, scan.plain_signature() if scan is not None else None)
-        decision = decisions().get(dkey) if dkey is not None and dkey[2] is not None else None
-        context = PlanContext(rank, world, dedup, engine.cuda_devices > 0)
-        plan = find_plan(context, scan, decision) if staged.path is not None else None
-        if plan is not None:
-            self._stage_planned(staged, engine, plan, scan)
-        else:
-            self._stage_full(staged, engine, flat, rank, world, dedup, decision, context, scan)
-        if dedup and staged.decision_key is None and dkey is not None and dkey[2] is not None:
-            staged.decision_key = dkey
-
-    def _stage_full(self, staged: _StagedSave, engine, flat: dict, rank: int, world: int, dedup: bool,
-                    decision: frozenset | None, context: PlanContext, scan) -> None:
-        """Lay out and submit every file from the items themselves; cache what depends only on
-        the structure when the scan covered the state and nothing was held."""
-        items = items_of_flat(flat, scan.payloads if scan is not None else None)
-        if dedup and scan is None:  # states the scan does not cover: key decisions on the items
-            key = (rank, world, plain_signature(items, flat))
-            decision = decisions().get(key)
-            staged.decision_key = key
-        own = split_by_owner(items, flat, rank, world, decision, dedup)
-        staged.learn = dedup and decision is None
-        if own.held and sum(it.entry.nbytes for it in own.held) > self._engine_cache_bytes() // 2:
-            own.owned.extend(own.held)  # too big to hold: every holder writes its copy this time
-            own.held = []
-        staged.skipped, staged.elsewhere = own.skipped, own.elsewhere
-        staged.plain_keys = frozenset(it.key for it in items if is_plain_tensor(flat.get(it.key[0])))
-        self._guard(staged, flat, own)
-        planned: list[PlannedFile] = []
-        if staged.path is None:  # nothing can be flushed before the folder is named
-            for group in _by_device(own.owned):
-                staged.held.append(self._hold(engine, group, known=True))
-        else:
-            for k, group in enumerate(_by_device(own.owned)):
-                planned.append(_planned(engine, k, group))
-                staged.files.append(self._submit(engine, staged, planned[-1]))
-        for group in _by_device(own.held):
-            staged.held.append(self._hold(engine, group, known=False))
-        if scan is not None and staged.files and not staged.held:
-            build_plan(context, scan, flat, planned, own.skipped, own.elsewhere, decision, staged.files[0].job.piece_size())
-
-    def _stage_planned(self, staged: _StagedSave, engine, plan, scan) -> None:
-        """Submit every file of a cached plan with this checkpoint's pointers."""
-        staged.skipped, staged.elsewhere = set(plan.skipped), set(plan.elsewhere)
-        for fp in plan.files:
-            staged.files.append(self._submit(engine, staged, fp.planned(scan)))
-        # The scan read every tensor's version counter: guard the copied ones (all but the late).
-        versions = scan.versions
-        if plan.late:
-            versions = list(versions)
-            for i in plan.late:
-                versions[i] = None
-        staged.guard = VersionGuard(scan.names, scan.tensors, versions)
-        staged.late_guard = VersionGuard([scan.names[i] for i in plan.late], [scan.tensors[i] for i in plan.late],
-                                         [scan.versions[i] for i in plan.late])
-
-    def _guard(self, staged: _StagedSave, flat: dict, own: Ownership) -> None:
-        """Record the version counters of what this rank copies lazily, and of what it may have to
-        write later from live memory (plain tensors given elsewhere, skipped replicas)."""
-        lazy = [it for it in (*own.owned, *own.held) if it.entry.kind == "tensor" and not it.copied]
-        staged.guard = VersionGuard([it.key[0] for it in lazy], [it.keepalive for it in lazy])
-        later = []
-        for key in (*own.elsewhere, *own.skipped):
-            obj = flat.get(key[0])
-            if isinstance(obj, torch.Tensor):
-                later.append((key[0], obj.to_local() if hasattr(obj, "to_local") else obj))
-        staged.late_guard = VersionGuard([n for n, _ in later], [t for _, t in later])
+        plan = plan_stage(flat, rank=rank, world=world, dedup=dedup, cuda=engine.cuda_devices > 0,
+                          folder_known=staged.path is not None, hold_limit=lambda: self._engine_cache_bytes() // 2)
+        staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
+        staged.guard, staged.late_guard = plan.guard, plan.late_guard
+        staged.decision_key, staged.learn, staged.plain_keys = plan.decision_key, plan.learn, plan.plain_keys
+        for pf in plan.files:
+            staged.files.append(self._submit(engine, staged, pf))
+        for group in plan.held:
+            staged.held.append(self._hold(engine, group.items, known=group.known))
+        if staged.files:
+            plan.remember(staged.files[0].job.piece_size())
 
     def _held_bytes(self, staged: _StagedSave) -> int:
         return sum(h.job.nbytes for h in staged.held)
@@ -527,7 +438,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     # ---------------------------------------------------------------------------- engine submit
     def _hold(self, engine, items: list[SourceItem], known: bool) -> HeldFile:
-        device, items = _on_one_device(engine, items)
+        device, items = on_one_device(engine.cuda_devices > 0, items)
         stream = _current_stream(device) if device >= 0 else 0
         return HeldFile(engine, items, device, stream, f"{self.path or 'checkpoint'} (held)",
                         selection=None, selection_known=known, timeout=float(self.config.cache_wait_timeout))
