@@ -140,10 +140,6 @@ def default_cache_plan() -> CachePlan:
     return CachePlan(nbytes, memory, n, source)
 
 
-def _default_cache_size() -> int:
-    return default_cache_plan().nbytes
-
-
 def _default_read_threads() -> int:
     """min(4, 2 x CPUs): on 2 cores, 2 and 4 workers read a 1 GiB checkpoint equally fast, warm
     and cold (each streams its own part of the file), and more only add context switches."""

@@ -46,7 +46,7 @@ from .metadata import ItemLocation
 from .runtime import get_engine
 from .stage.files import PlannedFile, moved, planned_file, written
 from .stage.items import ItemKey, SourceItem, flatten, item_key, source_for_resolved
-from .stage.ownership import decisions
+from .stage.ownership import DecisionKey, decisions
 from .stage.pipeline import on_one_device, plan_stage
 from .staging_tracker import tracker
 from .version_guard import VersionGuard, torn_message
@@ -134,7 +134,7 @@ class _StagedSave:
     held: list[HeldFile] = field(default_factory=list)
     skipped: set = field(default_factory=set)  # DTensor replicas another rank writes
     elsewhere: set = field(default_factory=set)  # plain tensors the decision gives to other ranks
-    decision_key: tuple | None = None
+    decision_key: DecisionKey | None = None
     learn: bool = False  # no decision was known: learn it from this save's plan
     plain_keys: frozenset = frozenset()
     moved_from: str | None = None  # staged into this folder, then DCP named another (reset)

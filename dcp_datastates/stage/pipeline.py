@@ -17,7 +17,7 @@ import torch
 from ..version_guard import VersionGuard
 from .files import PlanContext, PlannedFile, planned_file
 from .items import SourceItem, items_of_flat
-from .ownership import Ownership, decisions, is_plain_tensor, plain_signature, split_by_owner
+from .ownership import DecisionKey, Ownership, decisions, is_plain_tensor, plain_signature, split_by_owner
 from .plan_cache import Scan, StagePlan, build_plan, find_plan, scan_state
 
 __all__ = ["HeldGroup", "RankPlan", "plan_stage", "on_one_device"]
@@ -42,7 +42,7 @@ class RankPlan:
     elsewhere: set  # plain tensors the ownership decision gives to other ranks
     guard: VersionGuard  # the sources copied lazily
     late_guard: VersionGuard  # tensors this rank may have to write later from live memory
-    decision_key: tuple | None = None  # what the ownership decision is kept under
+    decision_key: DecisionKey | None = None  # what the ownership decision is kept under
     learn: bool = False  # no decision was known: learn it from this save's plan
     plain_keys: frozenset = frozenset()
     _record: Callable[[int], object] | None = field(default=None, repr=False)
@@ -59,15 +59,15 @@ def plan_stage(flat: dict, *, rank: int, world: int, dedup: bool, cuda: bool, fo
     ``cuda``: the engine copies CUDA memory itself; ``folder_known``: files can be written now;
     ``hold_limit()``: the most bytes this rank may hold for DCP's plan (else it writes them)."""
     scan = scan_state(flat)
-    dkey = (rank, world, scan.plain_signature() if scan is not None else None) if dedup else None
-    decision = decisions().get(dkey) if dkey is not None and dkey[2] is not None else None
+    dkey = DecisionKey(rank, world, scan.plain_signature() if scan is not None else None) if dedup else None
+    decision = decisions().get(dkey) if dkey is not None and dkey.plain is not None else None
     context = PlanContext(rank, world, dedup, cuda)
     cached = find_plan(context, scan, decision) if folder_known else None
     if cached is not None:
         plan = _from_cache(cached, scan)
     else:
         plan = _from_items(flat, scan, context, decision, folder_known, hold_limit)
-    if dedup and plan.decision_key is None and dkey is not None and dkey[2] is not None:
+    if dedup and plan.decision_key is None and dkey is not None and dkey.plain is not None:
         plan.decision_key = dkey
     return plan
 
@@ -95,7 +95,7 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
     items = items_of_flat(flat, scan.payloads if scan is not None else None)
     decision_key = None
     if dedup and scan is None:  # states the scan does not cover: key decisions on the items
-        decision_key = (rank, world, plain_signature(items, flat))
+        decision_key = DecisionKey(rank, world, plain_signature(items, flat))
         decision = decisions().get(decision_key)
     own = split_by_owner(items, flat, rank, world, decision, dedup)
     if own.held and sum(it.entry.nbytes for it in own.held) > hold_limit():
