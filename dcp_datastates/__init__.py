@@ -21,11 +21,11 @@ from .errors import (
     UnsafeCheckpointError,
     checkpoint_error_cause,
 )
-from .planner import DataStatesLoadPlanner, DataStatesSavePlanner
+from .planners import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
 from .runtime import engine_stats, shutdown_engine, start_engine
-from .staging import protect_optimizer, wait_staged
-from .validate import validate_checkpoint, validate_data_file
+from .staging_tracker import protect_optimizer, wait_staged
+from .integrity import validate_checkpoint, validate_data_file
 from .writer import DataStatesWriter
 
 __version__ = "0.1.0"

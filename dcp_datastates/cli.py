@@ -15,24 +15,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import stat
 import sys
 import warnings
-from collections import defaultdict
-from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 __all__ = ["main"]
 
 PROG = "dcp-datastates"
 
-# Files of a Hugging Face safetensors folder that `convert --to hf` writes (and replaces).
-_HF_NAME = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
-# Bytes loaded per dcp.load call when converting: bounds the progress granularity, not memory.
-_LOAD_GROUP_BYTES = 256 << 20
-# Bytes read per engine call when verifying (checksum pieces are at most the engine's chunk size).
-_VERIFY_WINDOW_BYTES = 64 << 20
 
 
 # ------------------------------------------------------------------------------------ helpers
@@ -68,19 +59,6 @@ def _progress(total: int, desc: str, enabled: bool, unit: str = "B"):
     )
 
 
-def _cli_config():
-    """A small engine for command-line work: reads go straight into tensors, the host cache is
-    hardly used, so it must not reserve (and on GPU machines pin) gigabytes."""
-    from .config import DataStatesConfig
-
-    return DataStatesConfig(
-        host_cache_size=64 << 20,
-        pin_host_cache=False,
-        chunk_size=16 << 20,
-        read_threads=max(2, min(8, os.cpu_count() or 2)),
-    )
-
-
 def _checkpoint_dir(path: str) -> str:
     path = os.fspath(path)
     if os.path.basename(os.path.normpath(path)) == ".metadata" and os.path.isfile(path):
@@ -96,12 +74,6 @@ def _read_metadata(path: str):
     return read_commit(path)
 
 
-def _file_kind(mode: int) -> str:
-    from .commit import file_kind
-
-    return file_kind(mode)
-
-
 def _safe(text: Any) -> str:
     """A name taken from a checkpoint, printable: control characters (terminal escapes, line
     breaks) and other unprintable characters are shown as Python escapes."""
@@ -111,73 +83,7 @@ def _safe(text: Any) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-@dataclass
-class _Item:
-    """One entry of the checkpoint, as the command line shows it."""
-
-    fqn: str
-    kind: str  # "tensor" or "bytes"
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    requires_grad: bool
-    chunks: list[dict]  # tensors: offsets, sizes, file, offset, length, pieces
-
-
-def _items(md) -> list[_Item]:
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
-
-    from .layout import dtype_to_name
-
-    by_fqn: dict[str, list] = defaultdict(list)
-    for index, loc in md.storage_data.items():
-        by_fqn[index.fqn].append((index, loc))
-    out = []
-    for fqn, smd in md.state_dict_metadata.items():
-        if isinstance(smd, BytesStorageMetadata):
-            loc = md.storage_data[MetadataIndex(fqn)]
-            chunk = {"file": loc.file, "offset": loc.offset, "length": loc.length, "pieces": len(loc.crc32c)}
-            out.append(_Item(fqn, "bytes", "-", (), loc.length, False, [chunk]))
-            continue
-        locs = {tuple(index.offset): loc for index, loc in by_fqn[fqn]}
-        chunks = []
-        for c in smd.chunks:
-            loc = locs.get(tuple(c.offsets))
-            chunks.append(
-                {
-                    "offsets": list(c.offsets),
-                    "sizes": list(c.sizes),
-                    "file": None if loc is None else loc.file,
-                    "offset": None if loc is None else loc.offset,
-                    "length": None if loc is None else loc.length,
-                    "pieces": 0 if loc is None else len(loc.crc32c),
-                }
-            )
-        numel = 1
-        for s in smd.size:
-            numel *= s
-        itemsize = _itemsize(smd.properties.dtype)
-        out.append(
-            _Item(
-                fqn,
-                "tensor",
-                dtype_to_name(smd.properties.dtype),
-                tuple(smd.size),
-                numel * itemsize,
-                bool(smd.properties.requires_grad),
-                chunks,
-            )
-        )
-    return out
-
-
-def _itemsize(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _sharding(item: _Item) -> str:
+def _sharding(item) -> str:
     if item.kind != "tensor":
         return "-"
     if len(item.chunks) == 1 and list(item.chunks[0]["sizes"]) == list(item.shape):
@@ -200,12 +106,14 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
 
 # ------------------------------------------------------------------------------------ inspect
 def _cmd_inspect(args) -> int:
+    from .commit import file_kind
+    from .convert import checkpoint_items
     from .layout import FORMAT_NAME
     from .metadata import FORMAT_VERSION
 
     path = _checkpoint_dir(args.path)
     md, files = _read_metadata(path)
-    items = _items(md)
+    items = checkpoint_items(md)
     on_disk: dict[str, int | str | None] = {}
     for name in files:
         try:
@@ -213,7 +121,7 @@ def _cmd_inspect(args) -> int:
         except FileNotFoundError:
             on_disk[name] = None
             continue
-        on_disk[name] = st.st_size if stat.S_ISREG(st.st_mode) else _file_kind(st.st_mode)
+        on_disk[name] = st.st_size if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)
     sm = md.storage_meta
     total_items = sum(i.nbytes for i in items)
     if args.json:
@@ -289,417 +197,77 @@ def _cmd_inspect(args) -> int:
 
 
 # ------------------------------------------------------------------------------------- verify
-def _check_header(full: str, name: str, info, locs: list) -> list[str]:
-    """The data file is a safetensors file whose header lists every item at its recorded place."""
-    import struct
-
-    problems = []
-    try:
-        with _open_regular(full) as f:
-            head = f.read(8)
-            if len(head) < 8:
-                return [f"{name}: header damaged (file shorter than 8 bytes)"]
-            (hlen,) = struct.unpack("<Q", head)
-            if 8 + hlen != info.data_start:
-                return [f"{name}: header damaged (header length {hlen} does not end at the data start {info.data_start})"]
-            header = json.loads(f.read(hlen))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        return [f"{name}: header damaged (not valid safetensors JSON: {exc})"]
-    except OSError as exc:
-        return [f"{name}: cannot read the header: {_one_line(exc)}"]
-    except ValueError as exc:  # CheckpointFormatError: not a regular file
-        return [_one_line(exc)]
-    if not isinstance(header, dict):
-        return [f"{name}: header damaged (not a JSON object)"]
-    spans = set()
-    for key, entry in header.items():
-        if key == "__metadata__":
-            continue
-        try:
-            begin, end = entry["data_offsets"]
-            spans.add((info.data_start + int(begin), int(end) - int(begin)))
-        except (KeyError, TypeError, ValueError):
-            problems.append(f"{name}: header damaged (entry {key!r} has no valid data_offsets)")
-    unlisted = [(label, loc) for label, loc in locs if (loc.offset, loc.length) not in spans]
-    for label, loc in unlisted[:10]:
-        problems.append(f"{name}: header does not list {label} at bytes [{loc.offset}, {loc.offset + loc.length})")
-    if len(unlisted) > 10:
-        problems.append(f"{name}: header does not list {len(unlisted) - 10} more item(s)")
-    return problems
-
-
-def _open_regular(full: str):
-    """A data file opened for reading without following a link or blocking on a FIFO."""
-    from .commit import open_for_reading
-
-    return os.fdopen(open_for_reading(full), "rb")
-
-
-def _label(index) -> str:
-    if index.offset is None:
-        return f"item {index.fqn!r}"
-    return f"item {index.fqn!r} (chunk offsets {list(index.offset)})"
-
-
 def _cmd_verify(args) -> int:
-    import torch
-
-    from .metadata import piece_ranges
+    from .config import tool_config
+    from .integrity import verify_checkpoint
     from .runtime import get_engine
 
     path = _checkpoint_dir(args.path)
-    md, files = _read_metadata(path)
-    problems: list[str] = []
-    by_file: dict[str, list] = defaultdict(list)
-    for index, loc in md.storage_data.items():
-        by_file[loc.file].append((_label(index), loc))
-
-    readable = []
-    for name, info in files.items():
-        full = os.path.join(path, name)
-        try:
-            st = os.lstat(full)  # a link is reported, never followed out of the folder
-        except FileNotFoundError:
-            problems.append(f"{_safe(name)}: data file is missing ({len(by_file[name])} items cannot be read)")
-            continue
-        if not stat.S_ISREG(st.st_mode):
-            problems.append(f"{_safe(name)}: data file is {_file_kind(st.st_mode)}, not a regular file (not read)")
-            continue
-        size = st.st_size
-        if size != info.size:
-            how = "truncated" if size < info.size else "longer than recorded"
-            lost = [label for label, loc in by_file[name] if loc.offset + loc.length > size]
-            detail = ""
-            if size < info.size and lost:
-                detail = f"; past the end: {', '.join(lost[:5])}" + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
-            problems.append(f"{name}: {how}: {size} bytes on disk, the metadata records {info.size}{detail}")
-            continue
-        header_problems = _check_header(full, name, info, by_file[name])
-        problems += header_problems
-        readable.append(name)
-
-    engine = get_engine(_cli_config())
-    total = sum(loc.length for name in readable for _, loc in by_file[name])
-    checked_items = unchecked_items = 0
-    checked_bytes = 0
-    with _progress(total, "verify", not args.no_progress) as bar:
-        for name in readable:
-            full = os.path.join(path, name)
-            pieces = []  # (label, loc, expected, offset, length)
-            for label, loc in sorted(by_file[name], key=lambda x: x[1].offset):
-                if not loc.crc32c:
-                    if loc.length:
-                        unchecked_items += 1
-                    bar.update(loc.length)
-                    continue
-                checked_items += 1
-                for expected, (off, length) in zip(loc.crc32c, piece_ranges(loc)):
-                    pieces.append((label, loc, expected, off, length))
-            window = max([_VERIFY_WINDOW_BYTES] + [p[4] for p in pieces])
-            buf = torch.empty(window if pieces else 0, dtype=torch.uint8)
-            base = buf.data_ptr()
-            for batch in _batches(pieces, window):
-                ranges, pos = [], 0
-                for p in batch:
-                    ranges.append((base + pos, p[3], p[4]))
-                    pos += p[4]
-                try:
-                    engine.read_into(full, ranges)
-                except (OSError, ValueError) as exc:
-                    first, last = batch[0], batch[-1]
-                    problems.append(f"{name}: cannot read bytes [{first[3]}, {last[3] + last[4]}): {_one_line(exc)}")
-                    bar.update(pos)
-                    continue
-                pos = 0
-                for label, loc, expected, off, length in batch:
-                    got = engine.crc32c(base + pos, length)
-                    pos += length
-                    if got != expected:
-                        problems.append(
-                            f"{name}: checksum mismatch in {label}, bytes [{off}, {off + length}): "
-                            f"stored crc32c {expected:#010x}, read {got:#010x}"
-                        )
-                checked_bytes += pos
-                bar.update(pos)
-
-    if problems:
-        for p in problems:
-            print(f"FAILED {p}", file=sys.stderr)
-        print(f"{PROG} verify: {path} is damaged: {len(problems)} problem(s) found", file=sys.stderr)
+    report = verify_checkpoint(path, engine=get_engine(tool_config()),
+                               progress=lambda total, desc: _progress(total, desc, not args.no_progress))
+    if report.problems:
+        for p in report.problems:
+            print(f"FAILED {_safe(p)}", file=sys.stderr)
+        print(f"{PROG} verify: {path} is damaged: {len(report.problems)} problem(s) found", file=sys.stderr)
         return 1
-    extra = f"; {unchecked_items} item(s) carry no checksum" if unchecked_items else ""
+    extra = f"; {report.unchecked_items} item(s) carry no checksum" if report.unchecked_items else ""
     print(
-        f"OK {path}: {len(md.state_dict_metadata)} items in {len(files)} file(s); "
-        f"{checked_items} stored chunk(s), {_human(checked_bytes)}, match their CRC32C{extra}"
+        f"OK {path}: {report.items} items in {report.files} file(s); "
+        f"{report.checked_items} stored chunk(s), {_human(report.checked_bytes)}, match their CRC32C{extra}"
     )
     return 0
 
 
-def _batches(pieces: list, window: int) -> Iterable[list]:
-    batch, size = [], 0
-    for p in pieces:
-        if batch and size + p[4] > window:
-            yield batch
-            batch, size = [], 0
-        batch.append(p)
-        size += p[4]
-    if batch:
-        yield batch
-
-
 # ------------------------------------------------------------------------------------ convert
-def _empty_tensor(smd):
-    import torch
-
-    return torch.empty(tuple(smd.size), dtype=smd.properties.dtype)
-
-
-def _sizes(md, keys: list[str]) -> dict[str, int]:
-    """Bytes of each item as stored (a tensor's full size; a value's serialized length)."""
-    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
-
-    out = {}
-    for k in keys:
-        smd = md.state_dict_metadata[k]
-        if isinstance(smd, TensorStorageMetadata):
-            numel = 1
-            for s in smd.size:
-                numel *= s
-            out[k] = numel * _itemsize(smd.properties.dtype)
-        else:
-            out[k] = md.storage_data[MetadataIndex(k)].length
-    return out
-
-
-def _groups(keys: list[str], sizes: dict[str, int], limit: int) -> Iterable[list[str]]:
-    group, size = [], 0
-    for k in keys:
-        if group and size + sizes[k] > limit:
-            yield group
-            group, size = [], 0
-        group.append(k)
-        size += sizes[k]
-    if group:
-        yield group
-
-
-def _load_flat(path: str, md, keys: list[str], bar, trusted: bool = False) -> dict[str, Any]:
-    """Load ``keys`` (flat fqns) of the checkpoint into new full-size CPU tensors through
-    ``dcp.load`` with DataStatesReader: DCP assembles each tensor from all its chunks (all
-    ranks' shards) and the reader checks every CRC32C. Non-tensor values come back decoded by
-    the restricted unpickler (with ``trusted``: unrestricted, running code from the checkpoint)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from .reader import DataStatesReader
-
-    flat: dict[str, Any] = {}
-    sizes = _sizes(md, keys)
-    for k in keys:
-        smd = md.state_dict_metadata[k]
-        # Non-tensor values: a placeholder the planner replaces with the stored object.
-        flat[k] = _empty_tensor(smd) if isinstance(smd, TensorStorageMetadata) else None
-    for group in _groups(keys, sizes, _LOAD_GROUP_BYTES):
-        part = {k: flat[k] for k in group}
-        dcp.load(
-            part,
-            storage_reader=DataStatesReader(path, config=_cli_config(), trusted=trusted),
-            planner=DefaultLoadPlanner(allow_partial_load=False),
-            no_dist=True,
-        )
-        flat.update(part)  # non-tensor values were set in ``part``; tensors were filled in place
-        bar.update(sum(sizes[k] for k in group))
-    return flat
-
-
-def _unflatten(flat: dict[str, Any], planner_data: dict | None) -> dict:
-    """Rebuild the nested state from flat fqns with the object paths DCP recorded at save time
-    (``planner_data``); keys without a recorded path stay flat."""
-    out: dict = {}
-    for fqn, value in flat.items():
-        path = tuple(planner_data.get(fqn, ())) if planner_data else ()
-        if not path:
-            out[fqn] = value
-            continue
-        node: Any = out
-        for key, nxt in zip(path[:-1], path[1:]):
-            fresh: Any = [] if isinstance(nxt, int) else {}
-            if isinstance(node, list):
-                while len(node) <= key:
-                    node.append(None)
-                if node[key] is None:
-                    node[key] = fresh
-                node = node[key]
-            else:
-                node = node.setdefault(key, fresh)
-        last = path[-1]
-        if isinstance(node, list):
-            while len(node) <= last:
-                node.append(None)
-        node[last] = value
-    return out
-
-
-def _prepare_output(out: str, force: bool, is_dir: bool, create: bool = True) -> None:
-    if os.path.exists(out):
-        if is_dir:
-            if not os.path.isdir(out):
-                raise ValueError(f"output {out} exists and is not a folder")
-            if os.listdir(out) and not force:
-                raise ValueError(f"output folder {out} is not empty (pass --force to write into it)")
-        else:
-            if os.path.isdir(out):
-                raise ValueError(f"output {out} is a folder; --to torch writes one file")
-            if not force:
-                raise ValueError(f"output file {out} exists (pass --force to overwrite it)")
-    if not create:
-        return
-    if is_dir:
-        os.makedirs(out, exist_ok=True)
-    else:
-        parent = os.path.dirname(os.path.abspath(out))
-        os.makedirs(parent, exist_ok=True)
-
-
 def _cmd_convert(args) -> int:
+    from . import convert
     from .config import parse_size
 
     path = _checkpoint_dir(args.path)
-    if os.path.abspath(args.out) == os.path.abspath(path):
-        raise ValueError("the output must not be the checkpoint itself")
-    md, files = _read_metadata(path)
-    from .commit import check_data_files
 
-    # Before allocating anything the metadata describes: its files exist with the sizes it
-    # records (so no tensor it claims is larger than the bytes on disk).
-    check_data_files(path, files)
+    def progress(total: int, desc: str):
+        return _progress(total, desc, not args.no_progress)
+
     if args.to == "hf":
         max_shard = parse_size(args.max_shard_size, name="--max-shard-size")
         if max_shard < 1:
             raise ValueError("--max-shard-size must be positive")
-        return _convert_hf(path, md, args.out, max_shard, args.prefix, args.force, not args.no_progress)
+        done = convert.to_hf(path, args.out, max_shard_size=max_shard, prefix=args.prefix, force=args.force,
+                             progress=progress)
+        print(f"wrote {done.out}: {done.items} tensors, {_human(done.nbytes)} in {len(done.files)} safetensors "
+              f"file(s) + model.safetensors.index.json")
+        if done.skipped:
+            shown = ", ".join(done.skipped[:20]) + (f" and {len(done.skipped) - 20} more" if len(done.skipped) > 20 else "")
+            print(f"skipped {len(done.skipped)} item(s) that a safetensors file cannot hold: {shown}")
+        return 0
     if args.prefix:
         raise ValueError("--prefix applies to --to hf only")
-    _prepare_output(args.out, args.force, is_dir=args.to == "dcp", create=False)  # fail fast
-    keys = list(md.state_dict_metadata)
-    total = sum(_sizes(md, keys).values())
-    with _progress(total, "load", not args.no_progress) as bar:
-        flat = _load_flat(path, md, keys, bar, trusted=args.trust)
-    _prepare_output(args.out, args.force, is_dir=args.to == "dcp")  # nothing is created when loading fails
-    state = _unflatten(flat, md.planner_data)
     if args.to == "torch":
-        import torch
-
-        tmp = f"{args.out}.tmp-{os.getpid()}"
-        try:
-            with _create_new(tmp) as f:
-                torch.save(state, f)
-            os.replace(tmp, args.out)
-        finally:
-            if os.path.lexists(tmp):
-                os.unlink(tmp)
-        print(f"wrote {args.out}: {len(flat)} items, {_human(total)} (torch.save)")
+        done = convert.to_torch(path, args.out, force=args.force, trusted=args.trust, progress=progress)
+        print(f"wrote {done.out}: {done.items} items, {_human(done.nbytes)} (torch.save)")
         return 0
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    dcp.save(state, storage_writer=FileSystemWriter(args.out), no_dist=True)
-    print(f"wrote {args.out}: {len(flat)} items, {_human(total)} (DCP FileSystemWriter checkpoint)")
+    done = convert.to_dcp(path, args.out, force=args.force, trusted=args.trust, progress=progress)
+    print(f"wrote {done.out}: {done.items} items, {_human(done.nbytes)} (DCP FileSystemWriter checkpoint)")
     return 0
-
-
-def _convert_hf(path: str, md, out: str, max_shard: int, prefix: str | None, force: bool, progress: bool) -> int:
-    import tempfile
-
-    from safetensors.torch import save_file
-
-    from .layout import safetensors_dtype
-
-    chosen: list[tuple[str, str, int]] = []  # (fqn, output name, bytes)
-    skipped: list[str] = []
-    for item in _items(md):
-        if prefix and not item.fqn.startswith(prefix):
-            continue
-        name = item.fqn[len(prefix):] if prefix else item.fqn
-        if item.kind != "tensor":
-            skipped.append(f"{item.fqn} (not a tensor)")
-            continue
-        if safetensors_dtype(item.dtype) is None:
-            skipped.append(f"{item.fqn} ({item.dtype} has no safetensors dtype)")
-            continue
-        if not name:
-            raise ValueError(f"--prefix {prefix!r} leaves item {item.fqn!r} without a name")
-        chosen.append((item.fqn, name, item.nbytes))
-    if not chosen:
-        raise ValueError(f"{path}: no tensors to convert" + (f" under prefix {prefix!r}" if prefix else ""))
-
-    shards: list[list[tuple[str, str, int]]] = []
-    size = 0
-    for entry in chosen:
-        if not shards or (size + entry[2] > max_shard and shards[-1]):
-            shards.append([])
-            size = 0
-        shards[-1].append(entry)
-        size += entry[2]
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-
-    _prepare_output(out, force, is_dir=True)
-    for old in os.listdir(out):  # with --force: no stale shards of an earlier conversion
-        if _HF_NAME.match(old):
-            os.unlink(os.path.join(out, old))
-    weight_map: dict[str, str] = {}
-    total = sum(e[2] for e in chosen)
-    with _progress(total, "convert", progress) as bar:
-        for fname, shard in zip(names, shards):
-            flat = _load_flat(path, md, [e[0] for e in shard], bar)  # tensors only: nothing unpickled
-            tensors = {name: flat[fqn] for fqn, name, _ in shard}
-            # A new, unpredictable name created here: a link planted in OUT cannot redirect it.
-            fd, tmp = tempfile.mkstemp(prefix=f".{fname}.", suffix=".tmp", dir=out)
-            os.close(fd)
-            save_file(tensors, tmp, metadata={"format": "pt"})
-            os.chmod(tmp, 0o666 & ~_umask())
-            os.replace(tmp, os.path.join(out, fname))
-            for _, name, _ in shard:
-                weight_map[name] = fname
-            del flat, tensors
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    index_tmp = os.path.join(out, f".model.safetensors.index.json.tmp-{os.getpid()}")
-    with _create_new(index_tmp, "w") as f:
-        json.dump(index, f, indent=2)
-        f.write("\n")
-    os.replace(index_tmp, os.path.join(out, "model.safetensors.index.json"))  # replaces a link, never follows it
-    print(f"wrote {out}: {len(chosen)} tensors, {_human(total)} in {n} safetensors file(s) + model.safetensors.index.json")
-    if skipped:
-        shown = ", ".join(skipped[:20]) + (f" and {len(skipped) - 20} more" if len(skipped) > 20 else "")
-        print(f"skipped {len(skipped)} item(s) that a safetensors file cannot hold: {shown}")
-    return 0
-
-
-def _create_new(path: str, mode: str = "wb"):
-    """Open a file that must not exist yet, never through a symlink (O_EXCL | O_NOFOLLOW)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    return os.fdopen(os.open(path, flags, 0o666), mode)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
 
 
 # -------------------------------------------------------------------------------------- bench
 def _cmd_bench(argv: list[str]) -> int:
-    import importlib
+    """Runs ``benchmarks/bench.py`` of the source checkout this package is installed from
+    (``pip install -e .``): the benchmarks are tools, not part of the library."""
     import importlib.util
+    from pathlib import Path
 
-    if importlib.util.find_spec(f"{__package__}.bench") is None:
-        print("bench is not available in this build", file=sys.stderr)
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "bench.py"
+    if not script.is_file():
+        print(f"bench is not available in this build: it runs {script}, found in a source checkout "
+              f"installed with pip install -e .", file=sys.stderr)
         return 2
-    bench = importlib.import_module(f"{__package__}.bench")
-    result = bench.main(argv)
-    return int(result or 0)
+    spec = importlib.util.spec_from_file_location("dcp_datastates_bench", script)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # dataclasses resolve their module by name
+    spec.loader.exec_module(bench)
+    return int(bench.main(argv) or 0)
 
 
 # --------------------------------------------------------------------------------------- main
@@ -748,7 +316,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--no-progress", action="store_true", help="no progress bar")
     s.set_defaults(func=_cmd_convert)
 
-    sub.add_parser("bench", help="benchmarks (arguments go to dcp_datastates.bench)", add_help=False)
+    sub.add_parser("bench", help="benchmarks (arguments go to benchmarks/bench.py)", add_help=False)
     return p
 
 

@@ -13,7 +13,7 @@ checkpoint path always holds one good checkpoint: the old one until the new one 
   present with the recorded size (``check_commit``); ``latest_checkpoint`` returns the newest
   such folder under a root.
 - Rank-local saves (DCP's ``use_collectives=False``) commit ``__<rank>.metadata`` per rank.
-- Remote folders (fsspec URLs, see ``storage.py``): the same order; the marker is one PUT
+- Remote folders (fsspec URLs, see ``folders.py``): the same order; the marker is one PUT
   (atomic on object stores), written after every data object is complete.
 """
 
@@ -28,13 +28,13 @@ import uuid
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from . import storage
+from . import folders
 from .errors import CheckpointFormatError, CheckpointWriteError, DataStatesError, IncompleteCheckpointError
 from .metadata import METADATA_NAME, FileInfo, ItemLocation, decode_metadata, encode_metadata
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["prepare_folder", "write_commit", "rank_marker_name", "read_commit", "check_data_files", "is_committed", "check_commit", "latest_checkpoint"]
+__all__ = ["prepare_folder", "write_commit", "rank_marker_name", "read_commit", "is_committed", "check_commit", "latest_checkpoint"]
 
 _TMP_PREFIX = f"{METADATA_NAME}.tmp-"
 
@@ -72,9 +72,9 @@ def prepare_folder(path: str, *, overwrite: bool, storage_options: dict | None =
     replaces ``.metadata`` atomically when it commits, so the folder holds the old checkpoint
     until then. Raises CheckpointWriteError when the folder cannot be made, or when it holds a
     committed checkpoint and ``overwrite`` is off."""
-    if storage.is_remote(path):
-        return storage.remote_folder(path, storage_options).prepare(overwrite=overwrite)
-    path = storage.local_path(path)
+    if folders.is_remote(path):
+        return folders.remote_folder(path, storage_options).prepare(overwrite=overwrite)
+    path = folders.local_path(path)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
@@ -115,6 +115,8 @@ def write_commit(
 
     Raises CheckpointWriteError naming the folder and the cause; on failure the previous commit
     (if any) is untouched and no temporary file is left behind."""
+    from .integrity import check_data_files  # noqa: PLC0415 - integrity imports this module
+
     data = encode_metadata(md, locations)
     _, files = decode_metadata(data, f"{path}/{METADATA_NAME} (being committed)")
     try:
@@ -122,12 +124,12 @@ def write_commit(
     except (DataStatesError, OSError) as exc:
         raise CheckpointWriteError(f"committing checkpoint {path} refused: {exc}") from exc
     marker = METADATA_NAME if rank_local is None else rank_marker_name(rank_local)
-    if storage.is_remote(path):
-        folder = storage.remote_folder(path, storage_options)
+    if folders.is_remote(path):
+        folder = folders.remote_folder(path, storage_options)
         folder.write_marker(data, marker)
         _remove_obsolete(folder.names(), set(files) | set(in_use), rank_local, folder.remove)
         return
-    path = storage.local_path(path)
+    path = folders.local_path(path)
     tmp = os.path.join(path, f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
@@ -200,7 +202,7 @@ def file_kind(mode: int) -> str:
     return "not a regular file"
 
 
-def _not_regular(where: str, what: str, full: str, mode: int) -> CheckpointFormatError:
+def not_regular_error(where: str, what: str, full: str, mode: int) -> CheckpointFormatError:
     detail = ""
     if stat.S_ISLNK(mode):
         try:
@@ -218,12 +220,12 @@ def open_for_reading(full: str) -> int:
         fd = os.open(full, _READ_FLAGS)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            raise _not_regular(os.path.dirname(full), os.path.basename(full), full, os.lstat(full).st_mode) from None
+            raise not_regular_error(os.path.dirname(full), os.path.basename(full), full, os.lstat(full).st_mode) from None
         raise
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        raise _not_regular(os.path.dirname(full), os.path.basename(full), full, st.st_mode)
+        raise not_regular_error(os.path.dirname(full), os.path.basename(full), full, st.st_mode)
     os.set_blocking(fd, True)
     return fd
 
@@ -235,14 +237,14 @@ def _read_marker(path: str, marker: str) -> bytes:
         fd = os.open(marker, _READ_FLAGS)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
-            raise _not_regular(path, METADATA_NAME, marker, os.lstat(marker).st_mode) from None
+            raise not_regular_error(path, METADATA_NAME, marker, os.lstat(marker).st_mode) from None
         raise
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             if stat.S_ISDIR(st.st_mode):
                 raise CheckpointFormatError(f"{marker}: the commit marker is a folder, not a metadata file")
-            raise _not_regular(path, f"the commit marker {METADATA_NAME}", marker, st.st_mode)
+            raise not_regular_error(path, f"the commit marker {METADATA_NAME}", marker, st.st_mode)
         if st.st_size > MAX_METADATA_BYTES:
             raise CheckpointFormatError(
                 f"{marker}: {st.st_size} bytes, more than the {MAX_METADATA_BYTES}-byte limit of a metadata file "
@@ -317,14 +319,14 @@ def read_commit(path: str | os.PathLike, *, storage_options: dict | None = None,
     checkpoints", "a stock DCP checkpoint" and "marker is not a regular file" to clear errors.
     Returns DCP's ``Metadata`` and the per-file table."""
     name = METADATA_NAME if rank is None else rank_marker_name(rank)
-    if storage.is_remote(path):
-        folder = storage.remote_folder(os.fspath(path), storage_options)
+    if folders.is_remote(path):
+        folder = folders.remote_folder(os.fspath(path), storage_options)
         raw = folder.read_marker(name)  # maps "nothing stored" and "no marker" itself
         where = folder.url_of(name)
         if _looks_like_stock_dcp(raw):
             raise _stock_dcp_error(folder.url, where)
         return decode_metadata(raw, where)
-    path = storage.local_path(path)
+    path = folders.local_path(path)
     marker = os.path.join(path, name)
     try:
         raw = _read_marker(path, marker)
@@ -341,40 +343,12 @@ def read_commit(path: str | os.PathLike, *, storage_options: dict | None = None,
     return decode_metadata(raw, marker)
 
 
-def check_data_files(path: str | os.PathLike, files: dict[str, FileInfo], *, storage_options: dict | None = None) -> None:
-    """Every data file in ``files`` exists as a regular file inside the folder (not a symlink,
-    FIFO or device) with the recorded size; one listing for remote folders."""
-    if storage.is_remote(path):
-        folder = storage.remote_folder(os.fspath(path), storage_options)
-        where, sizes = folder.url, folder.sizes()
-    else:
-        where, sizes = storage.local_path(path), {}
-        for name in files:
-            full = os.path.join(where, name)
-            try:
-                st = os.lstat(full)  # lstat: a symlink is refused, not followed
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            if not stat.S_ISREG(st.st_mode):
-                raise _not_regular(where, f"data file {name}", full, st.st_mode)
-            sizes[name] = st.st_size
-    for name, info in files.items():
-        size = sizes.get(name)
-        if size is None:
-            raise IncompleteCheckpointError(
-                f"incomplete checkpoint {where}: data file {name} is missing (the metadata lists it)"
-            )
-        if size != info.size:
-            raise IncompleteCheckpointError(
-                f"incomplete checkpoint {where}: data file {name} is {size} bytes, the metadata expects "
-                f"{info.size} ({'truncated' if size < info.size else 'replaced or appended to'})"
-            )
-
-
 def check_commit(path: str | os.PathLike, *, storage_options: dict | None = None) -> None:
     """Raise unless ``path`` holds a complete checkpoint: the marker decodes and every data file
     it lists exists with the recorded size. IncompleteCheckpointError when something is missing
     or short, CheckpointFormatError when the marker is damaged. Reads no tensor data."""
+    from .integrity import check_data_files  # noqa: PLC0415 - integrity imports this module
+
     _, files = read_commit(path, storage_options=storage_options)
     check_data_files(path, files, storage_options=storage_options)
 
@@ -382,10 +356,10 @@ def check_commit(path: str | os.PathLike, *, storage_options: dict | None = None
 def is_committed(path: str | os.PathLike, *, check_files: bool = False, storage_options: dict | None = None) -> bool:
     """True when ``path`` holds a commit marker; with ``check_files``, only when ``check_commit``
     also passes (marker decodes, data files present with the right sizes)."""
-    if storage.is_remote(path) and not check_files:
-        folder = storage.remote_folder(os.fspath(path), storage_options)
+    if folders.is_remote(path) and not check_files:
+        folder = folders.remote_folder(os.fspath(path), storage_options)
         return folder.size(METADATA_NAME) is not None
-    path = os.fspath(path) if storage.is_remote(path) else storage.local_path(path)
+    path = os.fspath(path) if folders.is_remote(path) else folders.local_path(path)
     if not check_files:
         return os.path.isfile(os.path.join(path, METADATA_NAME))
     try:
@@ -409,10 +383,10 @@ def latest_checkpoint(
     counts only if its marker decodes and its data files are all present with the right sizes;
     otherwise a marker file is enough.
     """
-    if storage.is_remote(root):
-        folder = storage.remote_folder(os.fspath(root), storage_options)
+    if folders.is_remote(root):
+        folder = folders.remote_folder(os.fspath(root), storage_options)
         return _latest_remote(folder, check_files=check_files, storage_options=storage_options)
-    root = storage.local_path(root)
+    root = folders.local_path(root)
     try:
         names = os.listdir(root)
     except (FileNotFoundError, NotADirectoryError):
@@ -429,7 +403,7 @@ def latest_checkpoint(
     return None
 
 
-def _latest_remote(folder: "storage.RemoteFolder", *, check_files: bool, storage_options: dict | None) -> str | None:
+def _latest_remote(folder: "folders.RemoteFolder", *, check_files: bool, storage_options: dict | None) -> str | None:
     candidates = [(int(m.group(1)), name) for name in folder.subfolders() if (m := _STEP.search(name))]
     for _, name in sorted(candidates, reverse=True):
         url = folder.url_of(name)

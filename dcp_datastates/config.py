@@ -140,10 +140,6 @@ def default_cache_plan() -> CachePlan:
     return CachePlan(nbytes, memory, n, source)
 
 
-def _default_cache_size() -> int:
-    return default_cache_plan().nbytes
-
-
 def _default_read_threads() -> int:
     """min(4, 2 x CPUs): on 2 cores, 2 and 4 workers read a 1 GiB checkpoint equally fast, warm
     and cold (each streams its own part of the file), and more only add context switches."""
@@ -399,3 +395,14 @@ def _strip_json_comments(text: str) -> str:
                 break
         out_lines.append(line[:cut])
     return "\n".join(out_lines)
+
+
+def tool_config() -> DataStatesConfig:
+    """A small engine for offline tools (verify, convert): reads go straight into tensors, the
+    host cache is hardly used, so it must not reserve (and on GPU machines pin) gigabytes."""
+    return DataStatesConfig(
+        host_cache_size=64 << 20,
+        pin_host_cache=False,
+        chunk_size=16 << 20,
+        read_threads=max(2, min(8, os.cpu_count() or 2)),
+    )

@@ -1,7 +1,7 @@
 """A data file staged now and written once DCP's planning says where and what.
 
 Two things can be unknown at ``stage()``: which rank writes a plain tensor (DCP's planner decides,
-see ``ownership.py``) and, when the user names the folder only through ``checkpoint_id``, where
+see ``stage/ownership.py``) and, when the user names the folder only through ``checkpoint_id``, where
 the file goes (DCP passes it to ``reset()`` after staging). Such items are copied into the host
 cache at once, like any other (an engine streaming job: copies and checksums on the engine's
 threads), but nothing is flushed until ``set_destination`` and ``set_selection`` have both been
@@ -24,12 +24,13 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from . import storage
+from . import folders
 from .errors import CheckpointWriteError
 from .layout import plan_file
 from .metadata import ItemLocation
 from .remote import UPLOAD_BLOCK_SIZE, _buffer, _discard
-from .stage_items import ItemKey, SourceItem
+from .stage.files import item_location
+from .stage.items import ItemKey, SourceItem
 
 __all__ = ["HeldFile"]
 
@@ -194,8 +195,8 @@ class HeldFile:
             raise
         out = {}
         for j, ((it, _), foff) in enumerate(zip(kept, final.offsets)):
-            out[it.key] = ItemLocation(dest.name, foff, it.entry.nbytes, it.entry.dtype, it.entry.shape,
-                                       tuple(crcs.of(j)), final.data_start, piece, final.file_size)
+            out[it.key] = item_location(dest.name, it.entry, foff, final.data_start, piece, tuple(crcs.of(j)),
+                                        final.file_size)
         return out
 
 
@@ -226,7 +227,7 @@ class _GridChecksums:
 class _LocalWriter:
     def __init__(self, path: str, sync: bool) -> None:
         self.path, self.sync = path, sync
-        storage.retire_local_file(path, _unlink_quietly)  # never write into a shared inode
+        folders.retire_local_file(path, _unlink_quietly)  # never write into a shared inode
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
         try:
             self.fd = os.open(path, flags, 0o644)
@@ -289,4 +290,4 @@ class _RemoteWriter:
 def _open(dest: _Destination):
     if dest.remote is not None:
         return _RemoteWriter(dest.remote, dest.name)
-    return _LocalWriter(os.path.join(storage.local_path(dest.folder), dest.name), dest.sync)
+    return _LocalWriter(os.path.join(folders.local_path(dest.folder), dest.name), dest.sync)

@@ -23,9 +23,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from . import commit, remote, safe_unpickle, storage
+from . import commit, folders, remote, safe_unpickle
 from .config import DataStatesConfig
-from .errors import ChecksumMismatchError, CheckpointFormatError, IncompleteCheckpointError, record_metadata_read
+from .errors import ChecksumMismatchError, CheckpointFormatError, record_metadata_read
+from .integrity import check_data_files, checksum_mismatch, file_size_error
 from .gcpause import gc_paused
 from .layout import name_to_dtype
 from .metadata import FileInfo, ItemLocation, piece_ranges
@@ -111,16 +112,16 @@ class DataStatesReader(StorageReader):
         # The exception the last failed read_metadata raised: DCP replaces it by an
         # AssertionError (2.9: a bare one), so errors.checkpoint_error_cause recovers it from here.
         self.metadata_error: BaseException | None = None
-        self.path = storage.normalize(path)
+        self.path = folders.normalize(path)
         self.storage_data: _StorageIndex | None = None
         self.rank = 0
-        self._folder: storage.RemoteFolder | None = None  # remote checkpoints (fsspec URLs)
+        self._folder: folders.RemoteFolder | None = None  # remote checkpoints (fsspec URLs)
         self._sizes: dict[str, int] | None = None  # remote data-object sizes, one listing per load
 
     # ---------------------------------------------------------------------------- StorageReader
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = storage.normalize(checkpoint_id)
+            self.path = folders.normalize(checkpoint_id)
         self.storage_data = None
         self._folder = None
         self._sizes = None
@@ -148,10 +149,10 @@ class DataStatesReader(StorageReader):
     def _read_metadata(self, rank: int | None = None) -> Metadata:
         if self.path is None:
             raise ValueError("DataStatesReader: no checkpoint path (pass path= or checkpoint_id=)")
-        if rank is None and not storage.is_remote(self.path) and dist.is_available() and dist.is_initialized():
+        if rank is None and not folders.is_remote(self.path) and dist.is_available() and dist.is_initialized():
             # A rank-local checkpoint (saved with use_collectives=False): each rank reads its own
             # commit, unless the folder holds one committed by all ranks together.
-            local = os.path.join(storage.local_path(self.path), commit.rank_marker_name(dist.get_rank()))
+            local = os.path.join(folders.local_path(self.path), commit.rank_marker_name(dist.get_rank()))
             if not commit.is_committed(self.path) and os.path.isfile(local):
                 rank = dist.get_rank()
         md, files = commit.read_commit(self.path, storage_options=self.config.storage_options, rank=rank)
@@ -196,7 +197,7 @@ class DataStatesReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         """Local paths, ``file://`` and any URL whose protocol fsspec knows."""
-        return storage.is_supported_url(checkpoint_id)
+        return folders.is_supported_url(checkpoint_id)
 
     # --------------------------------------------------------------------------------- helpers
     def _location(self, req: ReadItem) -> ItemLocation:
@@ -208,9 +209,9 @@ class DataStatesReader(StorageReader):
                 f"at offset {list(req.storage_index.offset or [])}"
             ) from None
 
-    def _remote(self) -> storage.RemoteFolder:
+    def _remote(self) -> folders.RemoteFolder:
         if self._folder is None or self._folder.url != self.path:
-            self._folder = storage.remote_folder(self.path, self.config.storage_options)
+            self._folder = folders.remote_folder(self.path, self.config.storage_options)
             self._sizes = None
         return self._folder
 
@@ -222,24 +223,18 @@ class DataStatesReader(StorageReader):
         size = self._sizes.get(name)
         if size is None:
             size = folder.size(name)  # listings can be partial on some stores: ask for the object itself
-        if size is None:
-            raise IncompleteCheckpointError(
-                f"incomplete checkpoint {self.path}: data file {name} is missing ({folder.url_of(name)}; the metadata lists it)"
-            )
         info = self.storage_data.files.get(name)
-        if info is not None and size != info.size:
-            raise IncompleteCheckpointError(
-                f"incomplete checkpoint {self.path}: data file {name} is {size} bytes, the metadata expects "
-                f"{info.size} ({'truncated' if size < info.size else 'replaced or appended to'})"
-            )
+        error = file_size_error(self.path, name, size, size if info is None else info.size, location=folder.url_of(name))
+        if error is not None:
+            raise error
 
     def _check_file(self, name: str) -> str:
-        if storage.is_remote(self.path):
+        if folders.is_remote(self.path):
             self._check_remote_file(name)  # sizes from one listing per load
             return name
         info = self.storage_data.files.get(name)
         if info is not None:
-            commit.check_data_files(self.path, {name: info})
+            check_data_files(self.path, {name: info})
         return os.path.join(self.path, name)
 
     def _read_file(self, name: str, items: list[tuple[ReadItem, ItemLocation]], planner: LoadPlanner) -> None:
@@ -247,7 +242,7 @@ class DataStatesReader(StorageReader):
         pending = [self._target(req, loc, planner) for req, loc in items]
         reading = [p for p in pending if p.nbytes]
         ranges = [(p.ptr, p.read_start, p.nbytes) for p in reading]
-        if ranges and storage.is_remote(self.path):
+        if ranges and folders.is_remote(self.path):
             concurrency = max(remote.READ_CONCURRENCY, self.config.read_threads)
             remote.read_ranges(self._remote(), name, ranges, concurrency=concurrency)
             if self.config.verify:
@@ -352,8 +347,4 @@ class DataStatesReader(StorageReader):
                 raise self._mismatch(p, off, length, expected, got)
 
     def _mismatch(self, p: _Pending, off: int, length: int, expected: int, got: int) -> ChecksumMismatchError:
-        return ChecksumMismatchError(
-            f"checkpoint {self.path}: checksum mismatch in {p.loc.file}, item "
-            f"{p.req.storage_index.fqn!r} (chunk offsets {list(p.req.storage_index.offset or [])}), "
-            f"bytes [{off}, {off + length}): stored crc32c {expected:#010x}, read {got:#010x}"
-        )
+        return checksum_mismatch(self.path, p.loc.file, p.req.storage_index, off, length, expected, got)

@@ -30,7 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from .errors import CheckpointFormatError, CheckpointWriteError, IncompleteCheckpointError
-from .storage import RemoteFolder
+from .folders import RemoteFolder
 
 __all__ = ["submit_upload", "read_ranges", "UPLOAD_BLOCK_SIZE", "READ_REQUEST_BYTES", "READ_CONCURRENCY"]
 

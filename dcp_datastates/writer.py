@@ -1,8 +1,8 @@
 """DataStatesWriter: a DCP StorageWriter that is also an AsyncStager (lazy staging).
 
-``stage()`` runs on the training thread: it lays out this rank's data files from the local state
-dict alone, hands the engine one job per file (pointers, sizes, offsets) and returns a Future at
-once. The engine's copy workers fill the host cache while training goes on; its flush workers
+``stage()`` runs on the training thread: it takes this rank's plan of data files, derived from
+the local state dict alone (``stage/pipeline.py``), hands the engine one job per file (pointers,
+sizes, offsets) and returns a Future at once. The engine's copy workers fill the host cache while training goes on; its flush workers
 write each chunk as soon as it is in the cache. DCP's planning, ``write_data`` and ``finish`` then
 run on DCP's thread: ``write_data`` waits for the files to be durable and reports each item's
 location; the coordinator's ``finish`` commits ``.metadata`` atomically.
@@ -34,20 +34,21 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from . import checkpoint_stats, commit, inflight, remote, storage
+from . import checkpoint_stats, commit, folders, inflight, remote
 from .compat import unflatten_state_dict
 from .config import DataStatesConfig
 from .consolidate import consolidate_results
 from .errors import CheckpointWriteError
 from .gcpause import gc_paused
 from .held_file import HeldFile
-from .layout import data_file_name, plan_file
+from .layout import data_file_name
 from .metadata import ItemLocation
-from .ownership import Ownership, decisions, is_plain_tensor, plain_signature, split_by_owner
 from .runtime import get_engine
-from .stage_items import ItemKey, SourceItem, flatten, item_key, items_of_flat, source_for_resolved
-from .stage_plan import build_plan, find_plan, scan_state
-from .staging import tracker
+from .stage.files import PlannedFile, moved, planned_file, written
+from .stage.items import ItemKey, SourceItem, flatten, item_key, source_for_resolved
+from .stage.ownership import DecisionKey, decisions
+from .stage.pipeline import on_one_device, plan_stage
+from .staging_tracker import tracker
 from .version_guard import VersionGuard, torn_message
 
 __all__ = ["DataStatesWriter"]
@@ -119,8 +120,7 @@ class _FileJob:
             raise CheckpointWriteError(error)
         crcs = self.job.checksums()
         size = self.file_size
-        return {k: dataclasses.replace(self.locations[k], file=self.name, crc32c=tuple(c), file_size=size)
-                for k, c in zip(self.keys, crcs)}
+        return {k: written(self.locations[k], self.name, tuple(c), size) for k, c in zip(self.keys, crcs)}
 
 
 @dataclass(eq=False)
@@ -134,7 +134,7 @@ class _StagedSave:
     held: list[HeldFile] = field(default_factory=list)
     skipped: set = field(default_factory=set)  # DTensor replicas another rank writes
     elsewhere: set = field(default_factory=set)  # plain tensors the decision gives to other ranks
-    decision_key: tuple | None = None
+    decision_key: DecisionKey | None = None
     learn: bool = False  # no decision was known: learn it from this save's plan
     plain_keys: frozenset = frozenset()
     moved_from: str | None = None  # staged into this folder, then DCP named another (reset)
@@ -242,34 +242,10 @@ def _names_in_use(path: str) -> frozenset:
         return frozenset(f.name for f in other.files) | frozenset(h.name for h in other.held if h.name)
 
 
-def _by_device(items: list[SourceItem]) -> list[list[SourceItem]]:
-    """The items split by the device they live on (one engine job copies from one device): a
-    single list when they share one, as CPU-only states do; else host items first (small
-    non-tensor values, staged at once ahead of the device copies), then by device index."""
-    first = items[0].device if items else -1
-    if all(it.device == first for it in items):
-        return [items] if items else []
-    groups: dict[int, list[SourceItem]] = {}
-    for it in items:
-        groups.setdefault(it.device, []).append(it)
-    return [groups[d] for d in sorted(groups)]
-
-
-def _on_one_device(engine, items: list[SourceItem]) -> tuple[int, list[SourceItem]]:
-    """(device, items) for one engine job. CUDA items are copied to host memory now (blocking)
-    when the engine has no CUDA runtime or they share a job with items of another device."""
-    device = items[0].device if items else -1
-    if device < 0 and all(it.device < 0 for it in items):
-        return -1, items
-    if engine.cuda_devices > 0 and all(it.device == device for it in items):
-        return device, items
-    host = []
-    for it in items:
-        if it.device >= 0:
-            t = it.keepalive.to("cpu")
-            it = dataclasses.replace(it, ptr=t.data_ptr() if it.entry.nbytes else 0, keepalive=t, device=-1, copied=True)
-        host.append(it)
-    return -1, host
+def _planned(engine, index: int, items: list[SourceItem]) -> PlannedFile:
+    """File ``index`` of ``items``, laid out, with its memory on one device."""
+    device, items = on_one_device(engine.cuda_devices > 0, items)
+    return planned_file(index, device, items)
 
 
 def _current_stream(device: int) -> int:
@@ -290,7 +266,7 @@ def _new_tag() -> str:
 
 def _retire_old_file(path: str) -> None:
     """A new inode for the engine's file; freeing the old blocks happens off the training thread."""
-    storage.retire_local_file(path, lambda aside: _watchers.submit(_unlink_quietly, aside))
+    folders.retire_local_file(path, lambda aside: _watchers.submit(_unlink_quietly, aside))
 
 
 def _unlink_quietly(path: str) -> None:
@@ -322,7 +298,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                  per_process: bool = False, **options: Any) -> None:
         super().__init__()
         self.config = DataStatesConfig.resolve(config, options)
-        self.path = storage.normalize(path)
+        self.path = folders.normalize(path)
         self.process_group = process_group
         self.per_process = bool(per_process)
         self.save_id = uuid.uuid4().hex
@@ -334,7 +310,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._current: _StagedSave | None = None  # the save DCP is planning/writing now
         self._sync_tag: str | None = None  # dcp.save into a committed folder: its file tag
         self._finishing: _StagedSave | None = None  # written, waiting for finish() (coordinator)
-        self._remote_folders: dict[str, storage.RemoteFolder] = {}
+        self._remote_folders: dict[str, folders.RemoteFolder] = {}
         self._lock = threading.Lock()
 
     def __getstate__(self):
@@ -413,77 +389,17 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if staged.path is not None:
             committed = commit.prepare_folder(staged.path, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
             staged.tag = _new_tag() if committed else None
-        scan = scan_state(flat)
-        dkey = None
-        if dedup:
-            dkey = (rank, world, scan.plain_signature() if scan is not None else None)
-        decision = decisions().get(dkey) if dkey is not None and dkey[2] is not None else None
-        context = (rank, world, dedup, engine.cuda_devices > 0)
-        plan = find_plan(context, scan, decision) if staged.path is not None else None
-        if plan is not None:
-            self._stage_planned(staged, engine, plan, scan)
-        else:
-            self._stage_full(staged, engine, flat, rank, world, dedup, decision, context, scan)
-        if dedup and staged.decision_key is None and dkey is not None and dkey[2] is not None:
-            staged.decision_key = dkey
-
-    def _stage_full(self, staged: _StagedSave, engine, flat: dict, rank: int, world: int, dedup: bool,
-                    decision: frozenset | None, context: tuple, scan) -> None:
-        """Lay out and submit every file from the items themselves; cache what depends only on
-        the structure when the scan covered the state and nothing was held."""
-        items = items_of_flat(flat, scan.payloads if scan is not None else None)
-        if dedup and scan is None:  # states the scan does not cover: key decisions on the items
-            key = (rank, world, plain_signature(items, flat))
-            decision = decisions().get(key)
-            staged.decision_key = key
-        own = split_by_owner(items, flat, rank, world, decision, dedup)
-        staged.learn = dedup and decision is None
-        if own.held and sum(it.entry.nbytes for it in own.held) > self._engine_cache_bytes() // 2:
-            own.owned.extend(own.held)  # too big to hold: every holder writes its copy this time
-            own.held = []
-        staged.skipped, staged.elsewhere = own.skipped, own.elsewhere
-        staged.plain_keys = frozenset(it.key for it in items if is_plain_tensor(flat.get(it.key[0])))
-        self._guard(staged, flat, own)
-        record: list = []
-        if staged.path is None:  # nothing can be flushed before the folder is named
-            for group in _by_device(own.owned):
-                staged.held.append(self._hold(engine, group, known=True))
-        else:
-            for k, group in enumerate(_by_device(own.owned)):
-                staged.files.append(self._submit(engine, staged, k, group, record))
-        for group in _by_device(own.held):
-            staged.held.append(self._hold(engine, group, known=False))
-        if scan is not None and staged.files and not staged.held:
-            build_plan(context, scan, flat, record, own.skipped, own.elsewhere, decision, staged.files[0].job.piece_size())
-
-    def _stage_planned(self, staged: _StagedSave, engine, plan, scan) -> None:
-        """Submit every file of a cached plan with this checkpoint's pointers."""
-        staged.skipped, staged.elsewhere = set(plan.skipped), set(plan.elsewhere)
-        for fp in plan.files:
-            job, upload, name = self._start(engine, staged, fp_index(fp.name), fp.layout, fp.spans(scan), fp.device)
-            staged.files.append(_FileJob(fp_index(fp.name), name, job, fp.keys, fp.locations_for(job.piece_size()),
-                                         fp.keepalive(scan), engine, fp.layout.file_size, upload))
-        # The scan read every tensor's version counter: guard the copied ones (all but the late).
-        versions = scan.versions
-        if plan.late:
-            versions = list(versions)
-            for i in plan.late:
-                versions[i] = None
-        staged.guard = VersionGuard(scan.names, scan.tensors, versions)
-        staged.late_guard = VersionGuard([scan.names[i] for i in plan.late], [scan.tensors[i] for i in plan.late],
-                                         [scan.versions[i] for i in plan.late])
-
-    def _guard(self, staged: _StagedSave, flat: dict, own: Ownership) -> None:
-        """Record the version counters of what this rank copies lazily, and of what it may have to
-        write later from live memory (plain tensors given elsewhere, skipped replicas)."""
-        lazy = [it for it in (*own.owned, *own.held) if it.entry.kind == "tensor" and not it.copied]
-        staged.guard = VersionGuard([it.key[0] for it in lazy], [it.keepalive for it in lazy])
-        later = []
-        for key in (*own.elsewhere, *own.skipped):
-            obj = flat.get(key[0])
-            if isinstance(obj, torch.Tensor):
-                later.append((key[0], obj.to_local() if hasattr(obj, "to_local") else obj))
-        staged.late_guard = VersionGuard([n for n, _ in later], [t for _, t in later])
+        plan = plan_stage(flat, rank=rank, world=world, dedup=dedup, cuda=engine.cuda_devices > 0,
+                          folder_known=staged.path is not None, hold_limit=lambda: self._engine_cache_bytes() // 2)
+        staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
+        staged.guard, staged.late_guard = plan.guard, plan.late_guard
+        staged.decision_key, staged.learn, staged.plain_keys = plan.decision_key, plan.learn, plan.plain_keys
+        for pf in plan.files:
+            staged.files.append(self._submit(engine, staged, pf))
+        for group in plan.held:
+            staged.held.append(self._hold(engine, group.items, known=group.known))
+        if staged.files:
+            plan.remember(staged.files[0].job.piece_size())
 
     def _held_bytes(self, staged: _StagedSave) -> int:
         return sum(h.job.nbytes for h in staged.held)
@@ -522,35 +438,23 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     # ---------------------------------------------------------------------------- engine submit
     def _hold(self, engine, items: list[SourceItem], known: bool) -> HeldFile:
-        device, items = _on_one_device(engine, items)
+        device, items = on_one_device(engine.cuda_devices > 0, items)
         stream = _current_stream(device) if device >= 0 else 0
         return HeldFile(engine, items, device, stream, f"{self.path or 'checkpoint'} (held)",
                         selection=None, selection_known=known, timeout=float(self.config.cache_wait_timeout))
 
-    def _submit(self, engine, staged: _StagedSave, index: int, items: list[SourceItem], record: list | None = None) -> _FileJob:
-        """Lay out one file of ``items`` and submit it. ``record`` collects (name, device, layout,
-        items, locations) for a stage plan."""
-        device, items = _on_one_device(engine, items)
-        layout = plan_file([it.entry for it in items])
-        spans = [(it.ptr, it.entry.nbytes, off) for it, off in zip(items, layout.offsets)]
-        job, upload, name = self._start(engine, staged, index, layout, spans, device)
-        piece = job.piece_size()
-        base = data_file_name(staged.rank, index)
-        locations = {
-            it.key: ItemLocation(base, off, it.entry.nbytes, it.entry.dtype, it.entry.shape, (), layout.data_start, piece)
-            for it, off in zip(items, layout.offsets)
-        }
-        if record is not None:
-            record.append((base, device, layout, items, locations))
-        return _FileJob(index, name, job, [it.key for it in items], locations, [it.keepalive for it in items], engine,
-                        layout.file_size, upload)
+    def _submit(self, engine, staged: _StagedSave, pf: PlannedFile) -> _FileJob:
+        """Hand one planned file to the engine: the only place a ``_FileJob`` is made."""
+        job, upload, name = self._start(engine, staged, pf.index, pf.layout, pf.spans, pf.device)
+        locations = pf.locations(data_file_name(staged.rank, pf.index), job.piece_size())
+        return _FileJob(pf.index, name, job, pf.keys, locations, pf.keepalive, engine, pf.layout.file_size, upload)
 
     def _start(self, engine, staged: _StagedSave, index: int, layout, spans: list, device: int):
         """Hand one file to the engine: (job, upload Future for remote folders, file name)."""
         folder = staged.path
         name = data_file_name(staged.rank, index, staged.tag)
         stream = _current_stream(device) if device >= 0 else 0
-        if storage.is_remote(folder):  # streamed to the object store by an uploader thread
+        if folders.is_remote(folder):  # streamed to the object store by an uploader thread
             job, upload = remote.submit_upload(
                 engine, self._remote(folder), name, layout.header, layout.file_size, spans, device, stream
             )
@@ -560,18 +464,18 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         job = engine.submit_write(path, layout.header, layout.file_size, spans, self.config.sync_files, device, stream)
         return job, None, name
 
-    def _remote(self, folder: str) -> storage.RemoteFolder:
+    def _remote(self, folder: str) -> folders.RemoteFolder:
         """The fsspec folder of a remote checkpoint (one per URL, reused by this writer)."""
         with self._lock:
             cached = self._remote_folders.get(folder)
             if cached is None:
-                cached = self._remote_folders[folder] = storage.remote_folder(folder, self.config.storage_options)
+                cached = self._remote_folders[folder] = folders.remote_folder(folder, self.config.storage_options)
             return cached
 
     # ---------------------------------------------------------------------------- StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            new = storage.normalize(checkpoint_id)
+            new = folders.normalize(checkpoint_id)
             if new != self.path and self.path is not None:
                 self._retargeted = True  # this writer is given its folder per save: defer it
             self.path = new
@@ -607,7 +511,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 staged.path = self.path
                 committed = commit.prepare_folder(self.path, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
                 staged.tag = _new_tag() if committed else None
-            remote_folder = self._remote(staged.path) if storage.is_remote(staged.path) else None
+            remote_folder = self._remote(staged.path) if folders.is_remote(staged.path) else None
             for k, h in enumerate(staged.held, start=len(staged.files)):
                 if h.name is None:
                     h.set_destination(staged.path, data_file_name(staged.rank, k, staged.tag),
@@ -730,7 +634,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         renamed: dict[str, str] = {}
         for f in staged.files:
             new = data_file_name(staged.rank, f.index, staged.tag)
-            if storage.is_remote(staged.path):
+            if folders.is_remote(staged.path):
                 src = self._remote(staged.moved_from)
                 dst = self._remote(staged.path)
                 src.fs.mv(src.join(f.name), dst.join(new))
@@ -743,7 +647,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                     os.unlink(src)
             renamed[f.name] = new
             f.name = new
-        return {k: dataclasses.replace(loc, file=renamed.get(loc.file, loc.file)) for k, loc in locations.items()}
+        return {k: moved(loc, renamed.get(loc.file, loc.file)) for k, loc in locations.items()}
 
     def _write_late(self, staged: _StagedSave, late: list, planner: SavePlanner) -> _FileJob:
         """Items the plan gives this rank that it did not stage (``dcp.save``; a planner that lays
@@ -764,7 +668,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         sources = [source_for_resolved(item, planner.resolve_data(item), taken) for item in late]
         engine = get_engine(self.config)
         index = len(staged.files) + len(staged.held)
-        return self._submit(engine, staged, index, sources)
+        return self._submit(engine, staged, _planned(engine, index, sources))
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         staged = self._finishing
@@ -816,9 +720,5 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         """Local paths, ``file://`` and any URL whose protocol fsspec knows."""
-        return storage.is_supported_url(checkpoint_id)
+        return folders.is_supported_url(checkpoint_id)
 
-
-def fp_index(name: str) -> int:
-    """k of a cached file plan's ``__<rank>_<k>.safetensors``."""
-    return int(name.split(".")[0].rsplit("_", 1)[1])

@@ -3,11 +3,6 @@ import os
 import pytest
 import torch
 
-# Small, fixed engine for the whole test session: the engine is process-wide and keeps the
-# configuration it was created with.
-os.environ.setdefault("DCP_DATASTATES_TEST", "1")
-
-
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

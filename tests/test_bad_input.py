@@ -23,7 +23,7 @@ from dcp_datastates import (
     IncompleteCheckpointError,
 )
 from dcp_datastates.errors import checkpoint_error_cause
-from dcp_datastates.validate import MAX_HEADER_BYTES, parse_header, read_header, validate_checkpoint, validate_data_file
+from dcp_datastates.integrity import MAX_HEADER_BYTES, parse_header, read_header, validate_checkpoint, validate_data_file
 
 DATA = "__0_0.safetensors"
 

@@ -527,7 +527,8 @@ def _float_tensors_on_fake_device(fake, monkeypatch, delay_us: int) -> int:
     """Float CPU tensors stand in for CUDA tensors on device 0 of the double: the writer submits
     their copies to the fake runtime with a fresh stream as the caller's current stream, and
     wait_staged() sees that stream. Returns the stream (destroy it after the test)."""
-    from dcp_datastates import runtime, stage_items, staging, writer
+    from dcp_datastates import runtime, staging_tracker as staging, writer
+    from dcp_datastates.stage import items as stage_items
 
     original = stage_items._tensor_source
 
@@ -552,7 +553,8 @@ def test_async_save_of_device_tensors_through_the_writer(tmp_path, fake, monkeyp
     import torch.distributed.checkpoint as dcp
 
     from conftest import assert_state_equal, clone_state, zeros_like_state
-    from dcp_datastates import DataStatesReader, DataStatesWriter, engine_stats, runtime, staging, wait_staged
+    from dcp_datastates import DataStatesReader, DataStatesWriter, engine_stats, runtime, wait_staged
+    from dcp_datastates import staging_tracker as staging
 
     s = _float_tensors_on_fake_device(fake, monkeypatch, delay_us=10_000)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
@@ -611,7 +613,8 @@ def test_torn_guard_seals_at_the_device_side_wait(tmp_path, fake, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
     from conftest import raises_through_dcp
-    from dcp_datastates import DataStatesReader, DataStatesWriter, runtime, staging, wait_staged
+    from dcp_datastates import DataStatesReader, DataStatesWriter, runtime, wait_staged
+    from dcp_datastates import staging_tracker as staging
 
     s = _float_tensors_on_fake_device(fake, monkeypatch, delay_us=20_000)
     try:

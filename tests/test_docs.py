@@ -1,6 +1,6 @@
 """Every command and snippet in README.md and docs/ runs here, so the docs cannot drift from the code.
 
-Each document's code blocks run in order in a fresh folder (with ``examples/`` linked in): a
+Each document's code blocks run in order in a fresh folder (with ``examples/``, ``benchmarks/`` and ``docs/`` linked in): a
 ``python`` block is a script of its own (one process each, so a resume recipe really runs in a
 new process; a block starting with ``# name.py`` is written to that file for a later ``bash``
 block to run), a ``bash`` block runs in bash with this interpreter's ``bin`` first on PATH.
@@ -91,7 +91,7 @@ ELSEWHERE = {
         "tests/test_torchtitan.py", ["Config.from_base(base, host_cache_size="]),
 }
 # Long benchmark runs: each --flag must be one the command accepts.
-ARGS_ONLY = ("python -m dcp_datastates bench --dir", "python examples/bench_remote.py", "python examples/bench_planning.py",
+ARGS_ONLY = ("python -m dcp_datastates bench --dir", "python benchmarks/bench_remote.py", "python benchmarks/bench_planning.py",
              "python3 scripts/torch_matrix.py")  # hours of downloads and runs: arguments checked only
 
 # Code a block needs from the surrounding text (a model, a saved checkpoint), run before it.
@@ -252,6 +252,7 @@ def _torchtitan_imports() -> bool:
 def _run_doc(doc: str, tmp: Path) -> list[str]:
     (tmp / "examples").symlink_to(ROOT / "examples")
     (tmp / "docs").symlink_to(ROOT / "docs")
+    (tmp / "benchmarks").symlink_to(ROOT / "benchmarks")
     env = dict(os.environ, PYTHONUNBUFFERED="1", PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"])
     outputs = []
     for k, b in enumerate(x for x in ALL if x.doc == doc and _where(x) == "run"):

@@ -25,7 +25,7 @@ from dcp_datastates import (
     shutdown_engine,
     wait_staged,
 )
-from dcp_datastates import staging
+from dcp_datastates import staging_tracker as staging
 
 MiB = 1 << 20
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -221,8 +221,8 @@ def test_checkpoint_larger_than_the_cache_streams_through_it(tmp_path):
 
 
 def test_gpu_bench_dry_run(tmp_path):
-    """Not GPU-bound: keeps examples/gpu_bench.py importable and its plumbing working on CPU."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    """Not GPU-bound: keeps benchmarks/gpu_bench.py importable and its plumbing working on CPU."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     try:
         import gpu_bench
     finally:

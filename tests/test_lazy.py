@@ -85,7 +85,7 @@ def test_non_tensor_values_are_captured_at_stage_time(tmp_path):
 
 
 def test_protect_optimizer_handle_stops_the_wait(monkeypatch):
-    from dcp_datastates import staging
+    from dcp_datastates import staging_tracker as staging
 
     _, opt = make_model_and_optimizer()
     waits = []

@@ -17,7 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import assert_state_equal, raises_through_dcp, zeros_like_state
-from dcp_datastates import DataStatesReader, DataStatesWriter, commit, remote, storage
+from dcp_datastates import DataStatesReader, DataStatesWriter, commit, folders, remote
 from dcp_datastates.errors import IncompleteCheckpointError
 from dcp_datastates.runtime import engine_stats
 
@@ -74,7 +74,7 @@ def test_memory_save_and_load_round_trip(mem_url):
     state = make_state(big=3 * MiB)
     out = save_load(mem_url, state)
     assert_state_equal(state, out)
-    folder = storage.remote_folder(mem_url)
+    folder = folders.remote_folder(mem_url)
     names = sorted(folder.sizes())
     assert names == [".metadata", "__0_0.safetensors"]
     # The object is a valid safetensors file.
@@ -100,7 +100,7 @@ def test_memory_async_save_resave_and_overwrite_false(mem_url):
 def test_memory_missing_short_and_uncommitted(mem_url):
     state = make_state()
     save_load(mem_url, state)
-    folder = storage.remote_folder(mem_url)
+    folder = folders.remote_folder(mem_url)
     data = folder.join("__0_0.safetensors")
     raw = folder.fs.cat_file(data)
     folder.fs.pipe_file(data, raw[:-10])
@@ -123,7 +123,7 @@ def test_memory_missing_short_and_uncommitted(mem_url):
 def test_memory_checksum_mismatch_is_detected(mem_url):
     state = make_state()
     save_load(mem_url, state)
-    folder = storage.remote_folder(mem_url)
+    folder = folders.remote_folder(mem_url)
     path = folder.join("__0_0.safetensors")
     raw = bytearray(folder.fs.cat_file(path))
     raw[-5] ^= 0xFF  # inside the last item's bytes
@@ -136,7 +136,7 @@ def test_memory_latest_checkpoint_and_url_forms(mem_url, tmp_path):
     state = make_state()
     for step in (5, 20, 10):
         dcp.save(state, storage_writer=DataStatesWriter(f"{mem_url}/step-{step}/"))  # trailing slash
-    folder = storage.remote_folder(f"{mem_url}/step-20")
+    folder = folders.remote_folder(f"{mem_url}/step-20")
     folder.fs.rm_file(folder.marker)
     assert commit.latest_checkpoint(mem_url) == f"{mem_url}/step-10"
     # Every URL form is accepted; file:// is the local path.
@@ -176,7 +176,7 @@ def test_memory_upload_error_surfaces_from_upload_completion(mem_url, monkeypatc
     with raises_through_dcp(r"upload of memory://.*/__0_0\.[0-9a-f]{12}\.safetensors failed: OSError: .*No space left on the store"):
         resp.upload_completion.result(timeout=60)
     monkeypatch.undo()
-    folder = storage.remote_folder(mem_url)
+    folder = folders.remote_folder(mem_url)
     assert sorted(folder.sizes()) == [".metadata", "__0_0.safetensors"]  # the old commit; the partial object was deleted
     assert_state_equal(state, load_only(mem_url, state))  # the previous checkpoint still loads
     st = engine_stats()
@@ -421,6 +421,6 @@ def test_oversized_remote_marker_is_refused_before_reading(mem_url, monkeypatch)
     state = make_state(big=64 * 1024)
     save_load(mem_url, state)
     monkeypatch.setattr(commit_mod, "MAX_METADATA_BYTES", 16)
-    folder = storage.remote_folder(mem_url)
+    folder = folders.remote_folder(mem_url)
     with pytest.raises(CheckpointFormatError, match=r"\.metadata: \d+ bytes, more than the 16-byte limit"):
         folder.read_marker()

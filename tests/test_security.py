@@ -370,7 +370,7 @@ def test_fifo_named_like_a_data_file_never_blocks(ckpt):
     buf = torch.empty(8, dtype=torch.uint8)
     with pytest.raises(OSError, match=r"a FIFO, not a regular file"):
         engine.read_into(str(ckpt / DATA), [(buf.data_ptr(), 0, 8)])
-    from dcp_datastates.validate import read_header
+    from dcp_datastates.integrity import read_header
 
     with pytest.raises(CheckpointFormatError, match="is a FIFO"):
         read_header(ckpt / DATA)

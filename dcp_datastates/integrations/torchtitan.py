@@ -41,7 +41,7 @@ from ..errors import CheckpointFormatError
 from ..metadata import METADATA_NAME
 from ..reader import DataStatesReader
 from ..safe_unpickle import restricted_pickle_loads
-from ..staging import wait_staged
+from ..staging_tracker import wait_staged
 from ..writer import DataStatesWriter
 
 __all__ = ["DataStatesCheckpointManager", "TORCHTITAN_AVAILABLE", "is_datastates_checkpoint"]

@@ -1,7 +1,7 @@
 """dcp.async_save call time with DataStatesWriter vs dcp.save with FileSystemWriter, 512 MiB in
 2,048 tensors on /tmp (issue 2: the call must take under 5% of dcp.save).
 
-    python scripts/async_call_vs_save.py
+    python benchmarks/async_call_vs_save.py
 """
 import time, statistics, shutil, warnings, torch, torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter

@@ -4,7 +4,7 @@ passed nested under one key (as trainers do: {"model": ..., "optim": ...}).
 DCP wraps every top-level value of the state dict in its own per-key logging context inside
 async_save; that cost is paid on the training thread, whatever the storage writer.
 
-    python examples/bench_top_level_keys.py [--keys 1612] [--reps 7]
+    python benchmarks/bench_top_level_keys.py [--keys 1612] [--reps 7]
 """
 
 from __future__ import annotations

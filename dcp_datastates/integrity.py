@@ -1,27 +1,30 @@
-"""Validation of data files, independent of the command line and of the load path.
+"""Integrity of a checkpoint's data files: every check, and its message, written once.
 
-A data file is a safetensors file: an 8-byte little-endian header length N, N bytes of JSON,
-then the data region. ``parse_header`` checks all of it with explicit bounds before anything is
-allocated or trusted, and ``validate_data_file`` does the same on a file on disk, optionally
-against what our ``.metadata`` says the file holds and cross-checked with safetensors' own
-reader. ``validate_checkpoint`` runs that for every data file of a committed checkpoint.
-
-Every problem raises ``CheckpointFormatError`` naming the file and, where there is one, the
-tensor; nothing else escapes (``parse_header`` is fuzzed for that).
+- ``parse_header`` / ``read_header``: a data file's safetensors header (8-byte length N, N bytes
+  of JSON, then the data region), checked with explicit bounds before anything is allocated or
+  trusted (fuzzed: nothing but ``CheckpointFormatError`` escapes).
+- ``check_data_files`` / ``file_size_error``: each data file the metadata lists exists as a
+  regular file with the recorded size (load, commit, convert, ``validate_checkpoint``).
+- ``checksum_mismatch``: the error for a piece whose CRC32C differs (the reader, ``verify``).
+- ``validate_data_file`` / ``validate_checkpoint``: headers against the metadata, no data read.
+- ``verify_checkpoint``: every stored piece's CRC32C, every problem collected
+  (``dcp-datastates verify``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
 import struct
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .errors import CheckpointFormatError
+from . import folders
+from .commit import not_regular_error, file_kind, open_for_reading, read_commit
+from .errors import ChecksumMismatchError, CheckpointFormatError, IncompleteCheckpointError
 from .layout import safetensors_dtype
-from .commit import check_data_files, open_for_reading, read_commit
-from .metadata import ItemLocation, _DuplicateKey, _no_duplicate_keys
+from .metadata import FileInfo, ItemLocation, _DuplicateKey, _no_duplicate_keys, piece_ranges
 
 __all__ = [
     "DataFileItem",
@@ -30,6 +33,13 @@ __all__ = [
     "read_header",
     "validate_data_file",
     "validate_checkpoint",
+    "check_data_files",
+    "file_size_error",
+    "checksum_mismatch",
+    "item_label",
+    "verify_checkpoint",
+    "VerifyReport",
+    "no_progress",
     "MAX_HEADER_BYTES",
 ]
 
@@ -340,3 +350,210 @@ def validate_checkpoint(path: str | os.PathLike, *, cross_check: bool = False) -
                 f"of {loc.dtype} {list(loc.shape)}; the header has {found} there"
             )
     return out
+
+
+# --------------------------------------------------------------------- data files: present, sized
+def file_size_error(where: str, name: str, size: int | None, expected: int, *,
+                    location: str | None = None) -> IncompleteCheckpointError | None:
+    """The error for data file ``name`` of checkpoint ``where`` found with ``size`` bytes (None:
+    missing) where the metadata records ``expected``; None when they agree."""
+    if size is None:
+        seen = f"{location}; " if location else ""
+        return IncompleteCheckpointError(
+            f"incomplete checkpoint {where}: data file {name} is missing ({seen}the metadata lists it)"
+        )
+    if size != expected:
+        return IncompleteCheckpointError(f"incomplete checkpoint {where}: data file {name} {_size_text(size, expected)}")
+    return None
+
+
+def _size_text(size: int, expected: int) -> str:
+    return f"is {size} bytes, the metadata expects {expected} ({'truncated' if size < expected else 'replaced or appended to'})"
+
+
+def check_data_files(path: str | os.PathLike, files: dict[str, FileInfo], *, storage_options: dict | None = None) -> None:
+    """Every data file in ``files`` exists as a regular file inside the folder (not a symlink,
+    FIFO or device) with the recorded size; one listing for remote folders."""
+    if folders.is_remote(path):
+        folder = folders.remote_folder(os.fspath(path), storage_options)
+        where, sizes = folder.url, folder.sizes()
+    else:
+        where, sizes = folders.local_path(path), {}
+        for name in files:
+            full = os.path.join(where, name)
+            try:
+                st = os.lstat(full)  # lstat: a symlink is refused, not followed
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                raise not_regular_error(where, f"data file {name}", full, st.st_mode)
+            sizes[name] = st.st_size
+    for name, info in files.items():
+        error = file_size_error(where, name, sizes.get(name), info.size)
+        if error is not None:
+            raise error
+
+
+# ------------------------------------------------------------------------------------ checksums
+def item_label(index) -> str:
+    """How messages name a stored item (a ``MetadataIndex``): its name, and its chunk's offsets
+    when it is a shard."""
+    if index.offset is None:
+        return f"item {index.fqn!r}"
+    return f"item {index.fqn!r} (chunk offsets {list(index.offset)})"
+
+
+def checksum_mismatch(checkpoint: str, file: str, index, offset: int, length: int, expected: int,
+                      got: int) -> ChecksumMismatchError:
+    """The error for bytes [offset, offset + length) of ``file`` whose CRC32C is not the stored one."""
+    return ChecksumMismatchError(
+        f"checkpoint {checkpoint}: checksum mismatch in {file}, {item_label(index)}, "
+        f"bytes [{offset}, {offset + length}): stored crc32c {expected:#010x}, read {got:#010x}"
+    )
+
+
+# Bytes read per engine call when verifying (checksum pieces are at most the engine's chunk size).
+_VERIFY_WINDOW_BYTES = 64 << 20
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify_checkpoint`` found: ``problems`` is empty when the checkpoint is sound."""
+
+    path: str
+    items: int  # entries of the metadata
+    files: int
+    problems: list[str]
+    checked_items: int  # stored chunks whose checksums were compared
+    unchecked_items: int  # stored chunks without checksums
+    checked_bytes: int
+
+
+def _header_problems(full: str, name: str, info: FileInfo, locs: list) -> list[str]:
+    """The data file's header is sound, starts the data where the metadata says, and lists
+    every item the metadata places in the file at its recorded bytes."""
+    try:
+        header = read_header(full)
+    except CheckpointFormatError as exc:
+        text = " ".join(str(exc).split())
+        return [f"{name}: header damaged ({text.removeprefix(full + ': ')})"]
+    if header.data_start != info.data_start:
+        return [f"{name}: header damaged (data starts at byte {header.data_start}, the metadata says {info.data_start})"]
+    spans = {(it.offset, it.length) for it in header.items}
+    unlisted = [(label, loc) for label, loc in locs if (loc.offset, loc.length) not in spans]
+    problems = [f"{name}: header does not list {label} at bytes [{loc.offset}, {loc.offset + loc.length})"
+                for label, loc in unlisted[:10]]
+    if len(unlisted) > 10:
+        problems.append(f"{name}: header does not list {len(unlisted) - 10} more item(s)")
+    return problems
+
+
+def _file_problem(path: str, name: str, info: FileInfo, locs: list) -> str | None:
+    """Why data file ``name`` cannot be read for verification (missing, not a regular file,
+    wrong size), or None."""
+    full = os.path.join(path, name)
+    try:
+        st = os.lstat(full)  # a link is reported, never followed out of the folder
+    except FileNotFoundError:
+        return f"{name}: data file is missing ({len(locs)} items cannot be read)"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{name}: data file is {file_kind(st.st_mode)}, not a regular file (not read)"
+    if st.st_size == info.size:
+        return None
+    lost = [label for label, loc in locs if loc.offset + loc.length > st.st_size]
+    detail = ""
+    if st.st_size < info.size and lost:
+        detail = f"; past the end: {', '.join(lost[:5])}" + (f" and {len(lost) - 5} more" if len(lost) > 5 else "")
+    return f"{name}: data file {_size_text(st.st_size, info.size)}{detail}"
+
+
+def verify_checkpoint(path: str | os.PathLike, *, engine, progress=None) -> VerifyReport:
+    """Read every stored piece of a committed local checkpoint and compare its CRC32C, after
+    checking each data file's presence, size and header. Every problem is collected (the first
+    one does not stop the check). ``engine`` reads and checksums; ``progress(total, desc)`` is
+    a context manager with ``update(nbytes)`` (as in ``convert``)."""
+    import torch  # noqa: PLC0415 - the read buffer
+
+    path = os.fspath(path)
+    md, files = read_commit(path)
+    problems: list[str] = []
+    by_file: dict[str, list] = {}
+    for index, loc in md.storage_data.items():
+        by_file.setdefault(loc.file, []).append((index, item_label(index), loc))
+    readable = []
+    for name, info in files.items():
+        locs = [(label, loc) for _, label, loc in by_file.get(name, [])]
+        problem = _file_problem(path, name, info, locs)
+        if problem is None:
+            problems += _header_problems(os.path.join(path, name), name, info, locs)
+            readable.append(name)
+        else:
+            problems.append(problem)
+
+    total = sum(loc.length for name in readable for _, _, loc in by_file.get(name, []))
+    checked_items = unchecked_items = checked_bytes = 0
+    with (progress or no_progress)(total, "verify") as bar:
+        for name in readable:
+            full = os.path.join(path, name)
+            pieces = []  # (index, expected, offset, length)
+            for index, _, loc in sorted(by_file.get(name, []), key=lambda x: x[2].offset):
+                if not loc.crc32c:
+                    unchecked_items += 1 if loc.length else 0
+                    bar.update(loc.length)
+                    continue
+                checked_items += 1
+                pieces += [(index, expected, off, n) for expected, (off, n) in zip(loc.crc32c, piece_ranges(loc))]
+            window = max([_VERIFY_WINDOW_BYTES] + [p[3] for p in pieces])
+            buf = torch.empty(window if pieces else 0, dtype=torch.uint8)
+            base = buf.data_ptr()
+            for batch in _batches(pieces, window):
+                ranges, pos = [], 0
+                for _, _, off, n in batch:
+                    ranges.append((base + pos, off, n))
+                    pos += n
+                try:
+                    engine.read_into(full, ranges)
+                except (OSError, ValueError) as exc:
+                    first, last = batch[0], batch[-1]
+                    problems.append(f"{name}: cannot read bytes [{first[2]}, {last[2] + last[3]}): {' '.join(str(exc).split())}")
+                    bar.update(pos)
+                    continue
+                pos = 0
+                for index, expected, off, n in batch:
+                    got = engine.crc32c(base + pos, n)
+                    pos += n
+                    if got != expected:
+                        problems.append(str(checksum_mismatch(path, name, index, off, n, expected, got)))
+                checked_bytes += pos
+                bar.update(pos)
+    return VerifyReport(path, len(md.state_dict_metadata), len(files), problems, checked_items, unchecked_items,
+                        checked_bytes)
+
+
+def no_progress(total: int, desc: str) -> "_NoBar":
+    """A progress bar that shows nothing (tools take a ``progress(total, desc)`` factory)."""
+    return _NoBar()
+
+
+class _NoBar:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def update(self, n: int) -> None:
+        pass
+
+
+def _batches(pieces: list, window: int):
+    """Consecutive pieces, at most ``window`` bytes per batch (a larger piece alone)."""
+    batch, size = [], 0
+    for p in pieces:
+        if batch and size + p[3] > window:
+            yield batch
+            batch, size = [], 0
+        batch.append(p)
+        size += p[3]
+    if batch:
+        yield batch

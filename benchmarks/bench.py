@@ -548,8 +548,8 @@ class DataStatesMethod(Method):
 
     def setup(self, state, root):
         super().setup(state, root)
-        from .config import DataStatesConfig
-        from .runtime import engine_stats, get_engine
+        from dcp_datastates.config import DataStatesConfig
+        from dcp_datastates.runtime import engine_stats, get_engine
 
         self.config = DataStatesConfig(host_cache_size=self._cache_request)
         get_engine(self.config)  # first use creates the process-wide engine with this cache
@@ -559,7 +559,7 @@ class DataStatesMethod(Method):
     def extra_results(self) -> dict:
         # The checksum's share of the flush workers' time over every save of the run (the
         # engine times both per 256 KiB block; issue target: under 5 %).
-        from .runtime import engine_stats
+        from dcp_datastates.runtime import engine_stats
 
         now = engine_stats()
         flush = now.get("flush_ns", 0) - self._stats0.get("flush_ns", 0)
@@ -569,7 +569,7 @@ class DataStatesMethod(Method):
     def save(self, state, path):
         import torch.distributed.checkpoint as dcp
 
-        from . import DataStatesWriter, wait_staged
+        from dcp_datastates import DataStatesWriter, wait_staged
 
         t0 = time.perf_counter()
         resp = dcp.async_save(state, storage_writer=DataStatesWriter(path, config=self.config))
@@ -578,7 +578,7 @@ class DataStatesMethod(Method):
     def load(self, targets, path):
         import torch.distributed.checkpoint as dcp
 
-        from . import DataStatesReader
+        from dcp_datastates import DataStatesReader
 
         dcp.load(targets, storage_reader=DataStatesReader(path, config=self.config))
 
@@ -644,7 +644,7 @@ class DcpAsyncStagerMethod(DcpSaveMethod):
 
         from torch.distributed.checkpoint.staging import DefaultStager
 
-        from .compat import default_stager_reusable
+        from dcp_datastates.compat import default_stager_reusable
 
         if not default_stager_reusable():  # torch 2.11-2.12 close a DefaultStager after one stage
             self.stager = DefaultStager(self.options)
@@ -1024,7 +1024,7 @@ def _tree_bytes(path: str | None) -> int:
 def measure_version_guard(tensors: list, reps: int) -> dict:
     """The torn-state guard's share of a save: recording every source tensor's version counter
     at stage() and comparing them at the seal (both on the training thread at worst)."""
-    from .version_guard import VersionGuard
+    from dcp_datastates.version_guard import VersionGuard
 
     names = [f"t{i}" for i in range(len(tensors))]
     record, check = [], []
@@ -1047,7 +1047,7 @@ def measure_stage_cost(root: str, count: int, reps: int, profile: bool, config) 
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from . import DataStatesWriter
+    from dcp_datastates import DataStatesWriter
 
     # Nested, as model and optimizer state dicts are: DCP's async_save does per-top-level-key
     # work of its own (Stateful checks, logging), measured separately on a flat dict below.
@@ -1076,7 +1076,7 @@ def measure_stage_cost(root: str, count: int, reps: int, profile: bool, config) 
         staged.finished.set()  # no DCP save follows this stage(): release its path
         return wall, cpu
 
-    from .stage_plan import plan_stats
+    from dcp_datastates.stage.plan_cache import plan_stats
 
     n = max(3, reps)
     before = plan_stats()
@@ -1449,7 +1449,7 @@ def main(argv: list[str] | None = None) -> int:
             if why:
                 print(f"dcp-datastates bench: --png: {why}", file=sys.stderr)
         return 0
-    from .config import parse_size
+    from dcp_datastates.config import parse_size
 
     try:
         size = parse_size(args.size, name="--size")
@@ -1474,7 +1474,7 @@ def main(argv: list[str] | None = None) -> int:
         print(
             "dcp-datastates bench: error: --device cuda asked for, but CUDA is not available here "
             f"(torch {torch.__version__}, torch.cuda.is_available() is False); run without --device "
-            "or on a GPU machine (see also examples/gpu_bench.py)",
+            "or on a GPU machine (see also benchmarks/gpu_bench.py)",
             file=sys.stderr,
         )
         return 2
@@ -1579,7 +1579,7 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(os.path.join(d, "raw"), ignore_errors=True)
         if args.stage_tensors > 0 and "datastates" in methods:
             log(f"stage cost: {args.stage_tensors} tiny tensors")
-            from .config import DataStatesConfig
+            from dcp_datastates.config import DataStatesConfig
 
             report["stage_cost"] = measure_stage_cost(
                 dirs[0], args.stage_tensors, min(args.reps, 3), args.profile, DataStatesConfig(host_cache_size=host_cache)
@@ -1613,3 +1613,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dcp-datastates bench: methods that failed: {', '.join(failed)}", file=sys.stderr)
         status = 1
     return status
+if __name__ == "__main__":
+    sys.exit(main())

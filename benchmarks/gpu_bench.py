@@ -22,9 +22,9 @@ Also measured in the same run: plain D2H bandwidth (pinned tensor.copy_, i.e. cu
 and the engine's D2H rate staging one checkpoint with the GPU otherwise idle; the engine's
 device-side and host wait counts. Results go to --out as JSON.
 
-    python examples/gpu_bench.py --out gpu_bench.json            # on a GPU machine
-    python examples/gpu_bench.py --ckpt-dir /dev/shm/gpu_bench --no-sync --out b.json   # staging, not disk
-    python examples/gpu_bench.py --dry-run --out /tmp/dry.json   # tiny, on CPU (plumbing only)
+    python benchmarks/gpu_bench.py --out gpu_bench.json            # on a GPU machine
+    python benchmarks/gpu_bench.py --ckpt-dir /dev/shm/gpu_bench --no-sync --out b.json   # staging, not disk
+    python benchmarks/gpu_bench.py --dry-run --out /tmp/dry.json   # tiny, on CPU (plumbing only)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Load cost only: dcp.load of one saved checkpoint with DataStatesReader, warm and cold,
 with and without verification, at several read_threads; medians of --reps.
 
-    python scripts/load_cost.py --dir /dev/shm/lc --dir /tmp/lc --threads 1,2,4 --reps 5
+    python benchmarks/load_cost.py --dir /dev/shm/lc --dir /tmp/lc --threads 1,2,4 --reps 5
 
 The checkpoint is written once per directory (bench.build_state, 1 GiB / 2,256 tensors by
 default) unless it is there already (--keep reuses it across runs, e.g. to A/B two builds).
@@ -17,7 +17,7 @@ import time
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
-from dcp_datastates.bench import StateSpec, _evict, _fs_type, build_state, empty_like_state, states_equal
+from bench import StateSpec, _evict, _fs_type, build_state, empty_like_state, states_equal
 
 
 def _save(path: str, state: dict) -> None:

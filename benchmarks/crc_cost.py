@@ -1,6 +1,6 @@
 """Checksum cost: the engine writing 1 GiB with and without its per-piece CRC32C, alternating.
 
-    python scripts/crc_cost.py [--dir /dev/shm] [--dir /tmp] [--reps 9] [--sync]
+    python benchmarks/crc_cost.py [--dir /dev/shm] [--dir /tmp] [--reps 9] [--sync]
 
 Each round submits the same 1 GiB (one item, random bytes) as one engine job twice, once with
 checksums (as every checkpoint does) and once with them switched off (`Engine.set_checksums`,

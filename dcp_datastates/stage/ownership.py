@@ -24,13 +24,14 @@ from __future__ import annotations
 import threading
 import zlib
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from .compat import is_checkpointable_tensor
-from .stage_items import ItemKey, SourceItem
+from ..compat import is_checkpointable_tensor
+from .items import ItemKey, SourceItem
 
-__all__ = ["Ownership", "Decisions", "decisions", "split_by_owner", "plain_signature"]
+__all__ = ["Ownership", "DecisionKey", "Decisions", "decisions", "split_by_owner", "plain_signature"]
 
 
 def _dtensor_owned(obj, key: ItemKey) -> bool:
@@ -105,6 +106,14 @@ def split_by_owner(items: list[SourceItem], flat: dict, rank: int, world: int, d
     return out
 
 
+class DecisionKey(NamedTuple):
+    """What an ownership decision is kept under."""
+
+    rank: int
+    world: int
+    plain: tuple | None  # the structure of the plain tensors (names, dtypes, shapes, devices)
+
+
 class Decisions:
     """Process-wide: per (rank, world, plain-tensor structure), the plain-tensor keys DCP's planner
     gave this rank the last time. Bounded; dropped when a choice turns out stale."""
@@ -113,20 +122,20 @@ class Decisions:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._table: dict[tuple, frozenset] = {}
+        self._table: dict[DecisionKey, frozenset] = {}
 
-    def get(self, key: tuple) -> frozenset | None:
+    def get(self, key: DecisionKey) -> frozenset | None:
         with self._lock:
             return self._table.get(key)
 
-    def learn(self, key: tuple, given: frozenset) -> None:
+    def learn(self, key: DecisionKey, given: frozenset) -> None:
         with self._lock:
             self._table.pop(key, None)
             self._table[key] = given
             while len(self._table) > self._MAX:
                 self._table.pop(next(iter(self._table)))
 
-    def forget(self, key: tuple) -> None:
+    def forget(self, key: DecisionKey) -> None:
         with self._lock:
             self._table.pop(key, None)
 

@@ -21,10 +21,11 @@ from dataclasses import dataclass
 
 import torch
 
-from .compat import is_checkpointable_tensor, versions_of
-from .layout import FileLayout
-from .metadata import ItemLocation
-from .stage_items import ItemKey, SourceItem, bytes_source, serialize_object
+from ..compat import is_checkpointable_tensor, versions_of
+from ..layout import FileLayout, data_file_name
+from ..metadata import ItemLocation
+from .files import PlanContext, PlannedFile
+from .items import ItemKey, SourceItem, bytes_source, serialize_object
 
 __all__ = ["Scan", "FilePlan", "StagePlan", "scan_state", "find_plan", "build_plan", "plan_stats"]
 
@@ -123,37 +124,24 @@ class FilePlan:
     """One data file of a cached plan: its layout and, in file order, which scanned value each
     item comes from."""
 
-    name: str
+    index: int
     device: int
     layout: FileLayout
     template: tuple[tuple[int, int, int], ...]  # per item: (flat position, nbytes, file offset)
     keys: tuple[ItemKey, ...]
-    locations: Mapping[ItemKey, ItemLocation]  # read-only; for checksum grid step ``piece``
-    piece: int
+    locations: Mapping[ItemKey, ItemLocation]  # read-only
 
-    def spans(self, scan: Scan) -> list[tuple[int, int, int]]:
-        """(pointer, nbytes, file offset) of each item, for the engine."""
-        ptrs = scan.ptrs
-        return [(ptrs[i], n, off) for i, n, off in self.template]
-
-    def keepalive(self, scan: Scan) -> list:
-        keeps = scan.keeps
-        return [keeps[i] for i, _, _ in self.template]
-
-    def locations_for(self, piece: int) -> Mapping[ItemKey, ItemLocation]:
-        """The locations table for an engine whose checksum grid step is ``piece``."""
-        if piece == self.piece:
-            return self.locations
-        return {k: _with_piece(loc, piece) for k, loc in self.locations.items()}
-
-
-def _with_piece(loc: ItemLocation, piece: int) -> ItemLocation:
-    return ItemLocation(loc.file, loc.offset, loc.length, loc.dtype, loc.shape, loc.crc32c, loc.data_start, piece)
+    def planned(self, scan: Scan) -> PlannedFile:
+        """This file with the memory ``scan`` found (this checkpoint's pointers)."""
+        ptrs, keeps = scan.ptrs, scan.keeps
+        return PlannedFile(self.index, self.device, self.layout, self.keys,
+                           [(ptrs[i], n, off) for i, n, off in self.template],
+                           [keeps[i] for i, _, _ in self.template], cached=self.locations)
 
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Everything a stage() derives from one structure, for one (rank, world, policy) context."""
+    """Everything a stage() derives from one structure, for one ``PlanContext``."""
 
     signature: list
     files: tuple[FilePlan, ...]
@@ -163,12 +151,12 @@ class StagePlan:
     late: tuple[int, ...] = ()  # flat positions of the skipped and elsewhere tensors
 
 
-_plans: dict[tuple, list[StagePlan]] = {}
+_plans: dict[PlanContext, list[StagePlan]] = {}
 _plans_lock = threading.Lock()
 _hits = [0, 0]  # hits, misses (process-wide; tests read them through plan_stats)
 
 
-def find_plan(context: tuple, scan: Scan | None, decision: frozenset | None = None) -> StagePlan | None:
+def find_plan(context: PlanContext, scan: Scan | None, decision: frozenset | None = None) -> StagePlan | None:
     """The cached plan for this context and structure, built with ``decision`` (the current
     ownership decision), or None (also counted as a miss)."""
     plan = None
@@ -183,24 +171,24 @@ def find_plan(context: tuple, scan: Scan | None, decision: frozenset | None = No
     return plan
 
 
-def build_plan(context: tuple, scan: Scan, flat: dict, files: list[tuple[str, int, FileLayout, list[SourceItem], Mapping]],
-               skipped: set, elsewhere: set, decision: frozenset | None, piece: int) -> StagePlan | None:
-    """Record what the full path just did for this structure, after checking that each item
-    comes from exactly the memory the scan found (else nothing is cached). ``files`` holds, per
-    data file: name, device, layout, items in file order, locations."""
+def build_plan(context: PlanContext, scan: Scan, flat: dict, files: list[PlannedFile], skipped: set,
+               elsewhere: set, decision: frozenset | None, piece: int) -> StagePlan | None:
+    """Record what the full path just did for this structure (``files``: the planned files it
+    submitted), after checking that each item comes from exactly the memory the scan found
+    (else nothing is cached)."""
     position = {name: i for i, name in enumerate(flat)}
     seen: set[int] = set()
     file_plans = []
-    for name, device, layout, items, locations in files:
+    for pf in files:
         template = []
-        for it, off in zip(items, layout.offsets):
+        for it, off in zip(pf.sources, pf.layout.offsets):
             i = position.get(it.key[0])
             if i is None or i in seen or not _same_source(scan, i, it):
                 return None
             seen.add(i)
             template.append((i, it.entry.nbytes, off))
-        keys = tuple(it.key for it in items)
-        file_plans.append(FilePlan(name, device, layout, tuple(template), keys, types.MappingProxyType(dict(locations)), piece))
+        locations = types.MappingProxyType(dict(pf.locations(data_file_name(context.rank, pf.index), piece)))
+        file_plans.append(FilePlan(pf.index, pf.device, pf.layout, tuple(template), pf.keys, locations))
     late = tuple(sorted(position[k[0]] for k in (*skipped, *elsewhere) if k[0] in position))
     plan = StagePlan(scan.signature, tuple(file_plans), frozenset(skipped), frozenset(elsewhere), decision, late)
     with _plans_lock:

@@ -13,7 +13,7 @@ mixed sizes. Each round, for each backend:
 Rounds alternate the backends; medians over ``--runs`` rounds (plus one warm-up round) are
 printed, and written as JSON with ``--json``.
 
-    python examples/bench_remote.py --mib 256 --tensors 320 --runs 3 --stores s3 memory
+    python benchmarks/bench_remote.py --mib 256 --tensors 320 --runs 3 --stores s3 memory
 """
 
 from __future__ import annotations

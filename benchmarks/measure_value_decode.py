@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Cost of decoding non-tensor values with the restricted unpickler on load (docs/security.md).
 
-    python scripts/measure_value_decode.py [--values 2000] [--repeat 5]
+    python benchmarks/measure_value_decode.py [--values 2000] [--repeat 5]
 
 Saves a checkpoint holding N small non-tensor values (what a flattened optimizer's param_groups,
 lr schedulers and train state look like) plus a few large BytesIO values, then times dcp.load of

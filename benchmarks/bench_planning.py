@@ -13,7 +13,7 @@ Reported on rank 0: planning time (set_up_planner to finish_plan), commit time (
 the end of the save: write phase gather + finish), for the first checkpoint and the median of
 the steady state.
 
-    python examples/bench_planning.py --worlds 2 4 8 16 --items 1000 --saves 6 --json out.json
+    python benchmarks/bench_planning.py --worlds 2 4 8 16 --items 1000 --saves 6 --json out.json
 """
 
 from __future__ import annotations

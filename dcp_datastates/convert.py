@@ -1,0 +1,357 @@
+"""Converting a committed checkpoint to other formats: a consolidated Hugging Face safetensors
+folder, a ``torch.save`` file, or a stock DCP checkpoint (``FileSystemWriter``).
+
+Every item is read back through ``dcp.load`` with ``DataStatesReader`` (DCP assembles each tensor
+from all ranks' shards; the reader checks every CRC32C), into new full-size CPU tensors. Outputs
+are written under temporary names and renamed into place, never through a link planted in the
+output folder. ``dcp-datastates convert`` is the command-line front end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Callable, ContextManager, Iterable
+
+from .commit import read_commit
+from .integrity import check_data_files, no_progress
+
+__all__ = ["CheckpointItem", "Converted", "checkpoint_items", "to_dcp", "to_hf", "to_torch"]
+
+# Files of a Hugging Face safetensors folder that ``to_hf`` writes (and replaces).
+_HF_NAME = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
+# Bytes loaded per dcp.load call: bounds the progress granularity, not memory.
+_LOAD_GROUP_BYTES = 256 << 20
+
+# progress(total_bytes, description) -> a context manager whose value has update(nbytes).
+Progress = Callable[[int, str], ContextManager[Any]]
+
+
+@dataclass
+class CheckpointItem:
+    """One entry of a checkpoint's metadata, as tools show it."""
+
+    fqn: str
+    kind: str  # "tensor" or "bytes"
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    requires_grad: bool
+    chunks: list[dict]  # tensors: offsets, sizes, file, offset, length, pieces
+
+
+@dataclass
+class Converted:
+    """What a conversion wrote."""
+
+    out: str
+    items: int
+    nbytes: int
+    files: list[str] = field(default_factory=list)  # hf: the safetensors files written
+    skipped: list[str] = field(default_factory=list)  # hf: items a safetensors file cannot hold
+
+
+def _itemsize(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def checkpoint_items(md) -> list[CheckpointItem]:
+    """Every item of a checkpoint's DCP ``Metadata`` with where its chunks are stored."""
+    from collections import defaultdict
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from .layout import dtype_to_name
+
+    by_fqn: dict[str, list] = defaultdict(list)
+    for index, loc in md.storage_data.items():
+        by_fqn[index.fqn].append((index, loc))
+    out = []
+    for fqn, smd in md.state_dict_metadata.items():
+        if isinstance(smd, BytesStorageMetadata):
+            loc = md.storage_data[MetadataIndex(fqn)]
+            chunk = {"file": loc.file, "offset": loc.offset, "length": loc.length, "pieces": len(loc.crc32c)}
+            out.append(CheckpointItem(fqn, "bytes", "-", (), loc.length, False, [chunk]))
+            continue
+        locs = {tuple(index.offset): loc for index, loc in by_fqn[fqn]}
+        chunks = []
+        for c in smd.chunks:
+            loc = locs.get(tuple(c.offsets))
+            chunks.append(
+                {
+                    "offsets": list(c.offsets),
+                    "sizes": list(c.sizes),
+                    "file": None if loc is None else loc.file,
+                    "offset": None if loc is None else loc.offset,
+                    "length": None if loc is None else loc.length,
+                    "pieces": 0 if loc is None else len(loc.crc32c),
+                }
+            )
+        numel = 1
+        for s in smd.size:
+            numel *= s
+        out.append(
+            CheckpointItem(
+                fqn,
+                "tensor",
+                dtype_to_name(smd.properties.dtype),
+                tuple(smd.size),
+                numel * _itemsize(smd.properties.dtype),
+                bool(smd.properties.requires_grad),
+                chunks,
+            )
+        )
+    return out
+
+
+# ----------------------------------------------------------------------------- the three formats
+def to_torch(path: str, out: str, *, force: bool = False, trusted: bool = False,
+             progress: Progress | None = None) -> Converted:
+    """One ``torch.save`` file of the whole (nested) state. ``trusted`` decodes non-tensor
+    values without restriction: it RUNS CODE FROM THE CHECKPOINT."""
+    import torch
+
+    path, md = _open_checkpoint(path, out)
+    state, total = _load_state(path, md, out, force, trusted, is_dir=False, progress=progress)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        with _create_new(tmp) as f:
+            torch.save(state, f)
+        os.replace(tmp, out)
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
+    return Converted(out, len(md.state_dict_metadata), total)
+
+
+def to_dcp(path: str, out: str, *, force: bool = False, trusted: bool = False,
+           progress: Progress | None = None) -> Converted:
+    """A stock DCP checkpoint (``FileSystemWriter``) of the whole state, loadable without this
+    library."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    path, md = _open_checkpoint(path, out)
+    state, total = _load_state(path, md, out, force, trusted, is_dir=True, progress=progress)
+    dcp.save(state, storage_writer=FileSystemWriter(out), no_dist=True)
+    return Converted(out, len(md.state_dict_metadata), total)
+
+
+def to_hf(path: str, out: str, *, max_shard_size: int = 5 * 10**9, prefix: str | None = None,
+          force: bool = False, progress: Progress | None = None) -> Converted:
+    """A Hugging Face safetensors folder: ``model.safetensors`` or ``model-0000k-of-0000n``
+    shards of at most ``max_shard_size`` tensor bytes, and ``model.safetensors.index.json``.
+    Only tensors (under ``prefix``, which is stripped from their names); nothing is unpickled."""
+    from safetensors.torch import save_file
+
+    from .layout import safetensors_dtype
+
+    if max_shard_size < 1:
+        raise ValueError("max_shard_size must be positive")
+    path, md = _open_checkpoint(path, out)
+    progress = progress or no_progress
+    chosen: list[tuple[str, str, int]] = []  # (fqn, output name, bytes)
+    skipped: list[str] = []
+    for item in checkpoint_items(md):
+        if prefix and not item.fqn.startswith(prefix):
+            continue
+        name = item.fqn[len(prefix):] if prefix else item.fqn
+        if item.kind != "tensor":
+            skipped.append(f"{item.fqn} (not a tensor)")
+            continue
+        if safetensors_dtype(item.dtype) is None:
+            skipped.append(f"{item.fqn} ({item.dtype} has no safetensors dtype)")
+            continue
+        if not name:
+            raise ValueError(f"--prefix {prefix!r} leaves item {item.fqn!r} without a name")
+        chosen.append((item.fqn, name, item.nbytes))
+    if not chosen:
+        raise ValueError(f"{path}: no tensors to convert" + (f" under prefix {prefix!r}" if prefix else ""))
+
+    shards: list[list[tuple[str, str, int]]] = []
+    size = 0
+    for entry in chosen:
+        if not shards or (size + entry[2] > max_shard_size and shards[-1]):
+            shards.append([])
+            size = 0
+        shards[-1].append(entry)
+        size += entry[2]
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    _prepare_output(out, force, is_dir=True)
+    for old in os.listdir(out):  # with force: no stale shards of an earlier conversion
+        if _HF_NAME.match(old):
+            os.unlink(os.path.join(out, old))
+    weight_map: dict[str, str] = {}
+    total = sum(e[2] for e in chosen)
+    with progress(total, "convert") as bar:
+        for fname, shard in zip(names, shards):
+            flat = _load_flat(path, md, [e[0] for e in shard], bar)  # tensors only: nothing unpickled
+            tensors = {name: flat[fqn] for fqn, name, _ in shard}
+            # A new, unpredictable name created here: a link planted in OUT cannot redirect it.
+            fd, tmp = tempfile.mkstemp(prefix=f".{fname}.", suffix=".tmp", dir=out)
+            os.close(fd)
+            save_file(tensors, tmp, metadata={"format": "pt"})
+            os.chmod(tmp, 0o666 & ~_umask())
+            os.replace(tmp, os.path.join(out, fname))
+            for _, name, _ in shard:
+                weight_map[name] = fname
+            del flat, tensors
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    index_tmp = os.path.join(out, f".model.safetensors.index.json.tmp-{os.getpid()}")
+    with _create_new(index_tmp, "w") as f:
+        json.dump(index, f, indent=2)
+        f.write("\n")
+    os.replace(index_tmp, os.path.join(out, "model.safetensors.index.json"))  # replaces a link, never follows it
+    return Converted(out, len(chosen), total, files=names, skipped=skipped)
+
+
+# ------------------------------------------------------------------------------------- reading
+def _open_checkpoint(path: str, out: str):
+    """(folder, DCP Metadata) of a committed checkpoint whose data files all exist with the sizes
+    it records, checked before allocating anything the metadata describes."""
+    path = os.fspath(path)
+    if os.path.abspath(out) == os.path.abspath(path):
+        raise ValueError("the output must not be the checkpoint itself")
+    md, files = read_commit(path)
+    check_data_files(path, files)
+    return path, md
+
+
+def _load_state(path: str, md, out: str, force: bool, trusted: bool, *, is_dir: bool,
+                progress: Progress | None) -> tuple[dict, int]:
+    """The whole nested state and its bytes; the output is created only once loading worked."""
+    _prepare_output(out, force, is_dir=is_dir, create=False)  # fail fast
+    keys = list(md.state_dict_metadata)
+    total = sum(_sizes(md, keys).values())
+    with (progress or no_progress)(total, "load") as bar:
+        flat = _load_flat(path, md, keys, bar, trusted=trusted)
+    _prepare_output(out, force, is_dir=is_dir)
+    return _unflatten(flat, md.planner_data), total
+
+
+def _sizes(md, keys: list[str]) -> dict[str, int]:
+    """Bytes of each item as stored (a tensor's full size; a value's serialized length)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    out = {}
+    for k in keys:
+        smd = md.state_dict_metadata[k]
+        if isinstance(smd, TensorStorageMetadata):
+            numel = 1
+            for s in smd.size:
+                numel *= s
+            out[k] = numel * _itemsize(smd.properties.dtype)
+        else:
+            out[k] = md.storage_data[MetadataIndex(k)].length
+    return out
+
+
+def _groups(keys: list[str], sizes: dict[str, int], limit: int) -> Iterable[list[str]]:
+    group, size = [], 0
+    for k in keys:
+        if group and size + sizes[k] > limit:
+            yield group
+            group, size = [], 0
+        group.append(k)
+        size += sizes[k]
+    if group:
+        yield group
+
+
+def _load_flat(path: str, md, keys: list[str], bar, trusted: bool = False) -> dict[str, Any]:
+    """Load ``keys`` (flat fqns) into new full-size CPU tensors; non-tensor values come back
+    decoded by the restricted unpickler (with ``trusted``: unrestricted)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .config import tool_config
+    from .reader import DataStatesReader
+
+    flat: dict[str, Any] = {}
+    sizes = _sizes(md, keys)
+    for k in keys:
+        smd = md.state_dict_metadata[k]
+        # Non-tensor values: a placeholder the planner replaces with the stored object.
+        flat[k] = torch.empty(tuple(smd.size), dtype=smd.properties.dtype) if isinstance(smd, TensorStorageMetadata) else None
+    for group in _groups(keys, sizes, _LOAD_GROUP_BYTES):
+        part = {k: flat[k] for k in group}
+        dcp.load(
+            part,
+            storage_reader=DataStatesReader(path, config=tool_config(), trusted=trusted),
+            planner=DefaultLoadPlanner(allow_partial_load=False),
+            no_dist=True,
+        )
+        flat.update(part)  # non-tensor values were set in ``part``; tensors were filled in place
+        bar.update(sum(sizes[k] for k in group))
+    return flat
+
+
+def _unflatten(flat: dict[str, Any], planner_data: dict | None) -> dict:
+    """Rebuild the nested state from flat fqns with the object paths DCP recorded at save time
+    (``planner_data``); keys without a recorded path stay flat."""
+    out: dict = {}
+    for fqn, value in flat.items():
+        path = tuple(planner_data.get(fqn, ())) if planner_data else ()
+        if not path:
+            out[fqn] = value
+            continue
+        node: Any = out
+        for key, nxt in zip(path[:-1], path[1:]):
+            fresh: Any = [] if isinstance(nxt, int) else {}
+            if isinstance(node, list):
+                while len(node) <= key:
+                    node.append(None)
+                if node[key] is None:
+                    node[key] = fresh
+                node = node[key]
+            else:
+                node = node.setdefault(key, fresh)
+        last = path[-1]
+        if isinstance(node, list):
+            while len(node) <= last:
+                node.append(None)
+        node[last] = value
+    return out
+
+
+# ------------------------------------------------------------------------------------- writing
+def _prepare_output(out: str, force: bool, is_dir: bool, create: bool = True) -> None:
+    if os.path.exists(out):
+        if is_dir:
+            if not os.path.isdir(out):
+                raise ValueError(f"output {out} exists and is not a folder")
+            if os.listdir(out) and not force:
+                raise ValueError(f"output folder {out} is not empty (pass --force to write into it)")
+        else:
+            if os.path.isdir(out):
+                raise ValueError(f"output {out} is a folder; --to torch writes one file")
+            if not force:
+                raise ValueError(f"output file {out} exists (pass --force to overwrite it)")
+    if not create:
+        return
+    if is_dir:
+        os.makedirs(out, exist_ok=True)
+    else:
+        parent = os.path.dirname(os.path.abspath(out))
+        os.makedirs(parent, exist_ok=True)
+
+
+def _create_new(path: str, mode: str = "wb"):
+    """Open a file that must not exist yet, never through a symlink (O_EXCL | O_NOFOLLOW)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    return os.fdopen(os.open(path, flags, 0o666), mode)
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
