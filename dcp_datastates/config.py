@@ -203,6 +203,8 @@ class DataStatesConfig:
         hierarchical_consolidation: gather write results rank -> node leader -> coordinator in
             the background instead of every rank sending to the coordinator.
         storage_options: passed to fsspec for remote URLs.
+        local_tier: a node-local folder (NVMe, tmpfs): each save is committed there first, then
+            drained in the background to the checkpoint path (``tiers.py``). None: off.
     """
 
     host_cache_size: int | None = None
@@ -220,8 +222,15 @@ class DataStatesConfig:
     dedup_replicated: bool = True
     hierarchical_consolidation: bool = True
     storage_options: dict = field(default_factory=dict)
+    local_tier: str | None = None
 
     def __post_init__(self) -> None:
+        if self.local_tier is not None:
+            if not isinstance(self.local_tier, (str, os.PathLike)) or not os.fspath(self.local_tier):
+                raise ValueError(f"local_tier: expected a local folder path, got {self.local_tier!r}")
+            if "://" in os.fspath(self.local_tier):
+                raise ValueError(f"local_tier: must be a node-local folder, not a URL: {os.fspath(self.local_tier)!r}")
+            self.local_tier = os.path.abspath(os.fspath(self.local_tier))
         if self.host_cache_size is not None:
             self.host_cache_size = cache_size(self.host_cache_size, "host_cache_size")
             _check_cache_min(self.host_cache_size, "host_cache_size")

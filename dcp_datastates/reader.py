@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from . import commit, remote, safe_unpickle, storage
+from . import commit, remote, safe_unpickle, storage, tiers
 from .config import DataStatesConfig
 from .errors import ChecksumMismatchError, CheckpointFormatError, IncompleteCheckpointError, record_metadata_read
 from .gcpause import gc_paused
@@ -111,7 +111,7 @@ class DataStatesReader(StorageReader):
         # The exception the last failed read_metadata raised: DCP replaces it by an
         # AssertionError (2.9: a bare one), so errors.checkpoint_error_cause recovers it from here.
         self.metadata_error: BaseException | None = None
-        self.path = storage.normalize(path)
+        self.path = self.durable_path = storage.normalize(path)
         self.storage_data: _StorageIndex | None = None
         self.rank = 0
         self._folder: storage.RemoteFolder | None = None  # remote checkpoints (fsspec URLs)
@@ -120,7 +120,7 @@ class DataStatesReader(StorageReader):
     # ---------------------------------------------------------------------------- StorageReader
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = storage.normalize(checkpoint_id)
+            self.path = self.durable_path = storage.normalize(checkpoint_id)
         self.storage_data = None
         self._folder = None
         self._sizes = None
@@ -148,6 +148,8 @@ class DataStatesReader(StorageReader):
     def _read_metadata(self, rank: int | None = None) -> Metadata:
         if self.path is None:
             raise ValueError("DataStatesReader: no checkpoint path (pass path= or checkpoint_id=)")
+        if self.config.local_tier is not None and rank is None:  # local_tier hook: the nearest good copy
+            self.path = tiers.choose_copy(self.durable_path, self.config)
         if rank is None and not storage.is_remote(self.path) and dist.is_available() and dist.is_initialized():
             # A rank-local checkpoint (saved with use_collectives=False): each rank reads its own
             # commit, unless the folder holds one committed by all ranks together.

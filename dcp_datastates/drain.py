@@ -1,0 +1,150 @@
+"""The drain: copy a committed local-tier checkpoint to its durable path and commit it there.
+
+Every byte is copied; each checksum piece the local marker records is verified while it is in
+memory, so the durable tier never receives (or commits) a local file damaged after its commit.
+See ``tiers.py`` for the design.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import uuid
+
+import torch
+
+from . import commit, storage, tiers
+from .config import DataStatesConfig
+from .errors import ChecksumMismatchError, CheckpointWriteError, DataStatesError
+from .metadata import piece_ranges
+from .runtime import get_engine
+
+log = logging.getLogger("dcp_datastates")
+
+__all__ = ["drain", "drain_pending", "verify_copy"]
+
+_COPY_BLOCK = 16 << 20  # bytes outside any checksum piece (headers) are copied in blocks this big
+_NAME = re.compile(r"^(__\d+_\d+)(\.[0-9a-f]+)?\.safetensors$")
+
+
+def _pieces_by_file(md) -> dict[str, list[tuple[int, int, int, str]]]:
+    """file -> sorted (offset, length, crc32c, item) of every checksum piece the marker records."""
+    out: dict[str, list] = {}
+    for index, loc in md.storage_data.items():
+        pieces = out.setdefault(loc.file, [])
+        pieces.extend((off, length, crc, index.fqn) for crc, (off, length) in zip(loc.crc32c, piece_ranges(loc)))
+    for pieces in out.values():
+        pieces.sort()
+    return out
+
+
+def _copy_file(src: str, dst: str | None, size: int, pieces: list, engine) -> None:
+    """Copy ``src`` to ``dst`` (None: only verify), checking every piece's CRC32C on the way."""
+    fin = commit.open_for_reading(src)
+    fout = None if dst is None else os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        spans, pos = [], 0
+        for off, length, crc, item in pieces:
+            spans.extend((p, min(_COPY_BLOCK, off - p), None, None) for p in range(pos, off, _COPY_BLOCK))
+            spans.append((off, length, crc, item))
+            pos = off + length
+        spans.extend((p, min(_COPY_BLOCK, size - p), None, None) for p in range(pos, size, _COPY_BLOCK))
+        for off, length, crc, item in spans:
+            buf = torch.empty(length, dtype=torch.uint8)
+            got = os.preadv(fin, [buf.numpy()], off) if length else 0
+            if got != length:
+                raise CheckpointWriteError(f"{src}: {got} bytes at offset {off}, expected {length} (truncated)")
+            if crc is not None:
+                actual = engine.crc32c(buf.data_ptr(), length)
+                if actual != crc:
+                    raise ChecksumMismatchError(
+                        f"{src}: checksum mismatch in item {item!r}, bytes [{off}, {off + length}): "
+                        f"stored crc32c {crc:#010x}, read {actual:#010x}"
+                    )
+            if fout is not None:
+                view = memoryview(buf.numpy())
+                while view:
+                    view = view[os.pwrite(fout, view, off + length - len(view)):]
+        if fout is not None:
+            os.fsync(fout)
+    finally:
+        os.close(fin)
+        if fout is not None:
+            os.close(fout)
+
+
+def verify_copy(local: str, config: DataStatesConfig | None = None) -> None:
+    """Raise unless every checksum piece of the committed checkpoint ``local`` matches."""
+    md, files = commit.read_commit(local)
+    commit.check_data_files(local, files)
+    engine = get_engine(config or DataStatesConfig())
+    for name, pieces in _pieces_by_file(md).items():
+        _copy_file(os.path.join(local, name), None, files[name].size, pieces, engine)
+
+
+def drain(local: str, durable: str, config: DataStatesConfig) -> None:
+    """Copy the committed checkpoint ``local`` to ``durable`` and commit it there with the same
+    checkpoint id. Raises CheckpointWriteError naming ``durable``; its previous commit stays."""
+    try:
+        if storage.is_remote(durable):
+            raise CheckpointWriteError("a remote durable path with local_tier is not supported yet")
+        md, files = commit.read_commit(local)
+        commit.check_data_files(local, files)
+        dest = storage.local_path(durable)
+        # A durable folder holding a commit keeps it until the new one is committed: new names.
+        tag = uuid.uuid4().hex[:12] if commit.prepare_folder(dest, overwrite=True) else None
+        renamed = {name: _durable_name(name, tag) for name in files}
+        engine = get_engine(config)
+        pieces = _pieces_by_file(md)
+        for name, info in files.items():
+            _copy_file(os.path.join(local, name), os.path.join(dest, renamed[name]), info.size, pieces.get(name, []), engine)
+        locations = {index: dataclasses.replace(loc, file=renamed[loc.file]) for index, loc in md.storage_data.items()}
+        commit.write_commit(dest, md, locations, sync=config.sync_files)
+    except CheckpointWriteError as exc:
+        if str(exc).startswith(f"draining {local}"):
+            raise
+        raise CheckpointWriteError(f"draining {local} to the durable tier {durable} failed: {exc}") from exc
+    except (DataStatesError, OSError) as exc:
+        detail = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise CheckpointWriteError(
+            f"draining {local} to the durable tier {durable} failed: {type(exc).__name__}: {detail}; "
+            f"the local copy stays committed (drain_pending retries)"
+        ) from exc
+
+
+def _durable_name(name: str, tag: str | None) -> str:
+    if tag is None:
+        return name
+    m = _NAME.match(name)
+    if m is None:
+        raise CheckpointWriteError(f"{name}: not a data file name of this library")
+    return f"{m.group(1)}.{tag}.safetensors"
+
+
+def drain_pending(local_tier: str, config: DataStatesConfig | None = None) -> list[str]:
+    """Drain every committed local copy under ``local_tier`` whose durable tier does not hold
+    the same checkpoint (a process killed before its drain). Returns the durable paths drained;
+    raises the first failure after trying them all."""
+    config = config or DataStatesConfig()
+    drained, errors = [], []
+    try:
+        names = sorted(os.listdir(local_tier))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        local = os.path.join(local_tier, name)
+        durable = tiers.durable_of(local)
+        local_id = tiers.checkpoint_id(local)
+        if durable is None or local_id is None or tiers.checkpoint_id(durable, config.storage_options) == local_id:
+            continue
+        try:
+            drain(local, durable, config)
+            drained.append(durable)
+            log.info("dcp_datastates: drained the pending local copy %s to %s", local, durable)
+        except CheckpointWriteError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+    return drained

@@ -1,0 +1,191 @@
+"""Multi-level checkpoints (local_tier=): commit locally, drain to the durable path, read the
+nearest good copy back."""
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
+from dcp_datastates import DataStatesConfig, DataStatesReader, DataStatesWriter
+from dcp_datastates import commit, drain, tiers
+from dcp_datastates.errors import CheckpointWriteError
+
+
+def make_state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(300, generator=g).to(torch.bfloat16),
+            "step": seed, "i": torch.arange(seed, seed + 50)}
+
+
+def data_bytes(folder):
+    """name -> bytes of every data file the folder's commit lists."""
+    _, files = commit.read_commit(folder)
+    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(files)}
+
+
+def save(state, durable, local_tier, asynchronous=True, **options):
+    w = DataStatesWriter(durable, local_tier=str(local_tier), **options)
+    if asynchronous:
+        dcp.async_save(state, storage_writer=w).upload_completion.result()
+    else:
+        dcp.save(state, storage_writer=w)
+    return w
+
+
+def load(durable, local_tier, like):
+    out = zeros_like_state(like)
+    dcp.load(out, storage_reader=DataStatesReader(durable, local_tier=str(local_tier)))
+    return out
+
+
+def flip_byte(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_config_local_tier_checked(tmp_path):
+    assert DataStatesConfig(local_tier=str(tmp_path / "nv")).local_tier == str(tmp_path / "nv")
+    with pytest.raises(ValueError, match="local_tier: must be a node-local folder, not a URL"):
+        DataStatesConfig(local_tier="s3://bucket/x")
+    with pytest.raises(ValueError, match="local_tier: expected a local folder path, got 3"):
+        DataStatesConfig(local_tier=3)
+    assert DataStatesConfig.from_dict({"local_tier": "/nvme/ck"}).local_tier == "/nvme/ck"
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_save_commits_locally_then_drains_same_bytes(tmp_path, asynchronous):
+    state = make_state(1)
+    durable, nv = str(tmp_path / "ckpt" / "step-1"), tmp_path / "nvme"
+    w = save(clone_state(state), durable, nv, asynchronous)
+    local = tiers.local_copy(str(nv), durable)
+    assert w.local_commit.result(timeout=0) == local
+    assert data_bytes(local) == data_bytes(durable) and data_bytes(local)
+    assert tiers.checkpoint_id(local) == tiers.checkpoint_id(durable) == w.save_id
+    assert tiers.durable_of(local) == durable
+    assert_state_equal(state, load(durable, nv, state))
+    out = zeros_like_state(state)  # the durable copy alone loads too
+    dcp.load(out, storage_reader=DataStatesReader(durable))
+    assert_state_equal(state, out)
+
+
+def test_second_save_into_committed_durable_keeps_both_ids_tied(tmp_path):
+    durable, nv = str(tmp_path / "step-2"), tmp_path / "nvme"
+    save(make_state(1), durable, nv)
+    state = make_state(2)
+    w = save(clone_state(state), durable, nv)
+    local = tiers.local_copy(str(nv), durable)
+    assert tiers.checkpoint_id(durable) == tiers.checkpoint_id(local) == w.save_id
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(durable))
+    assert_state_equal(state, out)
+    assert_state_equal(state, load(durable, nv, state))
+
+
+def test_failing_drain_raises_names_durable_and_keeps_local(tmp_path):
+    durable, nv = str(tmp_path / "ro" / "step-3"), tmp_path / "nvme"
+    os.makedirs(tmp_path / "ro")
+    with open(durable, "w") as f:  # a file where the durable folder should be: every drain fails
+        f.write("in the way")
+    state = make_state(3)
+    w = DataStatesWriter(durable, local_tier=str(nv))
+    resp = dcp.async_save(clone_state(state), storage_writer=w)
+    with raises_through_dcp(rf"draining .* to the durable tier {durable} failed"):
+        resp.upload_completion.result()
+    local = tiers.local_copy(str(nv), durable)
+    assert w.local_commit.result(timeout=0) == local
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(local))
+    assert_state_equal(state, out)
+    # the durable path is fixed: drain_pending finishes the drain
+    os.unlink(durable)
+    assert drain.drain_pending(str(nv)) == [durable]
+    assert data_bytes(durable) == data_bytes(local)
+    assert drain.drain_pending(str(nv)) == []  # nothing left to drain
+
+
+def test_drain_refuses_local_file_corrupted_before_drain(tmp_path):
+    durable, nv = str(tmp_path / "step-4"), tmp_path / "nvme"
+    save(make_state(4), durable, nv)
+    old_id = tiers.checkpoint_id(durable)
+    state = make_state(5)
+    # commit locally by hand, then corrupt a data byte before the drain
+    local = tiers.local_copy(str(nv), durable)
+    save(clone_state(state), str(tmp_path / "other"), tmp_path / "unused")  # keep engine warm
+    w = DataStatesWriter(local)
+    dcp.save(clone_state(state), storage_writer=w)
+    tiers.record_durable(local, durable)
+    _, files = commit.read_commit(local)
+    name, info = next(iter(files.items()))
+    flip_byte(os.path.join(local, name), info.data_start)
+    with pytest.raises(CheckpointWriteError, match=rf"draining {local} to the durable tier {durable} failed: "
+                                                   r"ChecksumMismatchError: .*checksum mismatch in item"):
+        drain.drain(local, durable, DataStatesConfig())
+    assert tiers.checkpoint_id(durable) == old_id  # the durable tier kept its commit
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(durable))
+    assert_state_equal(make_state(4), out)
+
+
+def test_reader_falls_back_when_local_tier_wiped(tmp_path, caplog):
+    durable, nv = str(tmp_path / "step-6"), tmp_path / "nvme"
+    state = make_state(6)
+    save(clone_state(state), durable, nv)
+    shutil.rmtree(nv)
+    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+        assert_state_equal(state, load(durable, nv, state))
+    assert f"reading {durable} from the durable tier (no complete local copy" in caplog.text
+
+
+def test_reader_uses_local_copy_and_logs_it(tmp_path, caplog):
+    durable, nv = str(tmp_path / "step-7"), tmp_path / "nvme"
+    state = make_state(7)
+    save(clone_state(state), durable, nv)
+    # damage the durable copy: the load can only succeed if it reads the local one
+    _, files = commit.read_commit(durable)
+    name, info = next(iter(files.items()))
+    flip_byte(os.path.join(durable, name), info.data_start)
+    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+        assert_state_equal(state, load(durable, nv, state))
+    assert f"reading {durable} from the local tier {tiers.local_copy(str(nv), durable)}" in caplog.text
+
+
+def test_reader_falls_back_on_damaged_local_file(tmp_path, caplog):
+    durable, nv = str(tmp_path / "step-8"), tmp_path / "nvme"
+    state = make_state(8)
+    save(clone_state(state), durable, nv)
+    local = tiers.local_copy(str(nv), durable)
+    _, files = commit.read_commit(local)
+    name, info = next(iter(files.items()))
+    flip_byte(os.path.join(local, name), info.data_start)
+    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+        assert_state_equal(state, load(durable, nv, state))
+    assert "from the durable tier: the local copy is damaged" in caplog.text
+    assert "checksum mismatch" in caplog.text
+
+
+def test_reader_ignores_local_copy_of_another_checkpoint(tmp_path, caplog):
+    durable, nv = str(tmp_path / "step-9"), tmp_path / "nvme"
+    save(make_state(9), durable, nv)
+    local = tiers.local_copy(str(nv), durable)
+    stale = str(tmp_path / "stale")
+    shutil.copytree(local, stale)
+    newer = make_state(10)
+    save(clone_state(newer), durable, nv)
+    shutil.rmtree(local)
+    shutil.copytree(stale, local)  # the local tier now holds the older checkpoint (another id)
+    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+        assert_state_equal(newer, load(durable, nv, newer))
+    assert "from the durable tier: the local copy" in caplog.text and "holds checkpoint" in caplog.text
+
+
+def test_local_tier_remote_durable_refused(tmp_path):
+    w = DataStatesWriter("memory://bucket/step-1", local_tier=str(tmp_path / "nv"))
+    with raises_through_dcp("local_tier: a remote durable path is not supported yet"):
+        dcp.save(make_state(1), storage_writer=w)
