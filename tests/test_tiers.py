@@ -4,6 +4,7 @@ nearest good copy back."""
 import logging
 import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -189,3 +190,33 @@ def test_local_tier_remote_durable_refused(tmp_path):
     w = DataStatesWriter("memory://bucket/step-1", local_tier=str(tmp_path / "nv"))
     with raises_through_dcp("local_tier: a remote durable path is not supported yet"):
         dcp.save(make_state(1), storage_writer=w)
+
+
+_KILLED_BEFORE_DRAIN = """
+import os, signal, sys
+import torch, torch.distributed.checkpoint as dcp
+sys.path.insert(0, {tests!r})
+from test_tiers import make_state
+from dcp_datastates import DataStatesWriter, drain
+drain.drain = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # die right after the local commit
+dcp.save(make_state(11), storage_writer=DataStatesWriter({durable!r}, local_tier={nv!r}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_killed_after_local_commit_restarts_from_local_then_drains(tmp_path):
+    import subprocess
+    import sys
+
+    durable, nv = str(tmp_path / "step-11"), str(tmp_path / "nvme")
+    code = _KILLED_BEFORE_DRAIN.format(tests=os.path.dirname(__file__), durable=durable, nv=nv)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert not commit.is_committed(durable)  # killed before the drain
+    state = make_state(11)
+    assert_state_equal(state, load(durable, nv, state))  # restart: the local copy
+    assert drain.drain_pending(nv) == [durable]
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(durable))
+    assert_state_equal(state, out)
+    assert tiers.checkpoint_id(durable) == tiers.checkpoint_id(tiers.local_copy(nv, durable))
