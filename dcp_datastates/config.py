@@ -205,6 +205,8 @@ class DataStatesConfig:
         storage_options: passed to fsspec for remote URLs.
         local_tier: a node-local folder (NVMe, tmpfs): each save is committed there first, then
             drained in the background to the checkpoint path (``tiers.py``). None: off.
+        keep_local: local copies kept in ``local_tier`` (newest first); older ones are removed
+            once drained, never before.
     """
 
     host_cache_size: int | None = None
@@ -223,6 +225,7 @@ class DataStatesConfig:
     hierarchical_consolidation: bool = True
     storage_options: dict = field(default_factory=dict)
     local_tier: str | None = None
+    keep_local: int = 2
 
     def __post_init__(self) -> None:
         if self.local_tier is not None:
@@ -238,7 +241,7 @@ class DataStatesConfig:
         self.chunk_size = parse_size(self.chunk_size, name="chunk_size")
         if self.chunk_size < 4096:
             raise ValueError(f"chunk_size: must be at least 4096 bytes, got {self.chunk_size}")
-        for name in ("copy_threads", "flush_threads", "read_threads"):
+        for name in ("copy_threads", "flush_threads", "read_threads", "keep_local"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")

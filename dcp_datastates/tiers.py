@@ -26,6 +26,9 @@ Restart. ``choose_copy`` (the reader's ``local_tier=``, given its config) reads 
 every piece matches its checksum, and its id equals the durable marker's (or the durable tier has
 no commit yet: killed before the drain); otherwise the durable copy. It logs which tier it read.
 
+Retention. After each drain, ``evict_drained`` keeps the ``keep_local`` newest local copies
+(by commit time) and removes older ones only when their durable tier holds the same id.
+
 Multi-rank (not yet: refused with a clear error). Planned: each rank drains its own files and
 writes a rank-local durable marker; the coordinator waits, bounded, for every rank's marker before
 the global one, and a rank's failure reaches every rank through the writer's collective.
@@ -37,13 +40,14 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 
 from . import commit, storage
 from .errors import DataStatesError
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["local_copy", "durable_of", "checkpoint_id", "choose_copy", "TIER_FILE"]
+__all__ = ["local_copy", "durable_of", "checkpoint_id", "choose_copy", "evict_drained", "TIER_FILE"]
 
 TIER_FILE = ".tier.json"
 
@@ -107,3 +111,30 @@ def choose_copy(durable: str, config) -> str:
     log.info("dcp_datastates: reading %s from the local tier %s%s", durable, local,
              "" if durable_id is not None else " (not drained yet: the durable tier has no commit)")
     return local
+
+
+def evict_drained(local_tier: str, keep: int, storage_options: dict | None = None) -> list[str]:
+    """Remove the local copies beyond the ``keep`` newest whose durable tier holds the same
+    checkpoint id; a copy not drained yet is never removed. Returns the folders removed."""
+    copies = []
+    try:
+        names = os.listdir(local_tier)
+    except OSError:
+        return []
+    for name in names:
+        local = os.path.join(local_tier, name)
+        try:
+            committed = os.stat(os.path.join(local, commit.METADATA_NAME)).st_mtime_ns
+        except OSError:
+            continue
+        if durable_of(local) is not None:
+            copies.append((committed, local))
+    removed = []
+    for _, local in sorted(copies, reverse=True)[keep:]:
+        local_id = checkpoint_id(local)
+        if local_id is None or checkpoint_id(durable_of(local), storage_options) != local_id:
+            continue  # not durable yet (or damaged): kept for drain_pending / the reader
+        shutil.rmtree(local, ignore_errors=True)
+        removed.append(local)
+        log.info("dcp_datastates: removed the drained local copy %s (keep_local=%d)", local, keep)
+    return removed

@@ -801,6 +801,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             if self.durable_path is not None:  # local_tier hook: committed locally, now drain
                 self.local_commit.set_result(self.path)
                 drain.drain(self.path, self.durable_path, self.config)
+                tiers.evict_drained(self.config.local_tier, self.config.keep_local, self.config.storage_options)
         except BaseException as exc:
             if self.durable_path is not None and not self.local_commit.done():
                 self.local_commit.set_exception(exc)

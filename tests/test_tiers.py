@@ -220,3 +220,24 @@ def test_killed_after_local_commit_restarts_from_local_then_drains(tmp_path):
     dcp.load(out, storage_reader=DataStatesReader(durable))
     assert_state_equal(state, out)
     assert tiers.checkpoint_id(durable) == tiers.checkpoint_id(tiers.local_copy(nv, durable))
+
+
+def test_keep_local_evicts_only_drained_copies(tmp_path):
+    nv = tmp_path / "nvme"
+    blocked = str(tmp_path / "blocked" / "step-0")
+    os.makedirs(tmp_path / "blocked")
+    with open(blocked, "w") as f:  # this one's drain fails: its local copy is the only one
+        f.write("in the way")
+    with raises_through_dcp("draining .* failed"):
+        save(make_state(0), blocked, nv, keep_local=2)
+    durables = [str(tmp_path / "ck" / f"step-{i}") for i in range(1, 5)]
+    for i, durable in enumerate(durables, start=1):
+        save(make_state(i), durable, nv, keep_local=2)
+    left = sorted(os.listdir(nv))
+    expected = sorted(os.path.basename(tiers.local_copy(str(nv), d)) for d in [blocked, *durables[-2:]])
+    assert left == expected
+    for i, durable in enumerate(durables, start=1):  # every checkpoint still loads, evicted or not
+        state = make_state(i)
+        assert_state_equal(state, load(durable, nv, state))
+    with pytest.raises(ValueError, match="keep_local: expected a positive integer, got 0"):
+        DataStatesConfig(keep_local=0)
