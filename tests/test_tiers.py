@@ -43,12 +43,22 @@ def load(durable, local_tier, like):
     return out
 
 
-def flip_byte(path, offset):
-    with open(path, "r+b") as f:
-        f.seek(offset)
+def damage_first_file(folder):
+    """Flip the first data byte of the first data file the folder's commit lists."""
+    _, files = commit.read_commit(folder)
+    name, info = next(iter(files.items()))
+    with open(os.path.join(folder, name), "r+b") as f:
+        f.seek(info.data_start)
         b = f.read(1)
-        f.seek(offset)
+        f.seek(info.data_start)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+def load_logged(durable, nv, state, caplog):
+    """Load through the tiers; assert the values; the log lines it wrote."""
+    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+        assert_state_equal(state, load(durable, nv, state))
+    return caplog.text
 
 
 def test_config_local_tier_checked(tmp_path):
@@ -122,9 +132,7 @@ def test_drain_refuses_local_file_corrupted_before_drain(tmp_path):
     w = DataStatesWriter(local)
     dcp.save(clone_state(state), storage_writer=w)
     tiers.record_durable(local, durable)
-    _, files = commit.read_commit(local)
-    name, info = next(iter(files.items()))
-    flip_byte(os.path.join(local, name), info.data_start)
+    damage_first_file(local)
     with pytest.raises(CheckpointWriteError, match=rf"draining {local} to the durable tier {durable} failed: "
                                                    r"ChecksumMismatchError: .*checksum mismatch in item"):
         drain.drain(local, durable, DataStatesConfig())
@@ -139,36 +147,24 @@ def test_reader_falls_back_when_local_tier_wiped(tmp_path, caplog):
     state = make_state(6)
     save(clone_state(state), durable, nv)
     shutil.rmtree(nv)
-    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
-        assert_state_equal(state, load(durable, nv, state))
-    assert f"reading {durable} from the durable tier (no complete local copy" in caplog.text
+    log = load_logged(durable, nv, state, caplog)
+    assert f"reading {durable} from the durable tier (no complete local copy" in log
 
 
-def test_reader_uses_local_copy_and_logs_it(tmp_path, caplog):
+@pytest.mark.parametrize("damaged", ["durable", "local"])
+def test_reader_reads_the_undamaged_tier_and_logs_it(tmp_path, caplog, damaged):
     durable, nv = str(tmp_path / "step-7"), tmp_path / "nvme"
     state = make_state(7)
     save(clone_state(state), durable, nv)
-    # damage the durable copy: the load can only succeed if it reads the local one
-    _, files = commit.read_commit(durable)
-    name, info = next(iter(files.items()))
-    flip_byte(os.path.join(durable, name), info.data_start)
-    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
-        assert_state_equal(state, load(durable, nv, state))
-    assert f"reading {durable} from the local tier {tiers.local_copy(str(nv), durable)}" in caplog.text
-
-
-def test_reader_falls_back_on_damaged_local_file(tmp_path, caplog):
-    durable, nv = str(tmp_path / "step-8"), tmp_path / "nvme"
-    state = make_state(8)
-    save(clone_state(state), durable, nv)
     local = tiers.local_copy(str(nv), durable)
-    _, files = commit.read_commit(local)
-    name, info = next(iter(files.items()))
-    flip_byte(os.path.join(local, name), info.data_start)
-    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
-        assert_state_equal(state, load(durable, nv, state))
-    assert "from the durable tier: the local copy is damaged" in caplog.text
-    assert "checksum mismatch" in caplog.text
+    # one tier damaged: the load can only return the saved values if it reads the other one
+    damage_first_file(durable if damaged == "durable" else local)
+    log = load_logged(durable, nv, state, caplog)
+    if damaged == "durable":
+        assert f"reading {durable} from the local tier {local}" in log
+    else:
+        assert f"reading {durable} from the durable tier: the local copy is damaged" in log
+        assert "checksum mismatch" in log
 
 
 def test_reader_ignores_local_copy_of_another_checkpoint(tmp_path, caplog):
@@ -181,9 +177,8 @@ def test_reader_ignores_local_copy_of_another_checkpoint(tmp_path, caplog):
     save(clone_state(newer), durable, nv)
     shutil.rmtree(local)
     shutil.copytree(stale, local)  # the local tier now holds the older checkpoint (another id)
-    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
-        assert_state_equal(newer, load(durable, nv, newer))
-    assert "from the durable tier: the local copy" in caplog.text and "holds checkpoint" in caplog.text
+    log = load_logged(durable, nv, newer, caplog)
+    assert "from the durable tier: the local copy" in log and "holds checkpoint" in log
 
 
 def test_local_tier_remote_durable_refused(tmp_path):
