@@ -40,10 +40,10 @@ def _pieces_by_file(md) -> dict[str, list[tuple[int, int, int, str]]]:
     return out
 
 
-def _copy_file(src: str, dst: str | None, size: int, pieces: list, engine) -> None:
-    """Copy ``src`` to ``dst`` (None: only verify), checking every piece's CRC32C on the way."""
+def _copy_file(src: str, out, size: int, pieces: list, engine) -> None:
+    """Copy ``src`` into the binary file object ``out`` (None: only verify), in order, checking
+    every piece's CRC32C on the way."""
     fin = commit.open_for_reading(src)
-    fout = None if dst is None else os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
     try:
         spans, pos = [], 0
         for off, length, crc, item in pieces:
@@ -63,16 +63,27 @@ def _copy_file(src: str, dst: str | None, size: int, pieces: list, engine) -> No
                         f"{src}: checksum mismatch in item {item!r}, bytes [{off}, {off + length}): "
                         f"stored crc32c {crc:#010x}, read {actual:#010x}"
                     )
-            if fout is not None:
-                view = memoryview(buf.numpy())
-                while view:
-                    view = view[os.pwrite(fout, view, off + length - len(view)):]
-        if fout is not None:
-            os.fsync(fout)
+            if out is not None:
+                out.write(memoryview(buf.numpy()))
     finally:
         os.close(fin)
-        if fout is not None:
-            os.close(fout)
+
+
+def _open_durable(durable: str, name: str, config: DataStatesConfig):
+    """A binary file object writing data file ``name`` of the durable folder (local or fsspec)."""
+    if storage.is_remote(durable):
+        folder = storage.remote_folder(durable, config.storage_options)
+        return folder.fs.open(folder.join(name), "wb")
+    return open(os.path.join(storage.local_path(durable), name), "wb")
+
+
+def _write_durable(src: str, durable: str, name: str, size: int, pieces: list, engine, config) -> None:
+    """Copy the local data file ``src`` to ``name`` in the durable folder, verifying it."""
+    with _open_durable(durable, name, config) as out:
+        _copy_file(src, out, size, pieces, engine)
+        if config.sync_files and not storage.is_remote(durable):
+            out.flush()
+            os.fsync(out.fileno())
 
 
 def verify_copy(local: str, config: DataStatesConfig | None = None) -> None:
@@ -88,20 +99,19 @@ def drain(local: str, durable: str, config: DataStatesConfig) -> None:
     """Copy the committed checkpoint ``local`` to ``durable`` and commit it there with the same
     checkpoint id. Raises CheckpointWriteError naming ``durable``; its previous commit stays."""
     try:
-        if storage.is_remote(durable):
-            raise CheckpointWriteError("a remote durable path with local_tier is not supported yet")
         md, files = commit.read_commit(local)
         commit.check_data_files(local, files)
-        dest = storage.local_path(durable)
+        options = config.storage_options
         # A durable folder holding a commit keeps it until the new one is committed: new names.
-        tag = uuid.uuid4().hex[:12] if commit.prepare_folder(dest, overwrite=True) else None
+        tag = uuid.uuid4().hex[:12] if commit.prepare_folder(durable, overwrite=True, storage_options=options) else None
         renamed = {name: _durable_name(name, tag) for name in files}
         engine = get_engine(config)
         pieces = _pieces_by_file(md)
         for name, info in files.items():
-            _copy_file(os.path.join(local, name), os.path.join(dest, renamed[name]), info.size, pieces.get(name, []), engine)
+            src = os.path.join(local, name)
+            _write_durable(src, durable, renamed[name], info.size, pieces.get(name, []), engine, config)
         locations = {index: dataclasses.replace(loc, file=renamed[loc.file]) for index, loc in md.storage_data.items()}
-        commit.write_commit(dest, md, locations, sync=config.sync_files)
+        commit.write_commit(durable, md, locations, sync=config.sync_files, storage_options=options)
     except CheckpointWriteError as exc:
         if str(exc).startswith(f"draining {local}"):
             raise

@@ -5,32 +5,34 @@ Where. With ``local_tier=DIR`` a save into ``path`` writes and commits its files
 two paths never share a local copy. A ``.tier.json`` there names the durable path it drains to.
 
 Commit. The local copy is committed with the usual protocol (``commit.write_commit``): its
-``.metadata`` is the local commit marker. ``writer.local_commit`` (a Future) and the stats'
-``local_s`` resolve then. The durable copy is committed by the same protocol with the same
-marker bytes, so both markers carry the same checkpoint id (``storage_meta.save_id``) and the same
-checksums: the id ties the tiers; a local copy whose id differs from the durable one is never read.
+``.metadata`` is the local commit marker; ``writer.local_commit`` (a Future) resolves then. The
+durable copy is committed by the same protocol with the same metadata (data files renamed when
+the durable folder already holds a commit), so both markers carry the same checkpoint id
+(``storage_meta.save_id``) and checksums: a local copy whose id differs is never read.
 
-Drain (``drain.py``). Each data file the local marker lists is copied piece by piece to the
-durable folder; every piece's CRC32C is checked against the marker's checksum grid while it is
-copied, so a local file damaged after its commit fails the drain and the durable tier is not
-committed (its previous commit stays). Only then is the durable marker written.
+Drain (``drain.py``). Each data file the local marker lists is copied in order to the durable
+folder; every checksum piece's CRC32C is checked while it is in memory, so a local file damaged
+after its commit fails the drain and the durable tier keeps its previous commit. Only after every
+file is written is the durable marker written.
 
 Futures. DCP resolves ``upload_completion`` (``dcp.async_save``) when the writer's ``finish``
-returns, and ``dcp.save`` returns then too: ``finish`` commits locally, resolves
-``local_commit``, then drains in DCP's own thread (never the training thread; the host cache was
-released when the local files were durable). So ``upload_completion`` means durable: a failing
-drain raises from it, naming the durable path, and the local copy stays committed and loadable;
-``drain_pending`` (or the next save with the same local tier) redoes the drain.
+returns: ``finish`` commits locally, resolves ``local_commit``, then drains in DCP's thread (not
+the training thread; the host cache is free once the local files are durable). So
+``upload_completion`` means durable, and a failing drain raises from it naming the durable path
+while the local copy stays committed and loadable; ``drain_pending(local_tier)`` redoes it. With
+``dcp.save`` the caller's thread runs ``finish``: it returns once the durable tier is committed.
 
-Restart. ``choose_copy`` (the reader's ``local_tier=``, given its config) reads the local copy when it is complete,
+Restart. ``choose_copy`` (the reader's ``local_tier=``) reads the local copy when it is complete,
 every piece matches its checksum, and its id equals the durable marker's (or the durable tier has
 no commit yet: killed before the drain); otherwise the durable copy. It logs which tier it read.
 
 Retention. After each drain, ``evict_drained`` keeps the ``keep_local`` newest local copies
 (by commit time) and removes older ones only when their durable tier holds the same id.
 
-Multi-rank (not yet: refused with a clear error). Planned: each rank drains its own files and
-writes a rank-local durable marker; the coordinator waits, bounded, for every rank's marker before
+The durable path may be local or any fsspec URL (the marker is one PUT there, as usual).
+
+Multi-rank (not yet: refused inside DCP's planning, so every rank raises). Planned: each rank
+drains its own files and writes a rank-local durable marker; the coordinator waits, bounded, for every rank's marker before
 the global one, and a rank's failure reaches every rank through the writer's collective.
 """
 

@@ -820,10 +820,6 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 f"local_tier: multi-rank saves are not supported yet (saving {self.durable_path}); "
                 f"save without local_tier"
             )
-        if storage.is_remote(self.durable_path):
-            raise CheckpointWriteError(
-                f"local_tier: a remote durable path is not supported yet ({self.durable_path}); save without local_tier"
-            )
         tiers.record_durable(self.path, self.durable_path)
 
     def _close(self, staged: _StagedSave, *, error: BaseException | None = None, total_bytes: int | None = None,

@@ -5,6 +5,7 @@ import logging
 import os
 import shutil
 import signal
+import uuid
 
 import pytest
 import torch
@@ -181,10 +182,17 @@ def test_reader_ignores_local_copy_of_another_checkpoint(tmp_path, caplog):
     assert "from the durable tier: the local copy" in log and "holds checkpoint" in log
 
 
-def test_local_tier_remote_durable_refused(tmp_path):
-    w = DataStatesWriter("memory://bucket/step-1", local_tier=str(tmp_path / "nv"))
-    with raises_through_dcp("local_tier: a remote durable path is not supported yet"):
-        dcp.save(make_state(1), storage_writer=w)
+def test_fsspec_durable_tier(tmp_path):
+    durable, nv = f"memory://tiers-{uuid.uuid4().hex[:8]}/step-12", tmp_path / "nvme"
+    for seed in (12, 13):  # the second drain goes into a committed folder
+        state = make_state(seed)
+        w = save(clone_state(state), durable, nv, asynchronous=seed == 12)
+        assert tiers.checkpoint_id(durable) == w.save_id
+        out = zeros_like_state(state)
+        dcp.load(out, storage_reader=DataStatesReader(durable))
+        assert_state_equal(state, out)
+    shutil.rmtree(nv)
+    assert_state_equal(state, load(durable, nv, state))
 
 
 _KILLED_BEFORE_DRAIN = """
