@@ -145,6 +145,7 @@ class _StagedSave:
     requested: float = field(default_factory=time.monotonic)
     stall_s: float = 0.0  # the training thread's time in stage()
     staged_s: float | None = None  # request -> every byte in the host cache
+    local_s: float | None = None  # local_tier: request -> the local copy committed
     _sealed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     finished: threading.Event = field(default_factory=threading.Event)
@@ -799,6 +800,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 in_use=_names_in_use(self.path) if staged is None else frozenset(),
             )
             if self.durable_path is not None:  # local_tier hook: committed locally, now drain
+                if staged is not None:
+                    staged.local_s = time.monotonic() - staged.requested
                 self.local_commit.set_result(self.path)
                 drain.drain(self.path, self.durable_path, self.config)
                 tiers.evict_drained(self.config.local_tier, self.config.keep_local, self.config.storage_options)
@@ -832,11 +835,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         rank, world = _global_rank_world()
         try:
             checkpoint_stats.record(checkpoint_stats.CheckpointStats(
-                path=str(staged.path or self.path), rank=rank, world_size=world,
+                path=str(self.durable_path or staged.path or self.path), rank=rank, world_size=world,
                 bytes=total_bytes if total_bytes is not None else staged.nbytes(),
                 stall_s=staged.stall_s, staged_s=staged.staged_s,
                 durable_s=time.monotonic() - staged.requested if committed else None,
-                coordinator=self.is_coordinator or not self.use_collectives,
+                coordinator=self.is_coordinator or not self.use_collectives, local_s=staged.local_s,
                 error=None if error is None else str(error).splitlines()[0][:500],
             ))
         except Exception as exc:  # noqa: BLE001 - figures must never fail a save

@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
-from dcp_datastates import DataStatesConfig, DataStatesReader, DataStatesWriter
+from dcp_datastates import DataStatesConfig, DataStatesReader, DataStatesWriter, recent_checkpoints
 from dcp_datastates import commit, drain, tiers
 from dcp_datastates.errors import CheckpointWriteError
 
@@ -81,6 +81,10 @@ def test_save_commits_locally_then_drains_same_bytes(tmp_path, asynchronous):
     assert data_bytes(local) == data_bytes(durable) and data_bytes(local)
     assert tiers.checkpoint_id(local) == tiers.checkpoint_id(durable) == w.save_id
     assert tiers.durable_of(local) == durable
+    if asynchronous:  # dcp.save stages nothing: its figures are not recorded per save
+        stats = recent_checkpoints(1)[0]
+        assert stats.path == durable and stats.error is None
+        assert stats.local_s is not None and stats.durable_s is not None and stats.local_s <= stats.durable_s
     assert_state_equal(state, load(durable, nv, state))
     out = zeros_like_state(state)  # the durable copy alone loads too
     dcp.load(out, storage_reader=DataStatesReader(durable))
