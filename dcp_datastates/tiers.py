@@ -26,6 +26,9 @@ Restart. ``choose_copy`` (the reader's ``local_tier=``) reads the local copy whe
 every piece matches its checksum, and its id equals the durable marker's (or the durable tier has
 no commit yet: killed before the drain); otherwise the durable copy. It logs which tier it read.
 
+``latest_checkpoint(root, local_tier=DIR)`` also counts local copies of folders under ``root``
+that were committed locally but not drained (``newest_local``); it returns the durable path.
+
 Retention. After each drain, ``evict_drained`` keeps the ``keep_local`` newest local copies
 (by commit time) and removes older ones only when their durable tier holds the same id.
 
@@ -49,7 +52,7 @@ from .errors import DataStatesError
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["local_copy", "durable_of", "checkpoint_id", "choose_copy", "evict_drained", "TIER_FILE"]
+__all__ = ["local_copy", "durable_of", "checkpoint_id", "choose_copy", "evict_drained", "newest_local", "TIER_FILE"]
 
 TIER_FILE = ".tier.json"
 
@@ -140,3 +143,22 @@ def evict_drained(local_tier: str, keep: int, storage_options: dict | None = Non
         removed.append(local)
         log.info("dcp_datastates: removed the drained local copy %s (keep_local=%d)", local, keep)
     return removed
+
+
+def newest_local(root: str, local_tier: str, step_of) -> tuple[tuple, str] | None:
+    """(step key, durable path) of the newest complete local copy whose durable folder is
+    directly under ``root``; None when there is none."""
+    found = []
+    try:
+        names = os.listdir(local_tier)
+    except OSError:
+        return None
+    for name in names:
+        local = os.path.join(local_tier, name)
+        durable = durable_of(local)
+        if durable is None or os.path.dirname(durable.rstrip("/")) != root.rstrip("/"):
+            continue
+        key = step_of(os.path.basename(durable.rstrip("/")))
+        if key is not None and checkpoint_id(local) is not None:
+            found.append((key, durable))
+    return max(found) if found else None

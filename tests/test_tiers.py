@@ -119,10 +119,11 @@ def test_failing_drain_raises_names_durable_and_keeps_local(tmp_path):
     out = zeros_like_state(state)
     dcp.load(out, storage_reader=DataStatesReader(local))
     assert_state_equal(state, out)
-    # the durable path is fixed: drain_pending finishes the drain
+    # the durable path is fixed: the next save (to another path) drains it too
     os.unlink(durable)
-    assert drain.drain_pending(str(nv)) == [durable]
+    save(make_state(4), str(tmp_path / "step-4"), nv)
     assert data_bytes(durable) == data_bytes(local)
+    assert tiers.checkpoint_id(durable) == w.save_id
     assert drain.drain_pending(str(nv)) == []  # nothing left to drain
 
 
@@ -220,6 +221,8 @@ def test_killed_after_local_commit_restarts_from_local_then_drains(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert not commit.is_committed(durable)  # killed before the drain
+    assert commit.latest_checkpoint(str(tmp_path)) is None
+    assert commit.latest_checkpoint(str(tmp_path), local_tier=nv) == durable
     state = make_state(11)
     assert_state_equal(state, load(durable, nv, state))  # restart: the local copy
     assert drain.drain_pending(nv) == [durable]
@@ -227,6 +230,7 @@ def test_killed_after_local_commit_restarts_from_local_then_drains(tmp_path):
     dcp.load(out, storage_reader=DataStatesReader(durable))
     assert_state_equal(state, out)
     assert tiers.checkpoint_id(durable) == tiers.checkpoint_id(tiers.local_copy(nv, durable))
+    assert commit.latest_checkpoint(str(tmp_path), local_tier=nv) == commit.latest_checkpoint(str(tmp_path)) == durable
 
 
 def test_keep_local_evicts_only_drained_copies(tmp_path):
@@ -243,6 +247,7 @@ def test_keep_local_evicts_only_drained_copies(tmp_path):
     left = sorted(os.listdir(nv))
     expected = sorted(os.path.basename(tiers.local_copy(str(nv), d)) for d in [blocked, *durables[-2:]])
     assert left == expected
+    assert commit.latest_checkpoint(str(tmp_path / "ck"), local_tier=str(nv)) == durables[-1]
     for i, durable in enumerate(durables, start=1):  # every checkpoint still loads, evicted or not
         state = make_state(i)
         assert_state_equal(state, load(durable, nv, state))
