@@ -269,3 +269,25 @@ def test_multirank_local_tier_refused_on_every_rank(tmp_path):
 
     run_ranks(2, _refused_on_every_rank, str(tmp_path))
     assert not commit.is_committed(str(tmp_path / "step-20"))
+
+
+def test_object_store_down_fails_upload_completion_keeps_local_copy(tmp_path):
+    pytest.importorskip("s3fs")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here: the store is down
+    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing",
+               "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
+    durable, nv = "s3://nobucket/step-30", str(tmp_path / "nvme")
+    state = make_state(30)
+    w = DataStatesWriter(durable, local_tier=nv, storage_options=options)
+    resp = dcp.async_save(clone_state(state), storage_writer=w)
+    with raises_through_dcp(rf"draining .* to the durable tier {durable} failed"):
+        resp.upload_completion.result(timeout=120)
+    local = w.local_commit.result(timeout=0)
+    assert local == tiers.local_copy(nv, durable) and tiers.durable_of(local) == durable
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(local))
+    assert_state_equal(state, out)
