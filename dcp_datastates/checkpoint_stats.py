@@ -34,6 +34,8 @@ class CheckpointStats:
             for staging before the next ``optimizer.step()``).
         staged_s: until every byte was in the host cache (live tensors free to change).
         durable_s: until the files were durable and ``.metadata`` committed; None until then.
+            With ``local_tier``: until the durable tier was committed (after the drain).
+        local_s: with ``local_tier``, until the local copy was committed; else None.
         coordinator: whether this rank commits (and logs); default: rank 0.
         error: why the checkpoint failed, None when it did not.
     """
@@ -47,11 +49,12 @@ class CheckpointStats:
     durable_s: float | None = None
     coordinator: bool | None = None
     error: str | None = None
+    local_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.bytes < 0:
             raise ValueError(f"CheckpointStats.bytes: must be >= 0, got {self.bytes}")
-        for name in ("stall_s", "staged_s", "durable_s"):
+        for name in ("stall_s", "staged_s", "durable_s", "local_s"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"CheckpointStats.{name}: expected seconds >= 0 or None, got {value!r}")

@@ -373,7 +373,8 @@ _STEP = re.compile(r"(\d+)(?!.*\d)")
 
 
 def latest_checkpoint(
-    root: str | os.PathLike, *, check_files: bool = True, storage_options: dict | None = None
+    root: str | os.PathLike, *, check_files: bool = True, storage_options: dict | None = None,
+    local_tier: str | os.PathLike | None = None,
 ) -> str | None:
     """The newest complete checkpoint folder directly under ``root`` (``step-100``, ``ckpt_7`` ...):
     the highest number in the name among folders holding a valid commit; None if there is none.
@@ -381,8 +382,18 @@ def latest_checkpoint(
     Folders without a number in their name are ignored. Candidates are examined from the highest
     number down, so only the newest ones are read. With ``check_files`` (the default) a folder
     counts only if its marker decodes and its data files are all present with the right sizes;
-    otherwise a marker file is enough.
+    otherwise a marker file is enough. With ``local_tier``, a folder whose complete copy is in the
+    local tier counts too (committed there, not drained yet: load it with that ``local_tier``).
     """
+    if local_tier is not None:  # local_tier hook (tiers.py)
+        from . import tiers
+
+        durable = latest_checkpoint(root, check_files=check_files, storage_options=storage_options)
+        step = (lambda name: int(m.group(1)) if (m := _STEP.search(name)) else None)
+        local = tiers.newest_local(folders.normalize(root), os.path.abspath(os.fspath(local_tier)), step)
+        if local is None or (durable is not None and step(os.path.basename(durable.rstrip("/"))) >= local[0]):
+            return durable
+        return local[1]
     if folders.is_remote(root):
         folder = folders.remote_folder(os.fspath(root), storage_options)
         return _latest_remote(folder, check_files=check_files, storage_options=storage_options)

@@ -183,7 +183,8 @@ class DataStatesConfig:
             it on. None (default): only when ``host_cache_size`` was chosen (a cache of the
             built-in default size is left to fault in as checkpoints use it). A pinned cache is
             resident anyway.
-        gpu_cache_size: optional device-side snapshot tier (bytes, 0 = off).
+        gpu_cache_size: accepted from DataStates-LLM configs and ignored (there is no device-side
+            snapshot tier; a non-zero value logs a warning).
         chunk_size: unit of copy, flush and checksum (bytes). Clamped to a quarter of the cache.
         copy_threads: threads copying tensors into the cache (seeds: ``parser_threads``).
         flush_threads: threads writing chunks to storage (DCP: ``thread_count``).
@@ -199,6 +200,10 @@ class DataStatesConfig:
         hierarchical_consolidation: gather write results rank -> node leader -> coordinator in
             the background instead of every rank sending to the coordinator.
         storage_options: passed to fsspec for remote URLs.
+        local_tier: a node-local folder (NVMe, tmpfs): each save is committed there first, then
+            drained in the background to the checkpoint path (``tiers.py``). None: off.
+        keep_local: local copies kept in ``local_tier`` (newest first); older ones are removed
+            once drained, never before.
     """
 
     host_cache_size: int | None = None
@@ -216,8 +221,16 @@ class DataStatesConfig:
     dedup_replicated: bool = True
     hierarchical_consolidation: bool = True
     storage_options: dict = field(default_factory=dict)
+    local_tier: str | None = None
+    keep_local: int = 2
 
     def __post_init__(self) -> None:
+        if self.local_tier is not None:
+            if not isinstance(self.local_tier, (str, os.PathLike)) or not os.fspath(self.local_tier):
+                raise ValueError(f"local_tier: expected a local folder path, got {self.local_tier!r}")
+            if "://" in os.fspath(self.local_tier):
+                raise ValueError(f"local_tier: must be a node-local folder, not a URL: {os.fspath(self.local_tier)!r}")
+            self.local_tier = os.path.abspath(os.fspath(self.local_tier))
         if self.host_cache_size is not None:
             self.host_cache_size = cache_size(self.host_cache_size, "host_cache_size")
             _check_cache_min(self.host_cache_size, "host_cache_size")
@@ -225,7 +238,7 @@ class DataStatesConfig:
         self.chunk_size = parse_size(self.chunk_size, name="chunk_size")
         if self.chunk_size < 4096:
             raise ValueError(f"chunk_size: must be at least 4096 bytes, got {self.chunk_size}")
-        for name in ("copy_threads", "flush_threads", "read_threads"):
+        for name in ("copy_threads", "flush_threads", "read_threads", "keep_local"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from . import commit, folders, remote, safe_unpickle
+from . import commit, folders, remote, safe_unpickle, tiers
 from .config import DataStatesConfig
 from .errors import ChecksumMismatchError, CheckpointFormatError, record_metadata_read
 from .integrity import check_data_files, checksum_mismatch, file_size_error
@@ -112,7 +112,7 @@ class DataStatesReader(StorageReader):
         # The exception the last failed read_metadata raised: DCP replaces it by an
         # AssertionError (2.9: a bare one), so errors.checkpoint_error_cause recovers it from here.
         self.metadata_error: BaseException | None = None
-        self.path = folders.normalize(path)
+        self.path = self.durable_path = folders.normalize(path)
         self.storage_data: _StorageIndex | None = None
         self.rank = 0
         self._folder: folders.RemoteFolder | None = None  # remote checkpoints (fsspec URLs)
@@ -121,7 +121,7 @@ class DataStatesReader(StorageReader):
     # ---------------------------------------------------------------------------- StorageReader
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            self.path = folders.normalize(checkpoint_id)
+            self.path = self.durable_path = folders.normalize(checkpoint_id)
         self.storage_data = None
         self._folder = None
         self._sizes = None
@@ -149,6 +149,8 @@ class DataStatesReader(StorageReader):
     def _read_metadata(self, rank: int | None = None) -> Metadata:
         if self.path is None:
             raise ValueError("DataStatesReader: no checkpoint path (pass path= or checkpoint_id=)")
+        if self.config.local_tier is not None and rank is None:  # local_tier hook: the nearest good copy
+            self.path = tiers.choose_copy(self.durable_path, self.config)
         if rank is None and not folders.is_remote(self.path) and dist.is_available() and dist.is_initialized():
             # A rank-local checkpoint (saved with use_collectives=False): each rank reads its own
             # commit, unless the folder holds one committed by all ranks together.

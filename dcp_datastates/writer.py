@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
-from . import checkpoint_stats, commit, folders, inflight, remote
+from . import checkpoint_stats, commit, drain, folders, inflight, remote, tiers
 from .compat import unflatten_state_dict
 from .config import DataStatesConfig
 from .consolidate import consolidate_results
@@ -145,6 +145,7 @@ class _StagedSave:
     requested: float = field(default_factory=time.monotonic)
     stall_s: float = 0.0  # the training thread's time in stage()
     staged_s: float | None = None  # request -> every byte in the host cache
+    local_s: float | None = None  # local_tier: request -> the local copy committed
     _sealed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     finished: threading.Event = field(default_factory=threading.Event)
@@ -298,7 +299,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                  per_process: bool = False, **options: Any) -> None:
         super().__init__()
         self.config = DataStatesConfig.resolve(config, options)
-        self.path = folders.normalize(path)
+        self.durable_path: str | None = None  # local_tier: the path drained to (self.path is the local copy)
+        self.local_commit: Future = Future()  # local_tier: resolves when the local copy is committed
+        self.path = self._tiered(folders.normalize(path))
         self.process_group = process_group
         self.per_process = bool(per_process)
         self.save_id = uuid.uuid4().hex
@@ -475,11 +478,20 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     # ---------------------------------------------------------------------------- StorageWriter
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
-            new = folders.normalize(checkpoint_id)
+            new = self._tiered(folders.normalize(checkpoint_id))
             if new != self.path and self.path is not None:
                 self._retargeted = True  # this writer is given its folder per save: defer it
             self.path = new
         self.save_id = uuid.uuid4().hex
+        if self.local_commit.done():
+            self.local_commit = Future()
+
+    def _tiered(self, path: str | None) -> str | None:
+        """local_tier hook: the folder this rank writes, the local copy of ``path`` (tiers.py)."""
+        if self.config.local_tier is None or path is None:
+            return path
+        self.durable_path = path
+        return tiers.local_copy(self.config.local_tier, path)
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -521,11 +533,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             staged.abandon(f"save abandoned: {exc}")
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+        return StorageMeta(checkpoint_id=self.durable_path or self.path, save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.path is None:
             raise ValueError("DataStatesWriter: no checkpoint path (pass path= or checkpoint_id=)")
+        if self.durable_path is not None:
+            self._check_tiered()
         if not self.use_collectives and commit.is_committed(self.path, storage_options=self.config.storage_options):
             # DCP's load reads the folder's global commit before any rank-local one: this save
             # would never be read back. Refuse rather than let a load return the old values.
@@ -689,13 +703,32 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 storage_options=self.config.storage_options, rank_local=rank_local,
                 in_use=_names_in_use(self.path) if staged is None else frozenset(),
             )
+            if self.durable_path is not None:  # local_tier hook: committed locally, now drain
+                if staged is not None:
+                    staged.local_s = time.monotonic() - staged.requested
+                self.local_commit.set_result(self.path)
+                drain.drain(self.path, self.durable_path, self.config)
+                drain.drain_pending_quietly(self.config.local_tier, self.config)  # e.g. left by a killed run
+                tiers.evict_drained(self.config.local_tier, self.config.keep_local, self.config.storage_options)
         except BaseException as exc:
+            if self.durable_path is not None and not self.local_commit.done():
+                self.local_commit.set_exception(exc)
             error = exc
             raise
         finally:
             if staged is not None:
                 total = sum(r.size_in_bytes for rank_results in results for r in rank_results)
                 self._close(staged, error=error, total_bytes=total, committed=error is None)
+
+    def _check_tiered(self) -> None:
+        """local_tier hook: what the tiers support so far (raised inside DCP's planning, so
+        every rank gets it), then name the durable path in the local copy."""
+        if _global_rank_world()[1] > 1 or not self.use_collectives:
+            raise CheckpointWriteError(
+                f"local_tier: multi-rank saves are not supported yet (saving {self.durable_path}); "
+                f"save without local_tier"
+            )
+        tiers.record_durable(self.path, self.durable_path)
 
     def _close(self, staged: _StagedSave, *, error: BaseException | None = None, total_bytes: int | None = None,
                committed: bool = False) -> None:
@@ -707,11 +740,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         rank, world = _global_rank_world()
         try:
             checkpoint_stats.record(checkpoint_stats.CheckpointStats(
-                path=str(staged.path or self.path), rank=rank, world_size=world,
+                path=str(self.durable_path or staged.path or self.path), rank=rank, world_size=world,
                 bytes=total_bytes if total_bytes is not None else staged.nbytes(),
                 stall_s=staged.stall_s, staged_s=staged.staged_s,
                 durable_s=time.monotonic() - staged.requested if committed else None,
-                coordinator=self.is_coordinator or not self.use_collectives,
+                coordinator=self.is_coordinator or not self.use_collectives, local_s=staged.local_s,
                 error=None if error is None else str(error).splitlines()[0][:500],
             ))
         except Exception as exc:  # noqa: BLE001 - figures must never fail a save

@@ -1,0 +1,187 @@
+"""The drain: copy a committed local-tier checkpoint to its durable path and commit it there.
+
+Every byte is copied; each checksum piece the local marker records is verified while it is in
+memory, so the durable tier never receives (or commits) a local file damaged after its commit.
+See ``tiers.py`` for the design.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import threading
+import uuid
+
+import torch
+
+from . import commit, folders, integrity, tiers
+from .config import DataStatesConfig
+from .errors import ChecksumMismatchError, CheckpointWriteError, DataStatesError
+from .metadata import piece_ranges
+from .runtime import get_engine
+
+log = logging.getLogger("dcp_datastates")
+
+__all__ = ["drain", "drain_pending", "verify_copy"]
+
+_COPY_BLOCK = 16 << 20  # bytes outside any checksum piece (headers) are copied in blocks this big
+_NAME = re.compile(r"^(__\d+_\d+)(\.[0-9a-f]+)?\.safetensors$")
+
+
+def _pieces_by_file(md) -> dict[str, list[tuple[int, int, int, str]]]:
+    """file -> sorted (offset, length, crc32c, item) of every checksum piece the marker records."""
+    out: dict[str, list] = {}
+    for index, loc in md.storage_data.items():
+        pieces = out.setdefault(loc.file, [])
+        pieces.extend((off, length, crc, index.fqn) for crc, (off, length) in zip(loc.crc32c, piece_ranges(loc)))
+    for pieces in out.values():
+        pieces.sort()
+    return out
+
+
+def _copy_file(src: str, out, size: int, pieces: list, engine) -> None:
+    """Copy ``src`` into the binary file object ``out`` (None: only verify), in order, checking
+    every piece's CRC32C on the way."""
+    fin = commit.open_for_reading(src)
+    try:
+        spans, pos = [], 0
+        for off, length, crc, item in pieces:
+            spans.extend((p, min(_COPY_BLOCK, off - p), None, None) for p in range(pos, off, _COPY_BLOCK))
+            spans.append((off, length, crc, item))
+            pos = off + length
+        spans.extend((p, min(_COPY_BLOCK, size - p), None, None) for p in range(pos, size, _COPY_BLOCK))
+        for off, length, crc, item in spans:
+            buf = torch.empty(length, dtype=torch.uint8)
+            got = os.preadv(fin, [buf.numpy()], off) if length else 0
+            if got != length:
+                raise CheckpointWriteError(f"{src}: {got} bytes at offset {off}, expected {length} (truncated)")
+            if crc is not None:
+                actual = engine.crc32c(buf.data_ptr(), length)
+                if actual != crc:
+                    raise ChecksumMismatchError(
+                        f"{src}: checksum mismatch in item {item!r}, bytes [{off}, {off + length}): "
+                        f"stored crc32c {crc:#010x}, read {actual:#010x}"
+                    )
+            if out is not None:
+                out.write(memoryview(buf.numpy()))
+    finally:
+        os.close(fin)
+
+
+def _open_durable(durable: str, name: str, config: DataStatesConfig):
+    """A binary file object writing data file ``name`` of the durable folder (local or fsspec)."""
+    if folders.is_remote(durable):
+        folder = folders.remote_folder(durable, config.storage_options)
+        return folder.fs.open(folder.join(name), "wb")
+    return open(os.path.join(folders.local_path(durable), name), "wb")
+
+
+def _write_durable(src: str, durable: str, name: str, size: int, pieces: list, engine, config) -> None:
+    """Copy the local data file ``src`` to ``name`` in the durable folder, verifying it."""
+    with _open_durable(durable, name, config) as out:
+        _copy_file(src, out, size, pieces, engine)
+        if config.sync_files and not folders.is_remote(durable):
+            out.flush()
+            os.fsync(out.fileno())
+
+
+def verify_copy(local: str, config: DataStatesConfig | None = None) -> None:
+    """Raise unless every checksum piece of the committed checkpoint ``local`` matches."""
+    md, files = commit.read_commit(local)
+    integrity.check_data_files(local, files)
+    engine = get_engine(config or DataStatesConfig())
+    for name, pieces in _pieces_by_file(md).items():
+        _copy_file(os.path.join(local, name), None, files[name].size, pieces, engine)
+
+
+# One drain per durable path at a time in this process (a save's own drain and another save's
+# drain_pending may both find the same local copy).
+_drain_locks: dict[str, threading.Lock] = {}
+_drain_locks_lock = threading.Lock()
+
+
+def drain(local: str, durable: str, config: DataStatesConfig) -> None:
+    """Copy the committed checkpoint ``local`` to ``durable`` and commit it there with the same
+    checkpoint id (nothing to do when it already holds it). Raises CheckpointWriteError naming
+    ``durable``; its previous commit stays."""
+    with _drain_locks_lock:
+        lock = _drain_locks.setdefault(durable, threading.Lock())
+    with lock:
+        local_id = tiers.checkpoint_id(local)
+        if local_id is not None and tiers.checkpoint_id(durable, config.storage_options) == local_id:
+            return
+        _drain_unlocked(local, durable, config)
+
+
+def _drain_unlocked(local: str, durable: str, config: DataStatesConfig) -> None:
+    try:
+        md, files = commit.read_commit(local)
+        integrity.check_data_files(local, files)
+        options = config.storage_options
+        # A durable folder holding a commit keeps it until the new one is committed: new names.
+        tag = uuid.uuid4().hex[:12] if commit.prepare_folder(durable, overwrite=True, storage_options=options) else None
+        renamed = {name: _durable_name(name, tag) for name in files}
+        engine = get_engine(config)
+        pieces = _pieces_by_file(md)
+        for name, info in files.items():
+            src = os.path.join(local, name)
+            _write_durable(src, durable, renamed[name], info.size, pieces.get(name, []), engine, config)
+        locations = {index: dataclasses.replace(loc, file=renamed[loc.file]) for index, loc in md.storage_data.items()}
+        commit.write_commit(durable, md, locations, sync=config.sync_files, storage_options=options)
+    except CheckpointWriteError as exc:
+        if str(exc).startswith(f"draining {local}"):
+            raise
+        raise CheckpointWriteError(f"draining {local} to the durable tier {durable} failed: {exc}") from exc
+    except (DataStatesError, OSError) as exc:
+        detail = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise CheckpointWriteError(
+            f"draining {local} to the durable tier {durable} failed: {type(exc).__name__}: {detail}; "
+            f"the local copy stays committed (drain_pending retries)"
+        ) from exc
+
+
+def _durable_name(name: str, tag: str | None) -> str:
+    if tag is None:
+        return name
+    m = _NAME.match(name)
+    if m is None:
+        raise CheckpointWriteError(f"{name}: not a data file name of this library")
+    return f"{m.group(1)}.{tag}.safetensors"
+
+
+def drain_pending(local_tier: str, config: DataStatesConfig | None = None) -> list[str]:
+    """Drain every committed local copy under ``local_tier`` whose durable tier does not hold
+    the same checkpoint (a process killed before its drain). Returns the durable paths drained;
+    raises the first failure after trying them all."""
+    config = config or DataStatesConfig()
+    drained, errors = [], []
+    try:
+        names = sorted(os.listdir(local_tier))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        local = os.path.join(local_tier, name)
+        durable = tiers.durable_of(local)
+        local_id = tiers.checkpoint_id(local)
+        if durable is None or local_id is None or tiers.checkpoint_id(durable, config.storage_options) == local_id:
+            continue
+        try:
+            drain(local, durable, config)
+            drained.append(durable)
+            log.info("dcp_datastates: drained the pending local copy %s to %s", local, durable)
+        except CheckpointWriteError as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+    return drained
+
+
+def drain_pending_quietly(local_tier: str, config: DataStatesConfig) -> None:
+    """``drain_pending`` after a save's own drain: what an earlier run left undrained goes to its
+    durable tier now; a failure is logged, it does not fail this save (retried next time)."""
+    try:
+        drain_pending(local_tier, config)
+    except CheckpointWriteError as exc:
+        log.warning("dcp_datastates: a local copy is still not drained (retried at the next save): %s", exc)

@@ -1,0 +1,293 @@
+"""Multi-level checkpoints (local_tier=): commit locally, drain to the durable path, read the
+nearest good copy back."""
+
+import logging
+import os
+import shutil
+import signal
+import uuid
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
+from dcp_datastates import DataStatesConfig, DataStatesReader, DataStatesWriter, recent_checkpoints
+from dcp_datastates import commit, drain, tiers
+from dcp_datastates.errors import CheckpointWriteError
+
+
+def make_state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(300, generator=g).to(torch.bfloat16),
+            "step": seed, "i": torch.arange(seed, seed + 50)}
+
+
+def data_bytes(folder):
+    """name -> bytes of every data file the folder's commit lists."""
+    _, files = commit.read_commit(folder)
+    return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(files)}
+
+
+def save(state, durable, local_tier, asynchronous=True, **options):
+    w = DataStatesWriter(durable, local_tier=str(local_tier), **options)
+    if asynchronous:
+        dcp.async_save(state, storage_writer=w).upload_completion.result()
+    else:
+        dcp.save(state, storage_writer=w)
+    return w
+
+
+def load(durable, local_tier, like):
+    out = zeros_like_state(like)
+    dcp.load(out, storage_reader=DataStatesReader(durable, local_tier=str(local_tier)))
+    return out
+
+
+def damage_first_file(folder):
+    """Flip the first data byte of the first data file the folder's commit lists."""
+    _, files = commit.read_commit(folder)
+    name, info = next(iter(files.items()))
+    with open(os.path.join(folder, name), "r+b") as f:
+        f.seek(info.data_start)
+        b = f.read(1)
+        f.seek(info.data_start)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def load_logged(durable, nv, state, caplog):
+    """Load through the tiers; assert the values; the log lines it wrote."""
+    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+        assert_state_equal(state, load(durable, nv, state))
+    return caplog.text
+
+
+def test_config_local_tier_checked(tmp_path):
+    assert DataStatesConfig(local_tier=str(tmp_path / "nv")).local_tier == str(tmp_path / "nv")
+    with pytest.raises(ValueError, match="local_tier: must be a node-local folder, not a URL"):
+        DataStatesConfig(local_tier="s3://bucket/x")
+    with pytest.raises(ValueError, match="local_tier: expected a local folder path, got 3"):
+        DataStatesConfig(local_tier=3)
+    assert DataStatesConfig.from_dict({"local_tier": "/nvme/ck"}).local_tier == "/nvme/ck"
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_save_commits_locally_then_drains_same_bytes(tmp_path, asynchronous):
+    state = make_state(1)
+    durable, nv = str(tmp_path / "ckpt" / "step-1"), tmp_path / "nvme"
+    w = save(clone_state(state), durable, nv, asynchronous)
+    local = tiers.local_copy(str(nv), durable)
+    assert w.local_commit.result(timeout=0) == local
+    assert data_bytes(local) == data_bytes(durable) and data_bytes(local)
+    assert tiers.checkpoint_id(local) == tiers.checkpoint_id(durable) == w.save_id
+    assert tiers.durable_of(local) == durable
+    if asynchronous:  # dcp.save stages nothing: its figures are not recorded per save
+        stats = recent_checkpoints(1)[0]
+        assert stats.path == durable and stats.error is None
+        assert stats.local_s is not None and stats.durable_s is not None and stats.local_s <= stats.durable_s
+    assert_state_equal(state, load(durable, nv, state))
+    out = zeros_like_state(state)  # the durable copy alone loads too
+    dcp.load(out, storage_reader=DataStatesReader(durable))
+    assert_state_equal(state, out)
+
+
+def test_second_save_into_committed_durable_keeps_both_ids_tied(tmp_path):
+    durable, nv = str(tmp_path / "step-2"), tmp_path / "nvme"
+    save(make_state(1), durable, nv)
+    state = make_state(2)
+    w = save(clone_state(state), durable, nv)
+    local = tiers.local_copy(str(nv), durable)
+    assert tiers.checkpoint_id(durable) == tiers.checkpoint_id(local) == w.save_id
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(durable))
+    assert_state_equal(state, out)
+    assert_state_equal(state, load(durable, nv, state))
+
+
+def test_failing_drain_raises_names_durable_and_keeps_local(tmp_path):
+    durable, nv = str(tmp_path / "ro" / "step-3"), tmp_path / "nvme"
+    os.makedirs(tmp_path / "ro")
+    with open(durable, "w") as f:  # a file where the durable folder should be: every drain fails
+        f.write("in the way")
+    state = make_state(3)
+    w = DataStatesWriter(durable, local_tier=str(nv))
+    resp = dcp.async_save(clone_state(state), storage_writer=w)
+    with raises_through_dcp(rf"draining .* to the durable tier {durable} failed"):
+        resp.upload_completion.result()
+    local = tiers.local_copy(str(nv), durable)
+    assert w.local_commit.result(timeout=0) == local
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(local))
+    assert_state_equal(state, out)
+    # the durable path is fixed: the next save (to another path) drains it too
+    os.unlink(durable)
+    save(make_state(4), str(tmp_path / "step-4"), nv)
+    assert data_bytes(durable) == data_bytes(local)
+    assert tiers.checkpoint_id(durable) == w.save_id
+    assert drain.drain_pending(str(nv)) == []  # nothing left to drain
+
+
+def test_drain_refuses_local_file_corrupted_before_drain(tmp_path):
+    durable, nv = str(tmp_path / "step-4"), tmp_path / "nvme"
+    save(make_state(4), durable, nv)
+    old_id = tiers.checkpoint_id(durable)
+    state = make_state(5)
+    # commit locally by hand, then corrupt a data byte before the drain
+    local = tiers.local_copy(str(nv), durable)
+    save(clone_state(state), str(tmp_path / "other"), tmp_path / "unused")  # keep engine warm
+    w = DataStatesWriter(local)
+    dcp.save(clone_state(state), storage_writer=w)
+    tiers.record_durable(local, durable)
+    damage_first_file(local)
+    with pytest.raises(CheckpointWriteError, match=rf"draining {local} to the durable tier {durable} failed: "
+                                                   r"ChecksumMismatchError: .*checksum mismatch in item"):
+        drain.drain(local, durable, DataStatesConfig())
+    assert tiers.checkpoint_id(durable) == old_id  # the durable tier kept its commit
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(durable))
+    assert_state_equal(make_state(4), out)
+
+
+def test_reader_falls_back_when_local_tier_wiped(tmp_path, caplog):
+    durable, nv = str(tmp_path / "step-6"), tmp_path / "nvme"
+    state = make_state(6)
+    save(clone_state(state), durable, nv)
+    shutil.rmtree(nv)
+    log = load_logged(durable, nv, state, caplog)
+    assert f"reading {durable} from the durable tier (no complete local copy" in log
+
+
+@pytest.mark.parametrize("damaged", ["durable", "local"])
+def test_reader_reads_the_undamaged_tier_and_logs_it(tmp_path, caplog, damaged):
+    durable, nv = str(tmp_path / "step-7"), tmp_path / "nvme"
+    state = make_state(7)
+    save(clone_state(state), durable, nv)
+    local = tiers.local_copy(str(nv), durable)
+    # one tier damaged: the load can only return the saved values if it reads the other one
+    damage_first_file(durable if damaged == "durable" else local)
+    log = load_logged(durable, nv, state, caplog)
+    if damaged == "durable":
+        assert f"reading {durable} from the local tier {local}" in log
+    else:
+        assert f"reading {durable} from the durable tier: the local copy is damaged" in log
+        assert "checksum mismatch" in log
+
+
+def test_reader_ignores_local_copy_of_another_checkpoint(tmp_path, caplog):
+    durable, nv = str(tmp_path / "step-9"), tmp_path / "nvme"
+    save(make_state(9), durable, nv)
+    local = tiers.local_copy(str(nv), durable)
+    stale = str(tmp_path / "stale")
+    shutil.copytree(local, stale)
+    newer = make_state(10)
+    save(clone_state(newer), durable, nv)
+    shutil.rmtree(local)
+    shutil.copytree(stale, local)  # the local tier now holds the older checkpoint (another id)
+    log = load_logged(durable, nv, newer, caplog)
+    assert "from the durable tier: the local copy" in log and "holds checkpoint" in log
+
+
+def test_fsspec_durable_tier(tmp_path):
+    durable, nv = f"memory://tiers-{uuid.uuid4().hex[:8]}/step-12", tmp_path / "nvme"
+    for seed in (12, 13):  # the second drain goes into a committed folder
+        state = make_state(seed)
+        w = save(clone_state(state), durable, nv, asynchronous=seed == 12)
+        assert tiers.checkpoint_id(durable) == w.save_id
+        out = zeros_like_state(state)
+        dcp.load(out, storage_reader=DataStatesReader(durable))
+        assert_state_equal(state, out)
+    shutil.rmtree(nv)
+    assert_state_equal(state, load(durable, nv, state))
+
+
+_KILLED_BEFORE_DRAIN = """
+import os, signal, sys
+import torch, torch.distributed.checkpoint as dcp
+sys.path.insert(0, {tests!r})
+from test_tiers import make_state
+from dcp_datastates import DataStatesWriter, drain
+drain.drain = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # die right after the local commit
+dcp.save(make_state(11), storage_writer=DataStatesWriter({durable!r}, local_tier={nv!r}))
+"""
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs SIGKILL")
+def test_killed_after_local_commit_restarts_from_local_then_drains(tmp_path):
+    import subprocess
+    import sys
+
+    durable, nv = str(tmp_path / "step-11"), str(tmp_path / "nvme")
+    code = _KILLED_BEFORE_DRAIN.format(tests=os.path.dirname(__file__), durable=durable, nv=nv)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    assert not commit.is_committed(durable)  # killed before the drain
+    assert commit.latest_checkpoint(str(tmp_path)) is None
+    assert commit.latest_checkpoint(str(tmp_path), local_tier=nv) == durable
+    state = make_state(11)
+    assert_state_equal(state, load(durable, nv, state))  # restart: the local copy
+    assert drain.drain_pending(nv) == [durable]
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(durable))
+    assert_state_equal(state, out)
+    assert tiers.checkpoint_id(durable) == tiers.checkpoint_id(tiers.local_copy(nv, durable))
+    assert commit.latest_checkpoint(str(tmp_path), local_tier=nv) == commit.latest_checkpoint(str(tmp_path)) == durable
+
+
+def test_keep_local_evicts_only_drained_copies(tmp_path):
+    nv = tmp_path / "nvme"
+    blocked = str(tmp_path / "blocked" / "step-0")
+    os.makedirs(tmp_path / "blocked")
+    with open(blocked, "w") as f:  # this one's drain fails: its local copy is the only one
+        f.write("in the way")
+    with raises_through_dcp("draining .* failed"):
+        save(make_state(0), blocked, nv, keep_local=2)
+    durables = [str(tmp_path / "ck" / f"step-{i}") for i in range(1, 5)]
+    for i, durable in enumerate(durables, start=1):
+        save(make_state(i), durable, nv, keep_local=2)
+    left = sorted(os.listdir(nv))
+    expected = sorted(os.path.basename(tiers.local_copy(str(nv), d)) for d in [blocked, *durables[-2:]])
+    assert left == expected
+    assert commit.latest_checkpoint(str(tmp_path / "ck"), local_tier=str(nv)) == durables[-1]
+    for i, durable in enumerate(durables, start=1):  # every checkpoint still loads, evicted or not
+        state = make_state(i)
+        assert_state_equal(state, load(durable, nv, state))
+    with pytest.raises(ValueError, match="keep_local: expected a positive integer, got 0"):
+        DataStatesConfig(keep_local=0)
+
+
+def _refused_on_every_rank(rank, world_size, root):
+    """Each rank gets the refusal through DCP's planning collective (none hangs, none commits)."""
+    durable = os.path.join(root, "step-20")
+    for asynchronous in (False, True):
+        with raises_through_dcp("local_tier: multi-rank saves are not supported yet"):
+            save({f"r{rank}": torch.full((8,), float(rank))}, durable, os.path.join(root, f"nv{rank}"), asynchronous)
+        assert not commit.is_committed(durable)
+
+
+def test_multirank_local_tier_refused_on_every_rank(tmp_path):
+    from dist_harness import run_ranks
+
+    run_ranks(2, _refused_on_every_rank, str(tmp_path))
+    assert not commit.is_committed(str(tmp_path / "step-20"))
+
+
+def test_object_store_down_fails_upload_completion_keeps_local_copy(tmp_path):
+    pytest.importorskip("s3fs")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here: the store is down
+    options = {"endpoint_url": f"http://127.0.0.1:{port}", "key": "testing", "secret": "testing",
+               "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
+    durable, nv = "s3://nobucket/step-30", str(tmp_path / "nvme")
+    state = make_state(30)
+    w = DataStatesWriter(durable, local_tier=nv, storage_options=options)
+    resp = dcp.async_save(clone_state(state), storage_writer=w)
+    with raises_through_dcp(rf"draining .* to the durable tier {durable} failed"):
+        resp.upload_completion.result(timeout=120)
+    local = w.local_commit.result(timeout=0)
+    assert local == tiers.local_copy(nv, durable) and tiers.durable_of(local) == durable
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(local))
+    assert_state_equal(state, out)
