@@ -13,7 +13,7 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include "copy.h"
+#include "device_stager.h"
 #include "crc32c.h"
 #include "io_util.h"
 

@@ -1,5 +1,32 @@
 // The process-wide engine: one host cache, copy workers that stage chunks into it, flush workers
 // that write them out, and a read pool for parallel preads. No Python in here (bindings.cpp).
+//
+// Threads, the locks each takes (in this order when nested), and who gives a cache slot back:
+//
+//   thread                      locks                                  slots
+//   copy worker (copy_loop)     slot_order_mu_ > copy_mu_ (queue pop),  borrows one per chunk, in
+//     x copy_threads            then HostCache::mu_ (acquire); device   queue order (acquire_slot)
+//                               chunks: DeviceStager::Device::mu
+//                               (enqueue the D2H copy); host chunks:
+//                               flush_mu_ (push_flush)
+//   device completion thread    DeviceStager::Device::done_mu,          none (hands the chunk on
+//     (complete_loop), 1/device pool_mu; flush_mu_ (push_flush)         to the flush queue)
+//   flush worker (flush_loop)   flush_mu_ (queue pop); WriteJob::       file jobs: releases the
+//     x flush_threads           open_mu_ (open/close the file);         slot after pwrite
+//                               HostCache::mu_ (release)                (flush_loop)
+//   read worker (read_loop)     read_mu_; ReadBatch::mu_                none (reads bypass the cache)
+//     x read_threads
+//   prefault thread (1)         HostCache::mu_ (borrows a free slot     gives its slot back at once
+//                               to touch its pages)                     (give_back_prefault)
+//   Python caller (bindings)    copy_mu_ (submit), DeviceStager::       streaming jobs: the consumer
+//                               init_mu_ (first use of a device),       releases each chunk's slot
+//                               read_mu_, shutdown_mu_ (shutdown)       (WriteJob::release); failed
+//                                                                       or aborted jobs release the
+//                                                                       slots they hold (stream_drop*)
+//
+// No thread holds a queue lock while it waits for a slot except the copy worker holding
+// slot_order_mu_ (by design: slots are granted in queue order, which streaming jobs need); a
+// slot wait gives up when the job fails or after cache_wait_timeout_s.
 #pragma once
 
 #include <atomic>
@@ -14,7 +41,7 @@
 #include <thread>
 #include <vector>
 
-#include "copy.h"
+#include "device_stager.h"
 #include "cuda_runtime.h"
 #include "fault.h"
 #include "host_cache.h"

@@ -1,7 +1,7 @@
-// The one place bytes move from a source into the host cache: memcpy for host memory
-// (device == -1, copy workers, unchanged), and DeviceStager for CUDA device memory: D2H copies on
-// the engine's own stream per device, ordered after the caller's stream, one completion event
-// per chunk, a completion thread per device that hands each chunk on once its event completes.
+// DeviceStager: how CUDA device memory reaches the host cache. D2H copies on the engine's own
+// stream per device, ordered after the caller's stream, one completion event per chunk, a
+// completion thread per device that hands each chunk on once its event completes. Host memory
+// is copied by the engine's copy workers (host_copy.h).
 #pragma once
 
 #include <condition_variable>
@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "cuda_runtime.h"
+#include "host_copy.h"
 #include "write_job.h"
 
 namespace dcpds {
@@ -26,25 +27,6 @@ constexpr int kHostDevice = -1;
 // Throws std::invalid_argument unless `device` is -1 or, with `cuda_devices` > 0, a device in
 // [0, cuda_devices). `cpu_reason` says why there is no CUDA (quoted in the message).
 void check_copy_device(int device, int cuda_devices, const std::string& cpu_reason);
-
-// Copies nbytes of host memory from src to dst.
-inline void copy_bytes(void* dst, const void* src, size_t nbytes) {
-  if (nbytes) std::memcpy(dst, src, nbytes);
-}
-
-// Lays chunk `c` out in the slot at `base`: zero-fills the gaps between pieces and calls
-// copy(slot_dst, piece) for each piece in file order; stops early when copy returns false.
-template <typename Copy>
-bool place_pieces(char* base, const Chunk& c, const std::vector<Piece>& pieces, Copy copy) {
-  uint64_t pos = c.file_off;
-  for (size_t i = c.piece_begin; i < c.piece_end; ++i) {
-    const Piece& p = pieces[i];
-    if (p.file_off > pos) std::memset(base + (pos - c.file_off), 0, p.file_off - pos);
-    if (!copy(base + (p.file_off - c.file_off), p)) return false;
-    pos = p.file_off + p.len;
-  }
-  return true;
-}
 
 class DeviceStager {
  public:

@@ -1,4 +1,4 @@
-#include "copy.h"
+#include "device_stager.h"
 
 #include <cstdio>
 #include <stdexcept>
