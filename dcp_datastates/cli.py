@@ -69,7 +69,7 @@ def _checkpoint_dir(path: str) -> str:
 def _read_metadata(path: str):
     """(DCP Metadata, per-file table) of a committed DataStates checkpoint; ``read_commit``
     names what else the folder is (a folder of checkpoints, a stock DCP checkpoint ...)."""
-    from .commit import read_commit
+    from .integrity import read_commit
 
     return read_commit(path)
 
@@ -106,7 +106,7 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
 
 # ------------------------------------------------------------------------------------ inspect
 def _cmd_inspect(args) -> int:
-    from .commit import file_kind
+    from .integrity import file_kind
     from .convert import checkpoint_items
     from .layout import FORMAT_NAME
     from .metadata import FORMAT_VERSION

@@ -44,7 +44,7 @@ def _pieces_by_file(md) -> dict[str, list[tuple[int, int, int, str]]]:
 def _copy_file(src: str, out, size: int, pieces: list, engine) -> None:
     """Copy ``src`` into the binary file object ``out`` (None: only verify), in order, checking
     every piece's CRC32C on the way."""
-    fin = commit.open_for_reading(src)
+    fin = integrity.open_for_reading(src)
     try:
         spans, pos = [], 0
         for off, length, crc, item in pieces:
@@ -89,7 +89,7 @@ def _write_durable(src: str, durable: str, name: str, size: int, pieces: list, e
 
 def verify_copy(local: str, config: DataStatesConfig | None = None) -> None:
     """Raise unless every checksum piece of the committed checkpoint ``local`` matches."""
-    md, files = commit.read_commit(local)
+    md, files = integrity.read_commit(local)
     integrity.check_data_files(local, files)
     engine = get_engine(config or DataStatesConfig())
     for name, pieces in _pieces_by_file(md).items():
@@ -117,7 +117,7 @@ def drain(local: str, durable: str, config: DataStatesConfig) -> None:
 
 def _drain_unlocked(local: str, durable: str, config: DataStatesConfig) -> None:
     try:
-        md, files = commit.read_commit(local)
+        md, files = integrity.read_commit(local)
         integrity.check_data_files(local, files)
         options = config.storage_options
         # A durable folder holding a commit keeps it until the new one is committed: new names.

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import CheckpointFormatError, CheckpointWriteError, IncompleteCheckpointError
-from .metadata import METADATA_NAME
+from .metadata import MAX_METADATA_BYTES, METADATA_NAME
 
 __all__ = ["is_remote", "local_path", "normalize", "is_supported_url", "RemoteFolder", "remote_folder"]
 
@@ -167,7 +167,6 @@ class RemoteFolder:
     def read_marker(self, name: str = METADATA_NAME) -> bytes:
         """The bytes of a commit marker (``.metadata``). FileNotFoundError when nothing is stored
         at the URL, IncompleteCheckpointError when data is there but no marker."""
-        from .commit import MAX_METADATA_BYTES  # noqa: PLC0415 - commit imports this module
 
         marker = self.join(name)
         self._fresh(marker)

@@ -1,5 +1,10 @@
-"""Integrity of a checkpoint's data files: every check, and its message, written once.
+"""Integrity of a checkpoint on disk: every check of what a save left, and its message, written once.
+Everything that reads a checkpoint (the reader, ``validate_checkpoint``, ``verify``, the CLI, the
+commit protocol before it writes a marker) comes here; this module never imports ``commit``.
 
+- ``read_commit``: the commit marker, read safely (no symlink, FIFO or device; size bounded) and
+  decoded, with the one message for each way a folder is not a checkpoint.
+- ``open_for_reading`` / ``file_kind`` / ``not_regular_error``: opening any checkpoint file.
 - ``parse_header`` / ``read_header``: a data file's safetensors header (8-byte length N, N bytes
   of JSON, then the data region), checked with explicit bounds before anything is allocated or
   trusted (fuzzed: nothing but ``CheckpointFormatError`` escapes).
@@ -13,6 +18,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import stat
@@ -20,13 +26,29 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from torch.distributed.checkpoint.metadata import Metadata
+
 from . import folders
-from .commit import not_regular_error, file_kind, open_for_reading, read_commit
 from .errors import ChecksumMismatchError, CheckpointFormatError, IncompleteCheckpointError
 from .layout import safetensors_dtype
-from .metadata import FileInfo, ItemLocation, _DuplicateKey, _no_duplicate_keys, piece_ranges
+from .metadata import (
+    MAX_METADATA_BYTES,
+    METADATA_NAME,
+    STEP_NUMBER,
+    FileInfo,
+    ItemLocation,
+    _DuplicateKey,
+    _no_duplicate_keys,
+    decode_metadata,
+    piece_ranges,
+    rank_marker_name,
+)
 
 __all__ = [
+    "read_commit",
+    "open_for_reading",
+    "file_kind",
+    "not_regular_error",
     "DataFileItem",
     "DataFileHeader",
     "parse_header",
@@ -73,6 +95,166 @@ _DTYPE_BITS = {
     "I64": 64,
     "U64": 64,
 }
+
+
+# Reads of checkpoint files: never through a symlink, never blocking on a FIFO.
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, for messages ("a symbolic link", "a FIFO" ...)."""
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def not_regular_error(where: str, what: str, full: str, mode: int) -> CheckpointFormatError:
+    detail = ""
+    if stat.S_ISLNK(mode):
+        try:
+            detail = f" to {os.readlink(full)!r}"
+        except OSError:
+            pass
+        detail += "; checkpoint files are read only from inside the folder, never through a link (copy it with `cp -L`)"
+    return CheckpointFormatError(f"checkpoint {where}: {what} is {file_kind(mode)}{detail}, not a regular file")
+
+
+def open_for_reading(full: str) -> int:
+    """A descriptor of the regular file ``full``, opened without following a symlink or
+    blocking on a FIFO. Raises CheckpointFormatError for anything that is not a regular file."""
+    try:
+        fd = os.open(full, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise not_regular_error(os.path.dirname(full), os.path.basename(full), full, os.lstat(full).st_mode) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise not_regular_error(os.path.dirname(full), os.path.basename(full), full, st.st_mode)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _read_marker(path: str, marker: str) -> bytes:
+    """The marker's bytes: a regular file inside the folder (no symlink, FIFO or device), read
+    with its size checked first."""
+    try:
+        fd = os.open(marker, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+            raise not_regular_error(path, METADATA_NAME, marker, os.lstat(marker).st_mode) from None
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            if stat.S_ISDIR(st.st_mode):
+                raise CheckpointFormatError(f"{marker}: the commit marker is a folder, not a metadata file")
+            raise not_regular_error(path, f"the commit marker {METADATA_NAME}", marker, st.st_mode)
+        if st.st_size > MAX_METADATA_BYTES:
+            raise CheckpointFormatError(
+                f"{marker}: {st.st_size} bytes, more than the {MAX_METADATA_BYTES}-byte limit of a metadata file "
+                f"(not a dcp_datastates checkpoint, or damaged)"
+            )
+        chunks, left = [], st.st_size + 1  # one byte more: notices a file that grew meanwhile
+        while left > 0:
+            chunk = os.read(fd, min(left, 64 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        raw = b"".join(chunks)
+        if len(raw) > st.st_size:
+            raise CheckpointFormatError(f"{marker}: the commit marker changed while it was read (a save is running?)")
+        return raw
+    finally:
+        os.close(fd)
+
+
+def _looks_like_stock_dcp(raw: bytes) -> bool:
+    """DCP's FileSystemWriter pickles its Metadata (protocol 2+ starts with 0x80); never unpickled."""
+    return raw[:1] == b"\x80"
+
+
+def _stock_dcp_error(path: str, marker: str) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"{marker}: {path} is a stock DCP checkpoint (pickled .metadata, .distcp data files), not one written by "
+        f"DataStatesWriter; load it with torch.distributed.checkpoint.FileSystemReader, or convert it with "
+        f"torch.distributed.checkpoint.format_utils.dcp_to_torch_save (both unpickle it: only for checkpoints "
+        f"you trust); nothing of it was unpickled here"
+    )
+
+
+def _committed_subfolders(path: str) -> list[str]:
+    """Names of the folders directly under ``path`` that hold a commit marker, by step number."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return []
+    found = [
+        n for n in names
+        if os.path.isdir(os.path.join(path, n)) and os.path.isfile(os.path.join(path, n, METADATA_NAME))
+    ]
+
+    def step(name: str) -> tuple:
+        m = STEP_NUMBER.search(name)
+        return (0, int(m.group(1))) if m else (1, 0)
+
+    return sorted(found, key=step)
+
+
+def _missing_marker_error(path: str, name: str = METADATA_NAME) -> IncompleteCheckpointError:
+    runs = _committed_subfolders(path)
+    if runs:
+        shown = ", ".join(runs[-5:]) + (f" (and {len(runs) - 5} older)" if len(runs) > 5 else "")
+        return IncompleteCheckpointError(
+            f"incomplete checkpoint {path}: this is a folder of checkpoints, not a checkpoint: it holds the "
+            f"committed checkpoint folder(s) {shown}; load one of them, e.g. the newest with "
+            f"dcp_datastates.latest_checkpoint({path!r})"
+        )
+    return IncompleteCheckpointError(
+        f"incomplete checkpoint {path}: there is no {name} commit marker "
+        f"(the save did not finish or is still running)"
+    )
+
+
+def read_commit(path: str | os.PathLike, *, storage_options: dict | None = None,
+                rank: int | None = None) -> tuple[Metadata, dict[str, FileInfo]]:
+    """Read and decode the commit marker of ``path`` (a folder or a URL; ``rank``: that rank's
+    rank-local marker): the one place that maps "no folder", "no marker", "a folder of
+    checkpoints", "a stock DCP checkpoint" and "marker is not a regular file" to clear errors.
+    Returns DCP's ``Metadata`` and the per-file table."""
+    name = METADATA_NAME if rank is None else rank_marker_name(rank)
+    if folders.is_remote(path):
+        folder = folders.remote_folder(os.fspath(path), storage_options)
+        raw = folder.read_marker(name)  # maps "nothing stored" and "no marker" itself
+        where = folder.url_of(name)
+        if _looks_like_stock_dcp(raw):
+            raise _stock_dcp_error(folder.url, where)
+        return decode_metadata(raw, where)
+    path = folders.local_path(path)
+    marker = os.path.join(path, name)
+    try:
+        raw = _read_marker(path, marker)
+    except (FileNotFoundError, NotADirectoryError):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no checkpoint at {path}: the folder does not exist") from None
+        if not os.path.isdir(path):
+            raise NotADirectoryError(f"no checkpoint at {path}: it is a file, not a checkpoint folder") from None
+        raise _missing_marker_error(path, name) from None
+    except IsADirectoryError:
+        raise CheckpointFormatError(f"{marker}: the commit marker is a folder, not a metadata file") from None
+    if _looks_like_stock_dcp(raw):
+        raise _stock_dcp_error(path, marker)
+    return decode_metadata(raw, marker)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ absurd sizes later.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,10 @@ __all__ = ["ItemLocation", "FileInfo", "encode_metadata", "decode_metadata", "FO
 
 FORMAT_VERSION = 1
 METADATA_NAME = ".metadata"
+# A marker this large is not one (a million chunks encode to ~200 MB): refuse before reading it.
+MAX_METADATA_BYTES = 1 << 30
+# The step number of a checkpoint folder's name: its last run of digits (``step-100``, ``ckpt_7``).
+STEP_NUMBER = re.compile(r"(\d+)(?!.*\d)")
 # Upper bounds that keep a corrupted file from driving huge allocations.
 _MAX_DIMS = 64
 _MAX_NUMEL = 1 << 50
@@ -447,3 +452,8 @@ def piece_ranges(loc: ItemLocation) -> list[tuple[int, int]]:
         out.append((pos, stop - pos))
         pos = stop
     return out
+
+
+def rank_marker_name(rank: int) -> str:
+    """The commit marker of one rank's rank-local save (``use_collectives=False``)."""
+    return f"__{rank}{METADATA_NAME}"

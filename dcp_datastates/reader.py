@@ -23,13 +23,13 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from . import commit, folders, remote, safe_unpickle, tiers
+from . import commit, folders, integrity, remote, safe_unpickle, tiers
 from .config import DataStatesConfig
 from .errors import ChecksumMismatchError, CheckpointFormatError, record_metadata_read
 from .integrity import check_data_files, checksum_mismatch, file_size_error
 from .gcpause import gc_paused
 from .layout import name_to_dtype
-from .metadata import FileInfo, ItemLocation, piece_ranges
+from .metadata import FileInfo, ItemLocation, piece_ranges, rank_marker_name
 from .runtime import get_engine
 
 __all__ = ["DataStatesReader"]
@@ -154,10 +154,10 @@ class DataStatesReader(StorageReader):
         if rank is None and not folders.is_remote(self.path) and dist.is_available() and dist.is_initialized():
             # A rank-local checkpoint (saved with use_collectives=False): each rank reads its own
             # commit, unless the folder holds one committed by all ranks together.
-            local = os.path.join(folders.local_path(self.path), commit.rank_marker_name(dist.get_rank()))
+            local = os.path.join(folders.local_path(self.path), rank_marker_name(dist.get_rank()))
             if not commit.is_committed(self.path) and os.path.isfile(local):
                 rank = dist.get_rank()
-        md, files = commit.read_commit(self.path, storage_options=self.config.storage_options, rank=rank)
+        md, files = integrity.read_commit(self.path, storage_options=self.config.storage_options, rank=rank)
         return self._with_index(md, files)
 
     def _with_index(self, md: Metadata, files: dict[str, FileInfo]) -> Metadata:

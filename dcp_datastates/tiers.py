@@ -47,7 +47,7 @@ import logging
 import os
 import shutil
 
-from . import commit, folders, integrity
+from . import commit, integrity
 from .errors import DataStatesError
 
 log = logging.getLogger("dcp_datastates")
@@ -86,7 +86,7 @@ def durable_of(local: str) -> str | None:
 def checkpoint_id(path: str, storage_options: dict | None = None) -> str | None:
     """The id in the commit marker of ``path``; None when it holds no complete checkpoint."""
     try:
-        md, files = commit.read_commit(path, storage_options=storage_options)
+        md, files = integrity.read_commit(path, storage_options=storage_options)
         integrity.check_data_files(path, files, storage_options=storage_options)
     except (DataStatesError, OSError):
         return None

@@ -13,7 +13,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from conftest import assert_state_equal, tensors_equal_bitwise, zeros_like_state
 from dcp_datastates import ChecksumMismatchError, DataStatesWriter, convert
-from dcp_datastates.commit import read_commit
+from dcp_datastates.integrity import read_commit
 
 
 def _state():

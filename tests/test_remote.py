@@ -415,12 +415,11 @@ def test_s3_two_rank_save_loads_resharded_and_at_one_rank(s3):
 
 
 def test_oversized_remote_marker_is_refused_before_reading(mem_url, monkeypatch):
-    from dcp_datastates import commit as commit_mod
     from dcp_datastates.errors import CheckpointFormatError
 
     state = make_state(big=64 * 1024)
     save_load(mem_url, state)
-    monkeypatch.setattr(commit_mod, "MAX_METADATA_BYTES", 16)
+    monkeypatch.setattr(folders, "MAX_METADATA_BYTES", 16)
     folder = folders.remote_folder(mem_url)
     with pytest.raises(CheckpointFormatError, match=r"\.metadata: \d+ bytes, more than the 16-byte limit"):
         folder.read_marker()

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
 from dcp_datastates import DataStatesConfig, DataStatesReader, DataStatesWriter, recent_checkpoints
-from dcp_datastates import commit, drain, tiers
+from dcp_datastates import commit, drain, integrity, tiers
 from dcp_datastates.errors import CheckpointWriteError
 
 
@@ -25,7 +25,7 @@ def make_state(seed=0):
 
 def data_bytes(folder):
     """name -> bytes of every data file the folder's commit lists."""
-    _, files = commit.read_commit(folder)
+    _, files = integrity.read_commit(folder)
     return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(files)}
 
 
@@ -46,7 +46,7 @@ def load(durable, local_tier, like):
 
 def damage_first_file(folder):
     """Flip the first data byte of the first data file the folder's commit lists."""
-    _, files = commit.read_commit(folder)
+    _, files = integrity.read_commit(folder)
     name, info = next(iter(files.items()))
     with open(os.path.join(folder, name), "r+b") as f:
         f.seek(info.data_start)

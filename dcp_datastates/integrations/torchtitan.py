@@ -35,7 +35,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..commit import open_for_reading
+from ..integrity import open_for_reading
 from ..config import DataStatesConfig, cache_size
 from ..errors import CheckpointFormatError
 from ..metadata import METADATA_NAME
