@@ -24,16 +24,17 @@ from .runtime import get_engine
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["drain", "drain_pending", "verify_copy"]
+__all__ = ["drain", "drain_pending", "drain_rank", "verify_copy"]
 
 _COPY_BLOCK = 16 << 20  # bytes outside any checksum piece (headers) are copied in blocks this big
 _NAME = re.compile(r"^(__\d+_\d+)(\.[0-9a-f]+)?\.safetensors$")
 
 
-def _pieces_by_file(md) -> dict[str, list[tuple[int, int, int, str]]]:
-    """file -> sorted (offset, length, crc32c, item) of every checksum piece the marker records."""
+def _pieces_by_file(locations) -> dict[str, list[tuple[int, int, int, str]]]:
+    """file -> sorted (offset, length, crc32c, item) of every checksum piece of ``locations``
+    ({MetadataIndex: ItemLocation}: a marker's storage_data, or one rank's write results)."""
     out: dict[str, list] = {}
-    for index, loc in md.storage_data.items():
+    for index, loc in locations.items():
         pieces = out.setdefault(loc.file, [])
         pieces.extend((off, length, crc, index.fqn) for crc, (off, length) in zip(loc.crc32c, piece_ranges(loc)))
     for pieces in out.values():
@@ -92,7 +93,7 @@ def verify_copy(local: str, config: DataStatesConfig | None = None) -> None:
     md, files = integrity.read_commit(local)
     integrity.check_data_files(local, files)
     engine = get_engine(config or DataStatesConfig())
-    for name, pieces in _pieces_by_file(md).items():
+    for name, pieces in _pieces_by_file(md.storage_data).items():
         _copy_file(os.path.join(local, name), None, files[name].size, pieces, engine)
 
 
@@ -124,7 +125,7 @@ def _drain_unlocked(local: str, durable: str, config: DataStatesConfig) -> None:
         tag = uuid.uuid4().hex[:12] if commit.prepare_folder(durable, overwrite=True, storage_options=options) else None
         renamed = {name: _durable_name(name, tag) for name in files}
         engine = get_engine(config)
-        pieces = _pieces_by_file(md)
+        pieces = _pieces_by_file(md.storage_data)
         for name, info in files.items():
             src = os.path.join(local, name)
             _write_durable(src, durable, renamed[name], info.size, pieces.get(name, []), engine, config)
@@ -139,6 +140,29 @@ def _drain_unlocked(local: str, durable: str, config: DataStatesConfig) -> None:
         raise CheckpointWriteError(
             f"draining {local} to the durable tier {durable} failed: {type(exc).__name__}: {detail}; "
             f"the local copy stays committed (drain_pending retries)"
+        ) from exc
+
+
+def drain_rank(local: str, durable: str, locations: dict, tag: str | None, config: DataStatesConfig) -> dict[str, str]:
+    """Several ranks: copy the data files this rank wrote into its local copy ``local`` (their
+    items are ``locations``, {MetadataIndex: ItemLocation}) to ``durable``, verifying every
+    piece, under the names the coordinator chose (``tag``: the durable folder holds a commit).
+    Returns {local name: durable name}. The coordinator commits the durable folder once every
+    rank's drain returned (DCP gathers them); this rank's failure fails the save on every rank.
+    Raises CheckpointWriteError naming both folders."""
+    try:
+        engine = get_engine(config)
+        renamed = {}
+        for name, pieces in _pieces_by_file(locations).items():
+            renamed[name] = _durable_name(name, tag)
+            src = os.path.join(local, name)
+            _write_durable(src, durable, renamed[name], os.stat(src).st_size, pieces, engine, config)
+        return renamed
+    except (DataStatesError, OSError) as exc:
+        detail = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise CheckpointWriteError(
+            f"draining {local} to the durable tier {durable} failed: {type(exc).__name__}: {detail}; "
+            f"the durable tier keeps its previous commit"
         ) from exc
 
 

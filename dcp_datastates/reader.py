@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import logging
 import os
 import threading
 from collections import defaultdict
@@ -25,12 +26,14 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from . import commit, folders, integrity, remote, safe_unpickle, tiers
 from .config import DataStatesConfig
-from .errors import ChecksumMismatchError, CheckpointFormatError, record_metadata_read
+from .errors import ChecksumMismatchError, CheckpointFormatError, DataStatesError, record_metadata_read
 from .integrity import check_data_files, checksum_mismatch, file_size_error
 from .gcpause import gc_paused
 from .layout import name_to_dtype
 from .metadata import FileInfo, ItemLocation, piece_ranges, rank_marker_name
 from .runtime import get_engine
+
+log = logging.getLogger("dcp_datastates")
 
 __all__ = ["DataStatesReader"]
 
@@ -117,6 +120,10 @@ class DataStatesReader(StorageReader):
         self.rank = 0
         self._folder: folders.RemoteFolder | None = None  # remote checkpoints (fsspec URLs)
         self._sizes: dict[str, int] | None = None  # remote data-object sizes, one listing per load
+        # local_tier, several-rank saves: durable file name -> this node's local copy of it, and
+        # how many files this load read from each tier (logged)
+        self._local_files: dict[str, str] = {}
+        self.tier_reads = {"local": 0, "durable": 0}
 
     # ---------------------------------------------------------------------------- StorageReader
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -125,6 +132,8 @@ class DataStatesReader(StorageReader):
         self.storage_data = None
         self._folder = None
         self._sizes = None
+        self._local_files = {}
+        self.tier_reads = {"local": 0, "durable": 0}
 
     @property
     def checkpoint_id(self) -> str | None:
@@ -158,6 +167,10 @@ class DataStatesReader(StorageReader):
             if not commit.is_committed(self.path) and os.path.isfile(local):
                 rank = dist.get_rank()
         md, files = integrity.read_commit(self.path, storage_options=self.config.storage_options, rank=rank)
+        if self.config.local_tier is not None and self.path == self.durable_path and rank is None:
+            # local_tier hook: a several-rank save leaves each node's files in its local copy
+            save_id = md.storage_meta.save_id if md.storage_meta is not None else None
+            self._local_files = tiers.local_files(tiers.local_copy(self.config.local_tier, self.durable_path), save_id)
         return self._with_index(md, files)
 
     def _with_index(self, md: Metadata, files: dict[str, FileInfo]) -> Metadata:
@@ -192,6 +205,10 @@ class DataStatesReader(StorageReader):
         for name, items in by_file.items():
             self._read_file(name, items, planner)
         _finish_device_copies()
+        if self._local_files:
+            log.info("dcp_datastates: rank %d read %d data file(s) of %s from the local tier %s and %d from "
+                     "the durable tier", self.rank, self.tier_reads["local"], self.durable_path,
+                     self.config.local_tier, self.tier_reads["durable"])
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
         return fut
@@ -240,22 +257,33 @@ class DataStatesReader(StorageReader):
         return os.path.join(self.path, name)
 
     def _read_file(self, name: str, items: list[tuple[ReadItem, ItemLocation]], planner: LoadPlanner) -> None:
-        full = self._check_file(name)
+        local = self._local_files.get(name)
+        full = self._check_file(name) if local is None else None
         pending = [self._target(req, loc, planner) for req, loc in items]
         reading = [p for p in pending if p.nbytes]
         ranges = [(p.ptr, p.read_start, p.nbytes) for p in reading]
-        if ranges and folders.is_remote(self.path):
-            concurrency = max(remote.READ_CONCURRENCY, self.config.read_threads)
-            remote.read_ranges(self._remote(), name, ranges, concurrency=concurrency)
-            if self.config.verify:
-                self._verify(reading)
-        elif ranges:
-            # The engine checks each piece right after reading it, while its bytes are hot.
-            checks = self._checks(reading) if self.config.verify else None
-            bad = get_engine(self.config).read_into(full, ranges, checks, self.config.read_threads)
-            if bad is not None:
-                index, off, length, expected, got = bad
-                raise self._mismatch(reading[index], off, length, expected, got)
+        if local is not None:
+            try:  # local_tier hook: this node's copy, verified; any problem reads the durable file
+                info = self.storage_data.files.get(name)
+                if info is not None:
+                    check_data_files(os.path.dirname(local), {os.path.basename(local): info})
+                if ranges:
+                    self._read_local(local, reading, ranges, verify=True)
+                self.tier_reads["local"] += 1
+                local = None
+            except (DataStatesError, OSError) as exc:
+                log.warning("dcp_datastates: rank %d: the local copy %s of %s is unusable (%s); reading it from "
+                            "the durable tier", self.rank, local, name, exc)
+                full = self._check_file(name)
+        if full is not None:
+            self.tier_reads["durable"] += 1
+            if ranges and folders.is_remote(self.path):
+                concurrency = max(remote.READ_CONCURRENCY, self.config.read_threads)
+                remote.read_ranges(self._remote(), name, ranges, concurrency=concurrency)
+                if self.config.verify:
+                    self._verify(reading)
+            elif ranges:
+                self._read_local(full, reading, ranges, verify=self.config.verify)
         for p in pending:
             if p.dst is None:
                 self._load_value(p, planner)
@@ -266,6 +294,15 @@ class DataStatesReader(StorageReader):
                 else:
                     p.dst.copy_(p.src)
             planner.commit_tensor(p.req, p.dst)
+
+    def _read_local(self, full: str, reading: list[_Pending], ranges: list, *, verify: bool) -> None:
+        # The engine checks each piece right after reading it, while its bytes are hot.
+        checks = self._checks(reading) if verify else None
+        bad = get_engine(self.config).read_into(full, ranges, checks, self.config.read_threads)
+        if bad is not None:
+            index, off, length, expected, got = bad
+            raise checksum_mismatch(os.path.dirname(full), reading[index].loc.file, reading[index].req.storage_index,
+                                    off, length, expected, got)
 
     def _load_value(self, p: _Pending, planner: LoadPlanner) -> None:
         """Hand a stored non-tensor value to the planner. Unless trusted, it is decoded first with

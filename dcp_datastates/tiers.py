@@ -34,9 +34,21 @@ Retention. After each drain, ``evict_drained`` keeps the ``keep_local`` newest l
 
 The durable path may be local or any fsspec URL (the marker is one PUT there, as usual).
 
-Multi-rank (not yet: refused inside DCP's planning, so every rank raises). Planned: each rank
-drains its own files and writes a rank-local durable marker; the coordinator waits, bounded, for every rank's marker before
-the global one, and a rank's failure reaches every rank through the writer's collective.
+Several ranks. Each node has its own local tier, so no rank can drain another's files, and
+only the coordinator sees the global metadata. So each rank drains its own files, inside
+``write_data`` (DCP's save thread, never the training thread): its files are durable on the local
+tier (``local_commit`` resolves on that rank), then copied and verified to the durable folder
+under the names the coordinator chose in ``prepare_global_plan`` (``RankDrain``), and recorded in
+``.tier-<rank>.json`` of the local copy (``record_rank_files``: checkpoint id, durable name ->
+local name). DCP gathers every rank's results only once every drain returned, so the
+coordinator's ``finish`` commits the durable folder directly; a drain failing on any rank fails
+the save on every rank through DCP's own gather (nothing is committed, the durable tier keeps
+its previous checkpoint). The reader then takes each data file from the local copy when that
+node holds it for the same checkpoint id and its pieces verify, else from the durable folder
+(``local_files``), and logs the count per tier on each rank.
+Not yet for several ranks: a restart after a kill between a rank's local flush and the durable
+commit reads the durable tier's previous checkpoint (the global metadata of the interrupted one
+exists only in the coordinator's memory), and ``drain_pending`` handles one-process copies only.
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 
 from . import commit, integrity
@@ -52,9 +65,11 @@ from .errors import DataStatesError
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["local_copy", "durable_of", "checkpoint_id", "choose_copy", "evict_drained", "newest_local", "TIER_FILE"]
+__all__ = ["local_copy", "durable_of", "checkpoint_id", "choose_copy", "evict_drained", "newest_local", "local_files",
+           "record_rank_files", "TIER_FILE"]
 
 TIER_FILE = ".tier.json"
+_RANK_FILES = re.compile(r"^\.tier-(\d+)\.json$")
 
 
 def local_copy(local_tier: str, durable: str) -> str:
@@ -67,10 +82,83 @@ def local_copy(local_tier: str, durable: str) -> str:
 def record_durable(local: str, durable: str) -> None:
     """Name the durable path in the local copy (read by ``drain_pending`` after a restart)."""
     os.makedirs(local, exist_ok=True)
-    tmp = os.path.join(local, TIER_FILE + ".tmp")
+    tmp = os.path.join(local, f"{TIER_FILE}.tmp-{os.getpid()}")  # the ranks of a node share the copy
     with open(tmp, "w") as f:
         json.dump({"durable": durable}, f)
     os.replace(tmp, os.path.join(local, TIER_FILE))
+
+
+def record_rank_files(local: str, rank: int, durable: str, save_id: str, renamed: dict[str, str]) -> None:
+    """Several ranks: record in the local copy which durable files of checkpoint ``save_id`` this
+    rank's local files are ({local name: durable name})."""
+    tmp = os.path.join(local, f".tier-{rank}.json.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump({"durable": durable, "save_id": save_id, "files": {d: n for n, d in renamed.items()}}, f)
+    os.replace(tmp, os.path.join(local, f".tier-{rank}.json"))
+
+
+def forget_rank_files(local: str, rank: int) -> None:
+    """Drop this rank's record before it rewrites its files in the copy: a record must never
+    name a local file whose bytes are not the recorded checkpoint's."""
+    try:
+        os.unlink(os.path.join(local, f".tier-{rank}.json"))
+    except FileNotFoundError:
+        pass
+
+
+def _rank_records(local: str) -> list[tuple[int, dict]]:
+    """(mtime_ns, record) of every ``.tier-<rank>.json`` of a local copy that reads as one."""
+    out = []
+    try:
+        names = os.listdir(local)
+    except OSError:
+        return []
+    for name in names:
+        if not _RANK_FILES.match(name):
+            continue
+        full = os.path.join(local, name)
+        try:
+            with open(full) as f:
+                record = json.load(f)
+            files = record["files"]
+            if isinstance(record.get("save_id"), str) and isinstance(files, dict):
+                out.append((os.stat(full).st_mtime_ns, record))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def local_files(local: str, save_id: str | None) -> dict[str, str]:
+    """{durable data file name: path in the local copy} of checkpoint ``save_id`` as recorded by
+    the ranks of this node (several-rank saves); only files present as regular files."""
+    out: dict[str, str] = {}
+    if save_id is None:
+        return out
+    for _, record in _rank_records(local):
+        if record["save_id"] != save_id:
+            continue
+        for durable_name, local_name in record["files"].items():
+            if not isinstance(local_name, str) or os.path.basename(local_name) != local_name:
+                continue  # a record naming a path outside the copy is not ours
+            full = os.path.join(local, local_name)
+            if os.path.isfile(full) and not os.path.islink(full):
+                out[durable_name] = full
+    return out
+
+
+def _local_state(local: str) -> tuple[int, str | None] | None:
+    """(commit time, checkpoint id) of a local copy: its ``.metadata`` (one process), else its
+    ranks' records (several ranks); None when it holds neither."""
+    try:
+        committed = os.stat(os.path.join(local, commit.METADATA_NAME)).st_mtime_ns
+        return committed, checkpoint_id(local)
+    except OSError:
+        pass
+    records = _rank_records(local)
+    if not records:
+        return None
+    ids = {r["save_id"] for _, r in records}
+    return max(t for t, _ in records), (ids.pop() if len(ids) == 1 else None)
 
 
 def durable_of(local: str) -> str | None:
@@ -101,7 +189,8 @@ def choose_copy(durable: str, config) -> str:
     local = local_copy(config.local_tier, durable)
     local_id = checkpoint_id(local)
     if local_id is None:
-        log.info("dcp_datastates: reading %s from the durable tier (no complete local copy in %s)", durable, local)
+        if not _rank_records(local):  # a several-rank copy is used file by file (the reader logs it)
+            log.info("dcp_datastates: reading %s from the durable tier (no complete local copy in %s)", durable, local)
         return durable
     durable_id = checkpoint_id(durable, config.storage_options)
     if durable_id is not None and durable_id != local_id:
@@ -128,15 +217,11 @@ def evict_drained(local_tier: str, keep: int, storage_options: dict | None = Non
         return []
     for name in names:
         local = os.path.join(local_tier, name)
-        try:
-            committed = os.stat(os.path.join(local, commit.METADATA_NAME)).st_mtime_ns
-        except OSError:
-            continue
-        if durable_of(local) is not None:
-            copies.append((committed, local))
+        state = _local_state(local)
+        if state is not None and durable_of(local) is not None:
+            copies.append((state[0], local, state[1]))
     removed = []
-    for _, local in sorted(copies, reverse=True)[keep:]:
-        local_id = checkpoint_id(local)
+    for _, local, local_id in sorted(copies, reverse=True)[keep:]:
         if local_id is None or checkpoint_id(durable_of(local), storage_options) != local_id:
             continue  # not durable yet (or damaged): kept for drain_pending / the reader
         shutil.rmtree(local, ignore_errors=True)

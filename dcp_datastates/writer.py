@@ -67,6 +67,16 @@ class RankReport:
     path: str | None
 
 
+@dataclass(frozen=True)
+class RankDrain:
+    """local_tier with several ranks: what the coordinator's global plan tells each rank (its
+    plan's ``storage_data``): the checkpoint id, and the tag of the durable file names (None
+    when the durable folder holds no commit). See tiers.py."""
+
+    save_id: str
+    tag: str | None
+
+
 @dataclass(eq=False)
 class _FileJob:
     """One data file written by the engine (local) or streamed to an object store (remote)."""
@@ -146,6 +156,7 @@ class _StagedSave:
     stall_s: float = 0.0  # the training thread's time in stage()
     staged_s: float | None = None  # request -> every byte in the host cache
     local_s: float | None = None  # local_tier: request -> the local copy committed
+    rank_drain: "RankDrain | None" = None  # local_tier, several ranks: this save's drain plan
     _sealed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     finished: threading.Event = field(default_factory=threading.Event)
@@ -463,6 +474,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             )
             return job, upload, name
         path = os.path.join(folder, name)
+        if self.durable_path is not None:  # local_tier hook: this rank's files change from here on
+            tiers.forget_rank_files(folder, staged.rank)
         _retire_old_file(path)  # a new inode: never write into a file another checkpoint links to
         job = engine.submit_write(path, layout.header, layout.file_size, spans, self.config.sync_files, device, stream)
         return job, None, name
@@ -524,6 +537,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 committed = commit.prepare_folder(self.path, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
                 staged.tag = _new_tag() if committed else None
             remote_folder = self._remote(staged.path) if folders.is_remote(staged.path) else None
+            if self.durable_path is not None and staged.held:  # local_tier hook: as in _start
+                tiers.forget_rank_files(staged.path, staged.rank)
             for k, h in enumerate(staged.held, start=len(staged.files)):
                 if h.name is None:
                     h.set_destination(staged.path, data_file_name(staged.rank, k, staged.tag),
@@ -553,14 +568,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             self._check_launch()
             committed = commit.prepare_folder(self.path, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
             self._sync_tag = _new_tag() if committed else None
-            return dataclasses.replace(plan, storage_data=RankReport(self.rank, self.path))
+            return dataclasses.replace(plan, storage_data=RankReport(self.rank, self.durable_path or self.path))
         if staged.error is not None:
             raise staged.error
         if plan.usable and staged.skipped and self.use_collectives:
             # Leave replicated DTensor shards to the replica that staged them, so any planner's
             # dedup (DCP's default included) has exactly one candidate.
             plan = dataclasses.replace(plan, items=[i for i in plan.items if item_key(i.index) not in staged.skipped])
-        return dataclasses.replace(plan, storage_data=RankReport(self.rank, self.path))
+        return dataclasses.replace(plan, storage_data=RankReport(self.rank, self.durable_path or self.path))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: every rank must be saving the same checkpoint."""
@@ -574,6 +589,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 f"the ranks of one save name different checkpoint paths ({listing}); every rank must pass "
                 f"the same path (or checkpoint_id). Nothing was committed."
             )
+        if self.durable_path is not None and len(plans) > 1:  # local_tier hook: each rank drains its files
+            options = self.config.storage_options
+            committed = commit.prepare_folder(self.durable_path, overwrite=self.config.overwrite, storage_options=options)
+            drain_plan = RankDrain(self.save_id, _new_tag() if committed else None)
+            plans = [dataclasses.replace(p, storage_data=drain_plan) for p in plans]
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
@@ -582,8 +602,11 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._current = None
         results: list[WriteResult] = []
         error: BaseException | None = None
+        staged.rank_drain = plan.storage_data if isinstance(plan.storage_data, RankDrain) else None
         try:
             results = self._write_local(staged, plan, planner)
+            if staged.rank_drain is not None:
+                results = self._drain_rank(staged, results, staged.rank_drain)
         except BaseException as exc:  # noqa: BLE001 - raised below, after the collectives
             error = exc
             staged.abandon(f"save abandoned: {exc}")
@@ -642,6 +665,18 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             out.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
         return out
 
+    def _drain_rank(self, staged: _StagedSave, results: list[WriteResult], plan: RankDrain) -> list[WriteResult]:
+        """local_tier hook, several ranks: this rank's files are durable on the local tier; copy
+        them to the durable folder (verified) and return the results naming the durable files."""
+        staged.local_s = time.monotonic() - staged.requested
+        if not self.local_commit.done():
+            self.local_commit.set_result(self.path)
+        locations = {r.index: r.storage_data for r in results}
+        renamed = drain.drain_rank(self.path, self.durable_path, locations, plan.tag, self.config)
+        tiers.record_rank_files(self.path, self.rank, self.durable_path, plan.save_id, renamed)
+        tiers.evict_drained(self.config.local_tier, self.config.keep_local, self.config.storage_options)
+        return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed[r.storage_data.file])) for r in results]
+
     def _relocate(self, staged: _StagedSave, locations: dict[ItemKey, ItemLocation]) -> dict[ItemKey, ItemLocation]:
         """Move the files written into ``staged.moved_from`` to the folder DCP named (their new
         names follow that folder's commit state)."""
@@ -698,6 +733,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 for r in rank_results:
                     locations[r.index] = r.storage_data
             rank_local = None if self.use_collectives else self.rank
+            if staged is not None and staged.rank_drain is not None:  # local_tier hook, several ranks: every rank drained its files
+                commit.write_commit(self.durable_path, metadata, locations, sync=self.config.sync_files,
+                                    storage_options=self.config.storage_options)
+                return
             commit.write_commit(
                 self.path, metadata, locations, sync=self.config.sync_files,
                 storage_options=self.config.storage_options, rank_local=rank_local,
@@ -723,10 +762,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def _check_tiered(self) -> None:
         """local_tier hook: what the tiers support so far (raised inside DCP's planning, so
         every rank gets it), then name the durable path in the local copy."""
-        if _global_rank_world()[1] > 1 or not self.use_collectives:
+        if not self.use_collectives:
             raise CheckpointWriteError(
-                f"local_tier: multi-rank saves are not supported yet (saving {self.durable_path}); "
-                f"save without local_tier"
+                f"local_tier: rank-local saves (use_collectives=False) are not supported (saving "
+                f"{self.durable_path}); save without local_tier, or with collectives"
             )
         tiers.record_durable(self.path, self.durable_path)
 

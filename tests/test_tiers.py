@@ -255,22 +255,6 @@ def test_keep_local_evicts_only_drained_copies(tmp_path):
         DataStatesConfig(keep_local=0)
 
 
-def _refused_on_every_rank(rank, world_size, root):
-    """Each rank gets the refusal through DCP's planning collective (none hangs, none commits)."""
-    durable = os.path.join(root, "step-20")
-    for asynchronous in (False, True):
-        with raises_through_dcp("local_tier: multi-rank saves are not supported yet"):
-            save({f"r{rank}": torch.full((8,), float(rank))}, durable, os.path.join(root, f"nv{rank}"), asynchronous)
-        assert not commit.is_committed(durable)
-
-
-def test_multirank_local_tier_refused_on_every_rank(tmp_path):
-    from dist_harness import run_ranks
-
-    run_ranks(2, _refused_on_every_rank, str(tmp_path))
-    assert not commit.is_committed(str(tmp_path / "step-20"))
-
-
 def test_object_store_down_fails_upload_completion_keeps_local_copy(tmp_path):
     pytest.importorskip("s3fs")
     import socket

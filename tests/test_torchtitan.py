@@ -6,6 +6,7 @@ integration module imports without TorchTitan always runs.
 """
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -156,6 +157,32 @@ def test_async_lazy_save_keep_latest_k_and_resume(tt, tmp_path, monkeypatch):
     manager2.maybe_wait_for_saving()
     manager2.close()
     assert sorted(os.listdir(root)) == ["step-6", "step-8"]
+
+
+def test_local_tier_option_commits_locally_drains_and_resumes_from_the_local_copy(tt, tmp_path, caplog):
+    nv = tmp_path / "nvme"
+    model, optimizers, lrs, ts, manager = build(tt, tmp_path, local_tier=str(nv), keep_local=1)
+    assert manager.datastates_config.local_tier == str(nv) and manager.datastates_config.keep_local == 1
+    snaps = {}
+    train(model, optimizers, lrs, ts, manager, steps=7, snapshots=snaps)
+    manager.maybe_wait_for_saving()
+    manager.close()
+    root = tmp_path / "checkpoint"
+    # keep_latest_k on the durable tier: TorchTitan purges the committed folders beyond k when a
+    # save is issued; step-6 was still draining then, so step-2 goes at the next save.
+    assert {"step-4", "step-6"} <= set(os.listdir(root)) <= {"step-2", "step-4", "step-6"}
+    # keep_local=1 on the local tier: only the newest copy stays, and it is tied to step-6.
+    copies = os.listdir(nv)
+    assert len(copies) == 1 and copies[0].startswith("step-6-")
+    from dcp_datastates import tiers
+
+    assert tiers.checkpoint_id(str(nv / copies[0])) == tiers.checkpoint_id(str(root / "step-6"))
+    model2, opt2, lrs2, ts2, manager2 = build(tt, tmp_path, seed=99, local_tier=str(nv))
+    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+        assert manager2.load() is True
+    assert ts2.step == 6 and "from the local tier" in caplog.text
+    assert_matches(snaps[6], model2, opt2)
+    manager2.close()
 
 
 def test_load_step_and_incomplete_checkpoint_is_skipped(tt, tmp_path):

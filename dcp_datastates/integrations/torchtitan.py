@@ -140,6 +140,15 @@ if TORCHTITAN_AVAILABLE:
             writer). Non-tensor values such as the per-rank dataloader state are written by
             every rank (DCP picks one copy)."""
 
+            local_tier: str | None = None
+            """A node-local folder (NVMe, tmpfs): each checkpoint is committed there first and
+            drained in the background to ``checkpoint.folder``; resuming reads each file from the
+            nearest verified copy (docs/how-it-works.md, Node-local tier). Default: off."""
+
+            keep_local: int | None = None
+            """Checkpoints kept in ``local_tier`` (newest first; older ones are removed once
+            drained, never before). ``keep_latest_k`` still governs the durable folder. Default: 2."""
+
             trust_checkpoints: bool = False
             """Allow resuming from checkpoints whose values need arbitrary unpickling: stock DCP
             checkpoints (pickled .metadata) and values outside PyTorch's restricted unpickler.
@@ -167,6 +176,8 @@ if TORCHTITAN_AVAILABLE:
                     ("verify_checksums", "verify"),
                     ("sync_files", "sync_files"),
                     ("dedup_replicated", "dedup_replicated"),
+                    ("local_tier", "local_tier"),
+                    ("keep_local", "keep_local"),
                 ):
                     value = getattr(self, ours)
                     if value is not None:

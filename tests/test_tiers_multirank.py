@@ -1,0 +1,194 @@
+"""Multi-level checkpoints with several ranks: each node's ranks share a node-local tier (two
+simulated nodes: the first half of the ranks use nvA, the rest nvB), every rank drains its own
+files, the coordinator commits the durable folder once all have, and a load reads each file from
+the nearest verified copy."""
+
+import logging
+import os
+import shutil
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
+from dist_harness import run_ranks
+from dcp_datastates import DataStatesReader, DataStatesWriter, drain, integrity, tiers
+from dcp_datastates.errors import CheckpointWriteError
+
+
+def node_tier(root, rank, world):
+    return os.path.join(root, "nvA" if rank < world // 2 else "nvB")
+
+
+def rank_state(rank, seed):
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    return {
+        f"own{rank}": torch.randn(40, 24, generator=g),  # written by this rank only
+        "shared": torch.arange(64, dtype=torch.float32) + seed,  # the same on every rank: written once
+        "b": torch.full((5,), float(seed), dtype=torch.bfloat16),
+        "step": seed,
+    }
+
+
+def save(state, durable, nv, asynchronous):
+    w = DataStatesWriter(durable, local_tier=nv)
+    if asynchronous:
+        dcp.async_save(clone_state(state), storage_writer=w).upload_completion.result(timeout=120)
+    else:
+        dcp.save(clone_state(state), storage_writer=w)
+    return w
+
+
+def load(durable, nv, like):
+    out = zeros_like_state(like)
+    reader = DataStatesReader(durable, local_tier=nv)
+    dcp.load(out, storage_reader=reader)
+    return out, reader
+
+
+def _save_drain_load(rank, world, root, asynchronous):
+    nv = node_tier(root, rank, world)
+    durable = os.path.join(root, "step-1")
+    states = [rank_state(rank, seed) for seed in (1, 2)]
+    for state in states:  # the second save goes into a committed durable folder: new names
+        w = save(state, durable, nv, asynchronous)
+        local = tiers.local_copy(nv, durable)
+        assert w.local_commit.result(timeout=0) == local
+    # Every byte on the durable tier is a verified copy of a local file of the same checkpoint.
+    md, files = integrity.read_commit(durable)
+    mine = tiers.local_files(local, md.storage_meta.save_id)
+    assert mine, f"rank {rank}: nothing of the checkpoint recorded in {local}"
+    for name, path in mine.items():
+        with open(path, "rb") as a, open(os.path.join(durable, name), "rb") as b:
+            assert a.read() == b.read(), name
+    assert len(files) <= world  # the replicated tensor was written once
+    out, reader = load(durable, nv, states[1])
+    assert_state_equal(states[1], out)
+    # Its own file from this node (another node's file, e.g. the one replicated tensor, durably).
+    assert reader.tier_reads["local"] >= 1, reader.tier_reads
+    dist.barrier()
+    # Node B replaced (its local tier wiped): its ranks read the durable tier, node A's stay local.
+    if rank == world // 2:
+        shutil.rmtree(os.path.join(root, "nvB"))
+    dist.barrier()
+    out, reader = load(durable, nv, states[1])
+    assert_state_equal(states[1], out)
+    if rank >= world // 2:
+        assert reader.tier_reads["local"] == 0 and reader.tier_reads["durable"] >= 1, reader.tier_reads
+    else:
+        assert reader.tier_reads["local"] >= 1, reader.tier_reads
+    dist.barrier()
+    # A local file damaged after the commit: that file is read from the durable tier.
+    if rank == 0:
+        path = sorted(tiers.local_files(tiers.local_copy(nv, durable), md.storage_meta.save_id).values())[0]
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            last = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([last[0] ^ 0xFF]))
+    dist.barrier()
+    out, reader = load(durable, nv, states[1])
+    assert_state_equal(states[1], out)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["save", "async_save"])
+def test_ranks_drain_their_files_and_load_from_the_nearest_tier(tmp_path, world, asynchronous):
+    run_ranks(world, _save_drain_load, str(tmp_path), asynchronous)
+    integrity.validate_checkpoint(str(tmp_path / "step-1"))
+    # Every local copy records only files of the committed checkpoint or of none.
+    md, _ = integrity.read_commit(str(tmp_path / "step-1"))
+    local = tiers.local_copy(str(tmp_path / "nvA"), str(tmp_path / "step-1"))
+    assert set(tiers.local_files(local, md.storage_meta.save_id)) <= set(integrity.read_commit(str(tmp_path / "step-1"))[1])
+
+
+def _failing_drain_on_one_rank(rank, world, root):
+    nv = node_tier(root, rank, world)
+    durable = os.path.join(root, "step-7")
+    old = rank_state(rank, 1)
+    save(old, durable, nv, asynchronous=True)
+    new = rank_state(rank, 2)
+    real = drain._write_durable
+
+    def disk_full(src, *args, **kwargs):
+        raise OSError(28, "No space left on device", src)
+
+    with mock.patch.object(drain, "_write_durable", disk_full if rank == world - 1 else real):
+        for asynchronous in (True, False):
+            with raises_through_dcp(r"draining .* to the durable tier .* failed: OSError: No space left on device"):
+                save(new, durable, nv, asynchronous)
+    # Nothing was committed: the durable tier still holds the first checkpoint, on every rank.
+    out, _ = load(durable, nv, old)
+    assert_state_equal(old, out)
+    dist.barrier()
+    # The next checkpoint drains fine.
+    save(new, durable, nv, asynchronous=True)
+    out, _ = load(durable, nv, new)
+    assert_state_equal(new, out)
+
+
+def test_a_failing_drain_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    run_ranks(2, _failing_drain_on_one_rank, str(tmp_path))
+
+
+def _fsdp2_tiers(rank, world, root):
+    import fsdp_workers
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from dcp_datastates import DataStatesLoadPlanner, DataStatesSavePlanner
+
+    nv = os.path.join(root, "nvA")  # one node: every file this rank reads is local
+    durable = os.path.join(root, "fsdp", "step-3")
+    model, opt = fsdp_workers.build(world)
+    for step in range(3):
+        fsdp_workers.train_step(model, opt, step, rank, world)
+    msd, osd = get_state_dict(model, opt)
+    saved = clone_state({"model": msd, "optim": osd})
+    group = dist.new_group(backend="gloo")
+    w = DataStatesWriter(durable, local_tier=nv)
+    dcp.async_save({"model": msd, "optim": osd}, storage_writer=w, planner=DataStatesSavePlanner(),
+                   process_group=group).upload_completion.result(timeout=120)
+    assert w.local_commit.done()
+    model2, opt2 = fsdp_workers.build(world)
+    fsdp_workers.train_step(model2, opt2, 0, rank, world)  # optimizer state to load into
+    msd2, osd2 = get_state_dict(model2, opt2)
+    state = {"model": msd2, "optim": osd2}
+    reader = DataStatesReader(durable, local_tier=nv)
+    dcp.load(state, storage_reader=reader, planner=DataStatesLoadPlanner())
+    assert reader.tier_reads["local"] >= 1 and reader.tier_reads["durable"] == 0, reader.tier_reads
+    set_state_dict(model2, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    got = get_state_dict(model2, opt2)
+    assert_state_equal(saved, clone_state({"model": got[0], "optim": got[1]}))
+
+
+def test_fsdp2_state_through_the_tiers(tmp_path):
+    run_ranks(2, _fsdp2_tiers, str(tmp_path))
+
+
+def _rank_local_refused(rank, world, root):
+    w = DataStatesWriter(os.path.join(root, "step-9"), local_tier=node_tier(root, rank, world))
+    with pytest.raises(CheckpointWriteError, match="local_tier: rank-local saves"):
+        dcp.save({"x": torch.ones(2)}, storage_writer=w, use_collectives=False)
+
+
+def test_rank_local_saves_with_a_local_tier_are_refused(tmp_path):
+    run_ranks(2, _rank_local_refused, str(tmp_path))
+
+
+def test_log_names_the_tiers(tmp_path, caplog):
+    """One process reading a several-rank checkpoint: each file from the local copy that holds it."""
+    run_ranks(2, _save_only, str(tmp_path))
+    like = {**rank_state(0, 1), **{k: v for k, v in rank_state(1, 1).items() if k == "own1"}}
+    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+        out, reader = load(str(tmp_path / "step-5"), str(tmp_path / "nvA"), like)
+    assert_state_equal(like, out)
+    n = len(integrity.read_commit(str(tmp_path / "step-5"))[1])
+    assert n >= 2 and reader.tier_reads == {"local": n, "durable": 0}
+    assert f"rank 0 read {n} data file(s)" in caplog.text and "and 0 from the durable tier" in caplog.text
+
+
+def _save_only(rank, world, root):
+    save(rank_state(rank, 1), os.path.join(root, "step-5"), os.path.join(root, "nvA"), asynchronous=True)
