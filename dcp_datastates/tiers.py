@@ -61,7 +61,7 @@ import re
 import shutil
 
 from . import commit, integrity
-from .errors import DataStatesError
+from .errors import CheckpointWriteError, DataStatesError
 
 log = logging.getLogger("dcp_datastates")
 
@@ -228,6 +228,47 @@ def evict_drained(local_tier: str, keep: int, storage_options: dict | None = Non
         removed.append(local)
         log.info("dcp_datastates: removed the drained local copy %s (keep_local=%d)", local, keep)
     return removed
+
+
+def free_bytes(folder: str) -> int:
+    """Bytes an unprivileged writer may still use on the file system holding ``folder``."""
+    st = os.statvfs(folder)
+    return st.f_bavail * st.f_frsize
+
+
+def make_room(local_tier: str, need: int, current: str, storage_options: dict | None = None) -> None:
+    """Before a save writes ``need`` bytes into its local copy ``current``: when the local tier
+    has less free, remove local copies that are already durable (same checkpoint id on their
+    durable tier), oldest first, until it has enough; never a copy that is not durable, nor
+    ``current``. Raises CheckpointWriteError, naming the folder and the bytes, when that is not
+    enough (the save fails before writing; every copy stays)."""
+    os.makedirs(local_tier, exist_ok=True)
+    free = free_bytes(local_tier)
+    if free >= need:
+        return
+    copies = []
+    for name in os.listdir(local_tier):
+        local = os.path.join(local_tier, name)
+        state = _local_state(local) if local != current else None
+        if state is not None and durable_of(local) is not None:
+            copies.append((state[0], local, state[1]))
+    kept = []
+    for _, local, local_id in sorted(copies):
+        if free >= need:
+            break
+        if local_id is None or checkpoint_id(durable_of(local), storage_options) != local_id:
+            kept.append(local)
+            continue
+        shutil.rmtree(local, ignore_errors=True)
+        free = free_bytes(local_tier)
+        log.warning("dcp_datastates: the local tier %s was full: removed the drained local copy %s", local_tier, local)
+    if free < need:
+        raise CheckpointWriteError(
+            f"local_tier {local_tier}: {free} bytes free, this save needs {need} bytes; "
+            + (f"the local copies {', '.join(sorted(kept))} are not durable yet, so they were kept. "
+               if kept else "no local copy there is durable to remove. ")
+            + "Give the local tier more space or lower keep_local."
+        )
 
 
 def newest_local(root: str, local_tier: str, step_of) -> tuple[tuple, str] | None:

@@ -400,11 +400,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         staged.rank = rank
         dedup = world > 1 and self.config.dedup_replicated
         engine = get_engine(self.config)
+        plan = plan_stage(flat, rank=rank, world=world, dedup=dedup, cuda=engine.cuda_devices > 0,
+                          folder_known=staged.path is not None, hold_limit=lambda: self._engine_cache_bytes() // 2)
+        if self.durable_path is not None and staged.path is not None:  # local_tier hook: room for this save
+            need = sum(pf.layout.file_size for pf in plan.files) + sum(it.entry.nbytes for g in plan.held for it in g.items)
+            tiers.make_room(self.config.local_tier, need, staged.path, self.config.storage_options)
         if staged.path is not None:
             committed = commit.prepare_folder(staged.path, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
             staged.tag = _new_tag() if committed else None
-        plan = plan_stage(flat, rank=rank, world=world, dedup=dedup, cuda=engine.cuda_devices > 0,
-                          folder_known=staged.path is not None, hold_limit=lambda: self._engine_cache_bytes() // 2)
         staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
         staged.guard, staged.late_guard = plan.guard, plan.late_guard
         staged.decision_key, staged.learn, staged.plain_keys = plan.decision_key, plan.learn, plan.plain_keys
@@ -568,9 +571,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             self._check_launch()
             committed = commit.prepare_folder(self.path, overwrite=self.config.overwrite, storage_options=self.config.storage_options)
             self._sync_tag = _new_tag() if committed else None
+            if self.durable_path is not None:  # local_tier hook: name the durable path in the local copy
+                tiers.record_durable(self.path, self.durable_path)
             return dataclasses.replace(plan, storage_data=RankReport(self.rank, self.durable_path or self.path))
         if staged.error is not None:
             raise staged.error
+        if self.durable_path is not None:  # local_tier hook: as above
+            tiers.record_durable(self.path, self.durable_path)
         if plan.usable and staged.skipped and self.use_collectives:
             # Leave replicated DTensor shards to the replica that staged them, so any planner's
             # dedup (DCP's default included) has exactly one candidate.
@@ -760,14 +767,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 self._close(staged, error=error, total_bytes=total, committed=error is None)
 
     def _check_tiered(self) -> None:
-        """local_tier hook: what the tiers support so far (raised inside DCP's planning, so
-        every rank gets it), then name the durable path in the local copy."""
+        """local_tier hook: what the tiers support (raised inside DCP's planning, so every rank
+        gets it)."""
         if not self.use_collectives:
             raise CheckpointWriteError(
                 f"local_tier: rank-local saves (use_collectives=False) are not supported (saving "
                 f"{self.durable_path}); save without local_tier, or with collectives"
             )
-        tiers.record_durable(self.path, self.durable_path)
 
     def _close(self, staged: _StagedSave, *, error: BaseException | None = None, total_bytes: int | None = None,
                committed: bool = False) -> None:

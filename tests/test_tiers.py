@@ -275,3 +275,40 @@ def test_object_store_down_fails_upload_completion_keeps_local_copy(tmp_path):
     out = zeros_like_state(state)
     dcp.load(out, storage_reader=DataStatesReader(local))
     assert_state_equal(state, out)
+
+
+def _bytes_under(folder):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(folder) for f in fs)
+
+
+def test_full_local_tier_evicts_drained_copies_oldest_first_never_undrained(tmp_path, monkeypatch):
+    """A local tier with room for two and a half copies (free space simulated from what is in it)."""
+    nv, root = tmp_path / "nvme", tmp_path / "ck"
+    durables = [str(root / f"step-{i}") for i in range(1, 7)]
+    save(make_state(1), durables[0], nv, keep_local=10)
+    cap = int(2.5 * _bytes_under(nv))
+    monkeypatch.setattr(tiers, "free_bytes", lambda folder: cap - _bytes_under(nv))
+    copy = lambda i: tiers.local_copy(str(nv), durables[i - 1])  # noqa: E731
+    save(make_state(2), durables[1], nv, keep_local=10)
+    save(make_state(3), durables[2], nv, keep_local=10)  # no room for a third: step-1's copy goes
+    assert sorted(os.listdir(nv)) == sorted(os.path.basename(copy(i)) for i in (2, 3))
+
+    def store_down(*args, **kwargs):
+        raise OSError(5, "Input/output error", "durable")
+
+    monkeypatch.setattr(drain, "_write_durable", store_down)
+    for i in (4, 5):  # committed locally, never drained: step-2 then step-3 make room for them
+        with raises_through_dcp("draining .* failed"):
+            save(make_state(i), durables[i - 1], nv, keep_local=10)
+    assert sorted(os.listdir(nv)) == sorted(os.path.basename(copy(i)) for i in (4, 5))
+    # Nothing durable is left to remove: the save fails before writing, both copies stay.
+    with raises_through_dcp(r"local_tier .*: \d+ bytes free, this save needs \d+ bytes; the local copies .* are not "
+                            r"durable yet, so they were kept"):
+        save(make_state(6), durables[5], nv, keep_local=10)
+    assert sorted(os.listdir(nv)) == sorted(os.path.basename(copy(i)) for i in (4, 5))
+    for i in (4, 5):
+        state = make_state(i)
+        assert_state_equal(state, load(durables[i - 1], nv, state))
+    for i in (1, 2, 3):  # the evicted copies' checkpoints load from the durable tier
+        state = make_state(i)
+        assert_state_equal(state, load(durables[i - 1], nv, state))
