@@ -1076,7 +1076,7 @@ def measure_stage_cost(root: str, count: int, reps: int, profile: bool, config) 
         staged.finished.set()  # no DCP save follows this stage(): release its path
         return wall, cpu
 
-    from dcp_datastates.stage.plan_cache import plan_stats
+    from dcp_datastates.stage.pipeline import plan_stats
 
     n = max(3, reps)
     before = plan_stats()

@@ -29,7 +29,7 @@ from .errors import CheckpointWriteError
 from .layout import plan_file
 from .metadata import ItemLocation
 from .remote import UPLOAD_BLOCK_SIZE, _buffer, _discard
-from .stage.files import item_location
+from .stage.pipeline import item_location
 from .stage.items import ItemKey, SourceItem
 
 __all__ = ["HeldFile"]

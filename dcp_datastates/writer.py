@@ -44,10 +44,9 @@ from .held_file import HeldFile
 from .layout import data_file_name
 from .metadata import ItemLocation
 from .runtime import get_engine
-from .stage.files import PlannedFile, moved, planned_file, written
+from .stage.pipeline import PlannedFile, moved, on_one_device, plan_stage, planned_file, written
 from .stage.items import ItemKey, SourceItem, flatten, item_key, source_for_resolved
 from .stage.ownership import DecisionKey, decisions
-from .stage.pipeline import on_one_device, plan_stage
 from .staging_tracker import tracker
 from .version_guard import VersionGuard, torn_message
 

@@ -1,28 +1,45 @@
-"""The staging pipeline: a flat state dict -> this rank's ``RankPlan``, the same type on a
-plan-cache hit and a miss. The writer only submits what it holds.
+"""The staging pipeline: a flat state dict -> this rank's ``RankPlan`` (``plan_stage``), the
+same typed plan on a plan-cache hit and a miss; the writer only submits what it holds.
 
-Miss: items (``items.py``) -> owners (``ownership.py``) -> one ``PlannedFile`` per device
-(``files.py``), recorded in the plan cache (``plan_cache.py``) once the engine's checksum grid
-step is known. Hit: the cached files with this checkpoint's pointers.
+- ``PlannedFile``: one data file to write (layout, per item its key, memory and keep-alive), and
+  ``item_location``: every ``ItemLocation`` the writer reports is built here only.
+- The plan cache (``scan_state`` / ``find_plan`` / ``build_plan``): what depends only on the
+  structure of the state (names, dtypes, shapes, devices, shardings) is computed once and reused
+  while its signature is unchanged; each checkpoint reads fresh only the tensors' memory and the
+  serialized non-tensor values. States the fast scan does not cover (non-contiguous views, other
+  devices, ShardedTensor, CheckpointableTensor shards, tensor subclasses) take the miss path.
+- Miss: items (``items.py``) -> owners of replicated values (``ownership.py``) -> one
+  ``PlannedFile`` per device, recorded in the plan cache once the engine's checksum grid step is
+  known. Hit: the cached files with this checkpoint's pointers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
+import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from ..compat import is_checkpointable_tensor, versions_of
+from ..layout import FileEntry, FileLayout, data_file_name, plan_file
+from ..metadata import ItemLocation
 from ..version_guard import VersionGuard
-from .files import PlanContext, PlannedFile, planned_file
-from .items import SourceItem, items_of_flat
+from .items import ItemKey, SourceItem, bytes_source, items_of_flat, serialize_object
 from .ownership import DecisionKey, Ownership, decisions, is_plain_tensor, plain_signature, split_by_owner
-from .plan_cache import Scan, StagePlan, build_plan, find_plan, scan_state
 
-__all__ = ["HeldGroup", "RankPlan", "plan_stage", "on_one_device"]
+__all__ = [
+    "HeldGroup", "RankPlan", "plan_stage", "on_one_device",
+    "PlanContext", "PlannedFile", "planned_file", "item_location", "with_piece", "written", "moved",
+    "Scan", "FilePlan", "StagePlan", "scan_state", "find_plan", "build_plan", "plan_stats",
+]
 
 
+
+# ------------------------------------------------------------------------- the pipeline
 @dataclass
 class HeldGroup:
     """Items copied now whose file is written later: ``known`` when this rank writes all of them
@@ -163,3 +180,260 @@ def on_one_device(cuda: bool, items: list[SourceItem]) -> tuple[int, list[Source
             it = dataclasses.replace(it, ptr=t.data_ptr() if it.entry.nbytes else 0, keepalive=t, device=-1, copied=True)
         host.append(it)
     return -1, host
+
+
+# ------------------------------------------------------------------------ planned files
+@dataclass(frozen=True)
+class PlanContext:
+    """What a cached stage plan is valid for, besides the state's structure."""
+
+    rank: int
+    world: int
+    dedup: bool  # replicated values are written by one rank
+    cuda: bool  # the engine copies from CUDA memory itself
+
+
+@dataclass(eq=False)
+class PlannedFile:
+    """One data file to write: ``index`` is k of ``__<rank>_<k>``; items are in file order."""
+
+    index: int
+    device: int  # CUDA device the items' memory is on; -1: host memory
+    layout: FileLayout
+    keys: tuple[ItemKey, ...]
+    spans: list[tuple[int, int, int]]  # per item: (pointer, nbytes, file offset), for the engine
+    keepalive: list[Any]  # per item: what owns that memory until the engine copied it
+    entries: tuple[FileEntry, ...] = ()  # the miss path's items (the hit path reuses ``cached``)
+    sources: tuple[SourceItem, ...] = ()  # the miss path's items, for the plan cache's checks
+    cached: Mapping[ItemKey, ItemLocation] | None = None  # locations of a cached plan (read-only)
+    _built: tuple | None = field(default=None, repr=False)  # (file, piece, locations) last built
+
+    def locations(self, file: str, piece: int) -> Mapping[ItemKey, ItemLocation]:
+        """Each item's location in ``file`` (the base name, no save tag), checksums not known yet,
+        on an engine whose checksum grid step is ``piece``."""
+        if self.cached is not None:
+            first = next(iter(self.cached.values()), None)
+            if first is None or first.piece_size == piece:
+                return self.cached
+            return {k: with_piece(loc, piece) for k, loc in self.cached.items()}
+        if self._built is not None and self._built[:2] == (file, piece):
+            return self._built[2]  # the writer's and the plan cache's tables are one
+        start = self.layout.data_start
+        built = {key: item_location(file, e, off, start, piece)
+                 for key, e, off in zip(self.keys, self.entries, self.layout.offsets)}
+        self._built = (file, piece, built)
+        return built
+
+
+def planned_file(index: int, device: int, items: list[SourceItem]) -> PlannedFile:
+    """Lay out ``items`` back to back in one file (the plan-cache miss path)."""
+    layout = plan_file([it.entry for it in items])
+    return PlannedFile(
+        index, device, layout, tuple(it.key for it in items),
+        [(it.ptr, it.entry.nbytes, off) for it, off in zip(items, layout.offsets)],
+        [it.keepalive for it in items], tuple(it.entry for it in items), tuple(items),
+    )
+
+
+# ------------------------------------------------------------------------------ item locations
+def item_location(file: str, entry: FileEntry, offset: int, data_start: int, piece: int,
+                  crc32c: tuple[int, ...] = (), file_size: int = 0) -> ItemLocation:
+    """Where ``entry`` lives: bytes [offset, offset + nbytes) of ``file``, whose checksum grid
+    starts at ``data_start`` with step ``piece``."""
+    return ItemLocation(file, offset, entry.nbytes, entry.dtype, entry.shape, crc32c, data_start, piece, file_size)
+
+
+def with_piece(loc: ItemLocation, piece: int) -> ItemLocation:
+    """The same location on a checksum grid of step ``piece``."""
+    return dataclasses.replace(loc, piece_size=piece)
+
+
+def written(loc: ItemLocation, file: str, crc32c: tuple[int, ...], file_size: int) -> ItemLocation:
+    """The final location once the file is durable: its real name, checksums and size."""
+    return dataclasses.replace(loc, file=file, crc32c=crc32c, file_size=file_size)
+
+
+def moved(loc: ItemLocation, file: str) -> ItemLocation:
+    """The same bytes in a file renamed to ``file``."""
+    return dataclasses.replace(loc, file=file)
+
+
+# ----------------------------------------------------------------------- the plan cache
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - torch builds without distributed
+    DTensor = None
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_MAX_PLANS = 4  # a run may save a few structures (model, optimizer, ...) with separate writers
+
+
+@dataclass
+class Scan:
+    """One pass over the flat state dict: the structure signature and, per value in flat order,
+    the pointer to copy from and what keeps that memory alive."""
+
+    signature: list
+    ptrs: list[int]
+    keeps: list
+    devices: list[int]  # CUDA device index per value; -1 for host memory
+    payloads: dict[int, SourceItem]  # the non-tensor values, serialized now, by flat position
+    names: list[str]  # flat keys, in order
+    tensors: list  # per value: the tensor the bytes come from (a DTensor's local shard); None for values
+    versions: list  # per value: that tensor's version counter now (version_guard.py); None for values
+
+    def plain_signature(self) -> tuple:
+        """Names, dtypes, shapes and devices of the plain tensors (what ownership decisions key on)."""
+        return tuple(e for e in self.signature if len(e) == 5 and e[4] is None)
+
+
+def _host_or_cuda(t: torch.Tensor) -> int | None:
+    """-1 on the CPU, the device index on CUDA, None elsewhere (the full path copies those)."""
+    if t.is_cpu:
+        return -1
+    return t.get_device() if t.is_cuda else None
+
+
+def _dtensor_entry(v) -> tuple | None:
+    """(local tensor, signature element) of a DTensor whose shard is a plain dense tensor."""
+    local = v.to_local()
+    if type(local) is not _Tensor:
+        return None
+    return local, (v.dtype, v.shape, v.placements, v.device_mesh, local.shape)
+
+
+def scan_state(flat: dict) -> Scan | None:
+    """The signature of ``flat``'s structure and its memory, or None when the state holds values
+    the scan does not cover (see the module docstring). Costs a few attribute reads per tensor.
+
+    The signature holds, per value: its name, then dtype, shape and device of a tensor (and the
+    global shape, placements and mesh of a DTensor), or the length of a non-tensor value's bytes.
+    """
+    sig: list = []
+    ptrs: list[int] = []
+    keeps: list = []
+    devices: list[int] = []
+    payloads: dict[int, SourceItem] = {}
+    tensors: list = []
+    for i, (name, v) in enumerate(flat.items()):
+        tp = type(v)
+        if tp is _Tensor or (tp is _Parameter and type(v.data) is _Tensor):
+            if is_checkpointable_tensor(v):
+                return None  # shards of a global tensor (torch 2.14+): DCP's write items
+            t, extra = v, None
+        elif DTensor is not None and tp is DTensor:
+            entry = _dtensor_entry(v)
+            if entry is None:
+                return None
+            t, extra = entry
+        elif isinstance(v, _Tensor):
+            return None  # ShardedTensor, subclasses: DCP's own write items, every time
+        else:
+            item = bytes_source((name, None), name, serialize_object(v))
+            payloads[i] = item
+            sig.append((name, item.entry.nbytes))
+            ptrs.append(item.ptr)
+            keeps.append(item.keepalive)
+            devices.append(-1)
+            tensors.append(None)
+            continue
+        dev = _host_or_cuda(t)
+        if dev is None or not t.is_contiguous():
+            return None
+        sig.append((name, t.dtype, t.shape, dev, extra))
+        ptrs.append(t.data_ptr())
+        keeps.append(t.untyped_storage())  # the memory itself, even if the tensor's .data is swapped
+        devices.append(dev)
+        tensors.append(t)
+    return Scan(sig, ptrs, keeps, devices, payloads, list(flat), tensors, versions_of(tensors))
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """One data file of a cached plan: its layout and, in file order, which scanned value each
+    item comes from."""
+
+    index: int
+    device: int
+    layout: FileLayout
+    template: tuple[tuple[int, int, int], ...]  # per item: (flat position, nbytes, file offset)
+    keys: tuple[ItemKey, ...]
+    locations: Mapping[ItemKey, ItemLocation]  # read-only
+
+    def planned(self, scan: Scan) -> PlannedFile:
+        """This file with the memory ``scan`` found (this checkpoint's pointers)."""
+        ptrs, keeps = scan.ptrs, scan.keeps
+        return PlannedFile(self.index, self.device, self.layout, self.keys,
+                           [(ptrs[i], n, off) for i, n, off in self.template],
+                           [keeps[i] for i, _, _ in self.template], cached=self.locations)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Everything a stage() derives from one structure, for one ``PlanContext``."""
+
+    signature: list
+    files: tuple[FilePlan, ...]
+    skipped: frozenset  # DTensor replicas another rank writes
+    elsewhere: frozenset  # plain tensors the decision gives to other ranks
+    decision: frozenset | None  # the ownership decision this plan was built with
+    late: tuple[int, ...] = ()  # flat positions of the skipped and elsewhere tensors
+
+
+_plans: dict[PlanContext, list[StagePlan]] = {}
+_plans_lock = threading.Lock()
+_hits = [0, 0]  # hits, misses (process-wide; tests read them through plan_stats)
+
+
+def find_plan(context: PlanContext, scan: Scan | None, decision: frozenset | None = None) -> StagePlan | None:
+    """The cached plan for this context and structure, built with ``decision`` (the current
+    ownership decision), or None (also counted as a miss)."""
+    plan = None
+    with _plans_lock:
+        plans = _plans.get(context, []) if scan is not None else []
+        for k, p in enumerate(plans):
+            if p.signature == scan.signature and p.decision is decision:
+                plan = plans.pop(k)
+                plans.insert(0, plan)  # most recently used first; the least is evicted
+                break
+        _hits[0 if plan is not None else 1] += 1
+    return plan
+
+
+def build_plan(context: PlanContext, scan: Scan, flat: dict, files: list[PlannedFile], skipped: set,
+               elsewhere: set, decision: frozenset | None, piece: int) -> StagePlan | None:
+    """Record what the full path just did for this structure (``files``: the planned files it
+    submitted), after checking that each item comes from exactly the memory the scan found
+    (else nothing is cached)."""
+    position = {name: i for i, name in enumerate(flat)}
+    seen: set[int] = set()
+    file_plans = []
+    for pf in files:
+        template = []
+        for it, off in zip(pf.sources, pf.layout.offsets):
+            i = position.get(it.key[0])
+            if i is None or i in seen or not _same_source(scan, i, it):
+                return None
+            seen.add(i)
+            template.append((i, it.entry.nbytes, off))
+        locations = types.MappingProxyType(dict(pf.locations(data_file_name(context.rank, pf.index), piece)))
+        file_plans.append(FilePlan(pf.index, pf.device, pf.layout, tuple(template), pf.keys, locations))
+    late = tuple(sorted(position[k[0]] for k in (*skipped, *elsewhere) if k[0] in position))
+    plan = StagePlan(scan.signature, tuple(file_plans), frozenset(skipped), frozenset(elsewhere), decision, late)
+    with _plans_lock:
+        kept = [p for p in _plans.get(context, ()) if p.signature != scan.signature]
+        _plans[context] = [plan] + kept[: _MAX_PLANS - 1]
+    return plan
+
+
+def _same_source(scan: Scan, i: int, it: SourceItem) -> bool:
+    if i in scan.payloads:
+        return it.entry.kind == "bytes" and it.entry.nbytes == scan.payloads[i].entry.nbytes
+    same_memory = it.entry.nbytes == 0 or it.ptr == scan.ptrs[i]  # the engine skips empty items
+    return it.entry.kind == "tensor" and same_memory and it.device == scan.devices[i]
+
+
+def plan_stats() -> dict:
+    """Process-wide counts of stage() calls that reused a cached plan, and that did not."""
+    return {"hits": _hits[0], "misses": _hits[1]}
