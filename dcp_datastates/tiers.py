@@ -146,19 +146,29 @@ def local_files(local: str, save_id: str | None) -> dict[str, str]:
     return out
 
 
-def _local_state(local: str) -> tuple[int, str | None] | None:
-    """(commit time, checkpoint id) of a local copy: its ``.metadata`` (one process), else its
-    ranks' records (several ranks); None when it holds neither."""
+def _local_state(local: str) -> tuple[int, str | None, bool] | None:
+    """(commit time, checkpoint id, committed here) of a local copy: its ``.metadata`` (one
+    process: a checkpoint in its own right), else its ranks' records (several ranks: files of a
+    checkpoint whose only commit is the durable one); None when it holds neither."""
     try:
         committed = os.stat(os.path.join(local, commit.METADATA_NAME)).st_mtime_ns
-        return committed, checkpoint_id(local)
+        return committed, checkpoint_id(local), True
     except OSError:
         pass
     records = _rank_records(local)
     if not records:
         return None
     ids = {r["save_id"] for _, r in records}
-    return max(t for t, _ in records), (ids.pop() if len(ids) == 1 else None)
+    return max(t for t, _ in records), (ids.pop() if len(ids) == 1 else None), False
+
+
+def _removable(local: str, local_id: str | None, committed_here: bool, storage_options: dict | None) -> bool:
+    """A copy committed here goes only once its durable tier holds the same checkpoint. A
+    several-rank copy holds no commit of its own: either the durable tier has its checkpoint, or
+    its save failed and nothing can restore it; either way removing it loses nothing."""
+    if not committed_here:
+        return True
+    return local_id is not None and checkpoint_id(durable_of(local), storage_options) == local_id
 
 
 def durable_of(local: str) -> str | None:
@@ -208,8 +218,8 @@ def choose_copy(durable: str, config) -> str:
 
 
 def evict_drained(local_tier: str, keep: int, storage_options: dict | None = None) -> list[str]:
-    """Remove the local copies beyond the ``keep`` newest whose durable tier holds the same
-    checkpoint id; a copy not drained yet is never removed. Returns the folders removed."""
+    """Remove the local copies beyond the ``keep`` newest that ``_removable`` allows: a copy
+    committed here and not drained yet is never removed. Returns the folders removed."""
     copies = []
     try:
         names = os.listdir(local_tier)
@@ -219,10 +229,10 @@ def evict_drained(local_tier: str, keep: int, storage_options: dict | None = Non
         local = os.path.join(local_tier, name)
         state = _local_state(local)
         if state is not None and durable_of(local) is not None:
-            copies.append((state[0], local, state[1]))
+            copies.append((state[0], local, state[1], state[2]))
     removed = []
-    for _, local, local_id in sorted(copies, reverse=True)[keep:]:
-        if local_id is None or checkpoint_id(durable_of(local), storage_options) != local_id:
+    for _, local, local_id, committed_here in sorted(copies, reverse=True)[keep:]:
+        if not _removable(local, local_id, committed_here, storage_options):
             continue  # not durable yet (or damaged): kept for drain_pending / the reader
         shutil.rmtree(local, ignore_errors=True)
         removed.append(local)
@@ -251,12 +261,12 @@ def make_room(local_tier: str, need: int, current: str, storage_options: dict | 
         local = os.path.join(local_tier, name)
         state = _local_state(local) if local != current else None
         if state is not None and durable_of(local) is not None:
-            copies.append((state[0], local, state[1]))
+            copies.append((state[0], local, state[1], state[2]))
     kept = []
-    for _, local, local_id in sorted(copies):
+    for _, local, local_id, committed_here in sorted(copies):
         if free >= need:
             break
-        if local_id is None or checkpoint_id(durable_of(local), storage_options) != local_id:
+        if not _removable(local, local_id, committed_here, storage_options):
             kept.append(local)
             continue
         shutil.rmtree(local, ignore_errors=True)

@@ -33,8 +33,8 @@ def rank_state(rank, seed):
     }
 
 
-def save(state, durable, nv, asynchronous):
-    w = DataStatesWriter(durable, local_tier=nv)
+def save(state, durable, nv, asynchronous, **options):
+    w = DataStatesWriter(durable, local_tier=nv, **options)
     if asynchronous:
         dcp.async_save(clone_state(state), storage_writer=w).upload_completion.result(timeout=120)
     else:
@@ -192,3 +192,19 @@ def test_log_names_the_tiers(tmp_path, caplog):
 
 def _save_only(rank, world, root):
     save(rank_state(rank, 1), os.path.join(root, "step-5"), os.path.join(root, "nvA"), asynchronous=True)
+
+
+def _keep_local(rank, world, root):
+    nv = node_tier(root, rank, world)
+    durables = [os.path.join(root, "ck", f"step-{i}") for i in (1, 2, 3)]
+    for i, durable in enumerate(durables, start=1):
+        save(rank_state(rank, i), durable, nv, asynchronous=True, keep_local=1)
+    dist.barrier()
+    assert os.listdir(nv) == [os.path.basename(tiers.local_copy(nv, durables[-1]))]
+    out, reader = load(durables[0], nv, rank_state(rank, 1))  # its local copies are gone
+    assert_state_equal(rank_state(rank, 1), out)
+    assert reader.tier_reads["local"] == 0, reader.tier_reads
+
+
+def test_keep_local_with_several_ranks(tmp_path):
+    run_ranks(2, _keep_local, str(tmp_path))
