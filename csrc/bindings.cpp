@@ -11,6 +11,7 @@
 
 #include "crc32c.h"
 #include "engine.h"
+#include "grid.h"
 #include "write_job.h"
 
 namespace py = pybind11;
@@ -257,10 +258,10 @@ PYBIND11_MODULE(_engine, m) {
              py::gil_scoped_release nogil;  // a large allocation (and pinning it) can take a while
              return std::make_unique<Engine>(cfg);
            }),
-           py::arg("cache_bytes"), py::arg("chunk_bytes") = int64_t(64) << 20, py::arg("copy_threads") = 2,
-           py::arg("flush_threads") = 2, py::arg("read_threads") = 4, py::arg("alignment") = 4096,
-           py::arg("cache_wait_timeout_s") = 600.0, py::arg("pin") = true,
-           py::arg("prefault") = true,
+           py::arg("cache_bytes"), py::kw_only(), py::arg("chunk_bytes"), py::arg("copy_threads"),
+           py::arg("flush_threads"), py::arg("read_threads"), py::arg("alignment"),
+           py::arg("cache_wait_timeout_s"), py::arg("pin"), py::arg("prefault"),
+           "Every argument is required: the defaults are DataStatesConfig's (runtime.py passes them).\n"
            "Allocates the host cache and starts the threads. Loads the CUDA runtime named by\n"
            "$DCP_DATASTATES_CUDART (\"none\": CPU mode), else the libcudart PyTorch loaded, else\n"
            "libcudart.so(.13/.12); with it and pin=True the cache is page-locked once. With\n"
@@ -396,4 +397,26 @@ PYBIND11_MODULE(_engine, m) {
   m.def("crc32c_implementations", &dcpds::crc32c_implementations,
         "The CRC32C implementations this CPU runs, the one in use first.");
   m.def("hw_crc32c", &dcpds::crc32c_hardware_available, "True when CRC32C uses a hardware path.");
+
+  // The checksum grid (grid.h), for the Python side of the format (metadata.piece_ranges).
+  auto check_grid = [](int64_t offset, int64_t length, int64_t data_start, int64_t piece_size) {
+    if (piece_size <= 0) throw py::value_error("piece_size must be positive, got " + std::to_string(piece_size));
+    if (data_start < 0 || offset < data_start || length < 0)
+      throw py::value_error("item [" + std::to_string(offset) + ", +" + std::to_string(length) +
+                            ") does not lie in the data region starting at " + std::to_string(data_start));
+  };
+  m.def("piece_count", [check_grid](int64_t offset, int64_t length, int64_t data_start, int64_t piece_size) {
+    check_grid(offset, length, data_start, piece_size);
+    return dcpds::grid::piece_count(offset, length, data_start, piece_size);
+  }, py::arg("offset"), py::arg("length"), py::arg("data_start"), py::arg("piece_size"),
+        "Checksum pieces of the item [offset, offset + length) on the grid of step piece_size from data_start.");
+  m.def("piece_ranges", [check_grid](int64_t offset, int64_t length, int64_t data_start, int64_t piece_size) {
+    check_grid(offset, length, data_start, piece_size);
+    py::list out;
+    dcpds::grid::for_each_piece(offset, length, data_start, piece_size, [&](uint64_t pos, uint64_t len) {
+      out.append(py::make_tuple(pos, len));
+    });
+    return out;
+  }, py::arg("offset"), py::arg("length"), py::arg("data_start"), py::arg("piece_size"),
+        "(file offset, length) of each checksum piece of the item, in order (the grid the engine cuts on).");
 }

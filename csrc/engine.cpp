@@ -71,6 +71,8 @@ Engine::Engine(const EngineConfig& cfg) : cfg_(cfg) {
   if (cfg.read_threads < 1) throw std::invalid_argument("read_threads must be at least 1, got " + std::to_string(cfg.read_threads));
   if (!(cfg.cache_wait_timeout_s >= 0))  // also rejects NaN
     throw std::invalid_argument("cache_wait_timeout_s must be >= 0, got " + std::to_string(cfg.cache_wait_timeout_s));
+  if (!cfg.pin.has_value()) throw std::invalid_argument("pin must be set");
+  if (!cfg.prefault.has_value()) throw std::invalid_argument("prefault must be set");
 
   // Effective chunk: at most a quarter of the cache so copy and flush overlap, aligned, and
   // never larger than the cache itself (a tiny cache is one slot).
@@ -95,7 +97,7 @@ Engine::Engine(const EngineConfig& cfg) : cfg_(cfg) {
         device_chunk_ready(std::move(ref), copied);
       });
       // Once, for the engine's lifetime: every checkpoint reuses the pinned cache.
-      if (cfg.pin) {
+      if (*cfg.pin) {
         cuda_status_ = cache_->pin(*cuda);
         pinned_.store(cache_->pinned(), std::memory_order_release);
       }
@@ -114,7 +116,7 @@ Engine::Engine(const EngineConfig& cfg) : cfg_(cfg) {
   }
   // After pinning: a pinned cache is resident already. Never waited for: copies are correct
   // either way, and shutdown stops it between two steps.
-  if (cfg.prefault) cache_->start_prefault([this] { return copies_pending_.load(std::memory_order_relaxed) > 0; });
+  if (*cfg.prefault) cache_->start_prefault([this] { return copies_pending_.load(std::memory_order_relaxed) > 0; });
 }
 
 Engine::~Engine() { shutdown(); }

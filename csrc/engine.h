@@ -50,16 +50,18 @@
 
 namespace dcpds {
 
+// Every field is set by the caller: the defaults are DataStatesConfig's (dcp_datastates/config.py,
+// passed by runtime.py), never the engine's. An unset field is rejected by Engine's constructor.
 struct EngineConfig {
   int64_t cache_bytes = 0;
-  int64_t chunk_bytes = int64_t(64) << 20;
-  int copy_threads = 2;
-  int flush_threads = 2;
-  int read_threads = 4;
-  int64_t alignment = 4096;
-  double cache_wait_timeout_s = 600.0;
-  bool pin = true;  // cudaHostRegister the cache when a CUDA runtime is loaded
-  bool prefault = true;  // fault the whole cache in on a background thread at start
+  int64_t chunk_bytes = 0;
+  int copy_threads = 0;
+  int flush_threads = 0;
+  int read_threads = 0;
+  int64_t alignment = 0;
+  double cache_wait_timeout_s = -1;
+  std::optional<bool> pin;       // cudaHostRegister the cache when a CUDA runtime is loaded
+  std::optional<bool> prefault;  // fault the whole cache in on a background thread at start
 };
 
 struct EngineStats {

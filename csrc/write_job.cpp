@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "engine.h"
+#include "grid.h"
 #include "host_cache.h"
 
 namespace dcpds {
@@ -50,9 +51,7 @@ WriteJob::WriteJob(std::string path, std::string header, uint64_t file_size, con
     if (it.nbytes == 0) continue;
     if (it.src == 0) throw std::invalid_argument(item_text(i, it) + ": src_ptr is null");
     if (it.src + it.nbytes < it.src) throw std::invalid_argument(item_text(i, it) + ": source range wraps around");
-    const uint64_t first = (it.offset - data_start) / grid_;
-    const uint64_t last = (it.offset + it.nbytes - 1 - data_start) / grid_;
-    npieces += static_cast<size_t>(last - first + 1);
+    npieces += grid::piece_count(it.offset, it.nbytes, data_start, grid_);
     nbytes_ += it.nbytes;
   }
   crc_begin_[n] = npieces;
@@ -71,18 +70,16 @@ WriteJob::WriteJob(std::string path, std::string header, uint64_t file_size, con
       throw std::invalid_argument(item_text(order[k], cur) + " overlaps " + item_text(order[k - 1], prev));
   }
 
-  // Cut on the grid: cell k covers [data_start + k*grid, data_start + (k+1)*grid).
+  // Cut on the grid (grid.h); the pieces of one cell form one chunk (one slot, one write).
   pieces_.reserve(npieces);
   crcs_.assign(npieces, 0);
   uint64_t cur_cell = std::numeric_limits<uint64_t>::max();
   for (uint32_t idx : order) {
     const WriteItem& it = items[idx];
-    uint64_t pos = it.offset;
-    const uint64_t end = it.offset + it.nbytes;
     size_t crc_index = crc_begin_[idx];
-    while (pos < end) {
-      const uint64_t cell = (pos - data_start) / grid_;
-      const uint64_t stop = std::min(end, data_start + (cell + 1) * grid_);
+    grid::for_each_piece(it.offset, it.nbytes, data_start, grid_, [&](uint64_t pos, uint64_t len) {
+      const uint64_t cell = grid::cell_of(pos, data_start, grid_);
+      const uint64_t stop = pos + len;
       if (cell != cur_cell) {
         Chunk c;
         c.file_off = pos;
@@ -93,12 +90,11 @@ WriteJob::WriteJob(std::string path, std::string header, uint64_t file_size, con
       }
       Chunk& c = chunks_.back();
       const auto src = static_cast<uintptr_t>(it.src + (pos - it.offset));
-      pieces_.push_back(Piece{reinterpret_cast<const char*>(src), stop - pos, pos, crc_index++});
+      pieces_.push_back(Piece{reinterpret_cast<const char*>(src), len, pos, crc_index++});
       c.piece_end = pieces_.size();
       c.span = stop - c.file_off;
-      c.data_bytes += stop - pos;
-      pos = stop;
-    }
+      c.data_bytes += len;
+    });
   }
   // A job without data still has to create the file, write the header and set the size:
   // one empty chunk carries it through the pipeline.

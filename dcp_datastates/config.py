@@ -157,7 +157,8 @@ _ALIASES = {
 # Keys that belong to the surrounding framework's config and mean nothing to us.
 _IGNORED = {"checkpointing_engine", "single_file_per_rank", "per_thread_copy_ahead"}
 # Options the process-wide engine takes when it starts (it cannot change them while it runs).
-ENGINE_OPTIONS = ("host_cache_size", "chunk_size", "copy_threads", "flush_threads", "read_threads", "pin_host_cache", "cache_wait_timeout")
+ENGINE_OPTIONS = ("host_cache_size", "chunk_size", "cache_alignment", "copy_threads", "flush_threads", "read_threads",
+                  "pin_host_cache", "cache_wait_timeout")
 # Environment variable giving host_cache_size when no config does (same size rule).
 CACHE_SIZE_ENV = "DCP_DATASTATES_HOST_CACHE_SIZE"
 # Fields that hold byte sizes; host_cache_size and gpu_cache_size follow ``cache_size``'s rule.
@@ -186,6 +187,8 @@ class DataStatesConfig:
         gpu_cache_size: accepted from DataStates-LLM configs and ignored (there is no device-side
             snapshot tier; a non-zero value logs a warning).
         chunk_size: unit of copy, flush and checksum (bytes). Clamped to a quarter of the cache.
+        cache_alignment: alignment in bytes (a power of two, at least 512) of the host cache and
+            of every chunk slot in it: 4096 suits page-granular I/O and pinned DMA.
         copy_threads: threads copying tensors into the cache (seeds: ``parser_threads``).
         flush_threads: threads writing chunks to storage (DCP: ``thread_count``).
         read_threads: threads reading files on load (default min(4, 2 x CPUs)); engine-wide,
@@ -211,6 +214,7 @@ class DataStatesConfig:
     prefault_host_cache: bool | None = None
     gpu_cache_size: int = 0
     chunk_size: int = 16 << 20
+    cache_alignment: int = 4096
     copy_threads: int = 2
     flush_threads: int = 2
     read_threads: int = field(default_factory=_default_read_threads)
@@ -238,6 +242,9 @@ class DataStatesConfig:
         self.chunk_size = parse_size(self.chunk_size, name="chunk_size")
         if self.chunk_size < 4096:
             raise ValueError(f"chunk_size: must be at least 4096 bytes, got {self.chunk_size}")
+        align = self.cache_alignment
+        if isinstance(align, bool) or not isinstance(align, int) or align < 512 or align & (align - 1):
+            raise ValueError(f"cache_alignment: expected a power of two of at least 512 bytes, got {align!r}")
         for name in ("copy_threads", "flush_threads", "read_threads", "keep_local"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

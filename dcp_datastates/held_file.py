@@ -27,9 +27,9 @@ from typing import Any
 from . import folders
 from .errors import CheckpointWriteError
 from .layout import plan_file
-from .metadata import ItemLocation
+from .metadata import ItemLocation, piece_ranges
 from .remote import UPLOAD_BLOCK_SIZE, _buffer, _discard
-from .stage.pipeline import item_location
+from .stage.pipeline import item_location, written
 from .stage.items import ItemKey, SourceItem
 
 __all__ = ["HeldFile"]
@@ -158,10 +158,12 @@ class HeldFile:
     def _write(self, dest: _Destination, kept: list[tuple[SourceItem, int]]) -> dict[ItemKey, ItemLocation]:
         final = plan_file([it.entry for it, _ in kept])
         piece = self.job.piece_size()
+        located = [item_location(dest.name, it.entry, foff, final.data_start, piece, (), final.file_size)
+                   for (it, _), foff in zip(kept, final.offsets)]
         writer = _open(dest)
         try:
             writer.write(memoryview(final.header))
-            crcs = _GridChecksums(self.engine, final.data_start, piece)
+            crcs = _GridChecksums(self.engine, located)
             spans = [(off, off + it.entry.nbytes, foff) for (it, off), foff in zip(kept, final.offsets)]
             k = 0  # first kept span not fully written
             while True:
@@ -179,7 +181,7 @@ class HeldFile:
                         if b > a:
                             view = _buffer(ptr + (a - coff), b - a)
                             writer.write(view)
-                            crcs.add(j, spans[j][2] + (a - spans[j][0]), spans[j][2] + (spans[j][1] - spans[j][0]), ptr + (a - coff), b - a)
+                            crcs.add(j, spans[j][2] + (a - spans[j][0]), ptr + (a - coff), b - a)
                         j += 1
                 finally:
                     self.job.release(coff)
@@ -193,35 +195,34 @@ class HeldFile:
                 self.job.fail(f"writing {dest.url()} failed: {exc}")
                 raise CheckpointWriteError(f"writing {dest.url()} failed: {type(exc).__name__}: {exc}") from exc
             raise
-        out = {}
-        for j, ((it, _), foff) in enumerate(zip(kept, final.offsets)):
-            out[it.key] = item_location(dest.name, it.entry, foff, final.data_start, piece, tuple(crcs.of(j)),
-                                        final.file_size)
-        return out
+        return {it.key: written(loc, dest.name, tuple(crcs.of(j)), final.file_size)
+                for j, ((it, _), loc) in enumerate(zip(kept, located))}
 
 
 class _GridChecksums:
-    """CRC32C of each item's pieces on the final file's grid, fed in file order."""
+    """CRC32C of each item's pieces on the final file's checksum grid (``piece_ranges``: the
+    engine's grid), fed in file order."""
 
-    def __init__(self, engine, data_start: int, piece: int) -> None:
-        self.engine, self.data_start, self.piece = engine, data_start, piece
-        self._done: dict[int, list[int]] = {}
-        self._running: dict[int, int] = {}
+    def __init__(self, engine, locations: list[ItemLocation]) -> None:
+        self.engine = engine
+        self._ends = [[off + n for off, n in piece_ranges(loc)] for loc in locations]
+        self._done: list[list[int]] = [[] for _ in locations]
+        self._running = [0] * len(locations)
 
-    def add(self, item: int, pos: int, item_end: int, ptr: int, n: int) -> None:
+    def add(self, item: int, pos: int, ptr: int, n: int) -> None:
+        ends, done = self._ends[item], self._done[item]
         while n > 0:
-            cell_end = self.data_start + ((pos - self.data_start) // self.piece + 1) * self.piece
-            take = min(n, cell_end - pos)
-            crc = self.engine.crc32c(ptr, take, self._running.get(item, 0))
+            end = ends[len(done)]
+            take = min(n, end - pos)
+            crc = self.engine.crc32c(ptr, take, self._running[item])
             pos, ptr, n = pos + take, ptr + take, n - take
-            if pos == cell_end or pos == item_end:
-                self._done.setdefault(item, []).append(crc)
-                self._running.pop(item, None)
-            else:
-                self._running[item] = crc
+            if pos == end:
+                done.append(crc)
+                crc = 0
+            self._running[item] = crc
 
     def of(self, item: int) -> list[int]:
-        return self._done.get(item, [])
+        return self._done[item]
 
 
 class _LocalWriter:

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from . import _engine
 from .errors import CheckpointFormatError
 from .layout import FORMAT_NAME, dtype_to_name, name_to_dtype
 
@@ -335,8 +336,13 @@ def _location(c: _Check, entry: dict, where: str, files: dict[str, FileInfo], dt
     crcs = c.get(entry, "crc32c", list, where)
     if not _all_crcs(crcs) and not all(isinstance(x, int) and 0 <= x < (1 << 32) for x in crcs):
         raise c.fail(f"{where}: crc32c must be a list of 32-bit integers")
-    if crcs and len(crcs) != _piece_count(offset, length, info):
-        raise c.fail(f"{where}: {len(crcs)} checksums for {_piece_count(offset, length, info)} pieces")
+    if crcs:
+        try:
+            count = _piece_count(offset, length, info)
+        except (TypeError, ValueError, OverflowError) as exc:  # beyond 64-bit offsets, a bad grid
+            raise c.fail(f"{where}: byte range [{offset}, {offset + length}) cannot be checksummed: {exc}") from None
+        if len(crcs) != count:
+            raise c.fail(f"{where}: {len(crcs)} checksums for {count} pieces")
     return ItemLocation(fname, offset, length, dtype, shape, tuple(crcs), info.data_start, info.piece_size)
 
 
@@ -434,24 +440,14 @@ def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
     )
 
 
+# The checksum grid is the engine's (csrc/grid.h): it cuts and checksums on it, and these read it.
 def _piece_count(offset: int, length: int, info: FileInfo) -> int:
-    if length == 0:
-        return 0
-    first = (offset - info.data_start) // info.piece_size
-    last = (offset + length - 1 - info.data_start) // info.piece_size
-    return last - first + 1
+    return _engine.piece_count(offset, length, info.data_start, info.piece_size)
 
 
 def piece_ranges(loc: ItemLocation) -> list[tuple[int, int]]:
     """(file offset, length) of each checksum piece of an item, in order."""
-    out = []
-    pos, end = loc.offset, loc.offset + loc.length
-    while pos < end:
-        grid_end = loc.data_start + ((pos - loc.data_start) // loc.piece_size + 1) * loc.piece_size
-        stop = min(grid_end, end)
-        out.append((pos, stop - pos))
-        pos = stop
-    return out
+    return _engine.piece_ranges(loc.offset, loc.length, loc.data_start, loc.piece_size)
 
 
 def rank_marker_name(rank: int) -> str:

@@ -106,6 +106,7 @@ def _start(config: DataStatesConfig):
         engine = ext.Engine(
             cache_bytes=cache_bytes,
             chunk_bytes=config.chunk_size,
+            alignment=config.cache_alignment,
             copy_threads=config.copy_threads,
             flush_threads=config.flush_threads,
             read_threads=config.read_threads,

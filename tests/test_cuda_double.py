@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import dcp_datastates._engine as E
+from engine_util import build_engine
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -131,7 +132,7 @@ def make_engine(fake):
 
     def make(cache_bytes=1 * MiB, **kw) -> E.Engine:
         kw.setdefault("chunk_bytes", 64 * KiB)
-        eng = E.Engine(cache_bytes, **kw)
+        eng = build_engine(cache_bytes, **kw)
         engines.append(eng)
         return eng
 
@@ -220,7 +221,7 @@ def test_cpu_mode_without_a_usable_runtime(tmp_path, fake_lib, monkeypatch):
     a = rand(1000)
     for value, reason in [("none", f"{ENV}=none"), (str(tmp_path / "missing.so"), "missing.so")]:
         monkeypatch.setenv(ENV, value)
-        eng = E.Engine(1 * MiB)
+        eng = build_engine(1 * MiB)
         try:
             assert eng.stats()["cuda"] == 0 and eng.cuda_runtime == "" and reason in eng.cuda_status
             with pytest.raises(ValueError, match="device 0 is not supported: the engine runs in CPU mode"):
@@ -237,7 +238,7 @@ def test_cpu_mode_without_a_usable_runtime(tmp_path, fake_lib, monkeypatch):
     f.lib.fake_reset()
     f.lib.fake_set_device_count(0)
     try:
-        eng = E.Engine(1 * MiB)
+        eng = build_engine(1 * MiB)
         assert eng.stats()["cuda"] == 0 and "sees no CUDA device" in eng.cuda_status
         eng.shutdown()
     finally:

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import dcp_datastates._engine as E
+from engine_util import build_engine
 
 KiB = 1 << 10
 MiB = 1 << 20
@@ -181,7 +182,7 @@ def test_crc32c_matches_reference_all_lengths_and_alignments():
 def test_engine_crc32c_on_pointer():
     rng = np.random.default_rng(3)
     a = rand_array(rng, 3 * MiB + 5)
-    eng = E.Engine(1 * MiB)
+    eng = build_engine(1 * MiB)
     try:
         assert eng.crc32c(ptr(a), a.nbytes) == E.crc32c(a.tobytes())
         assert eng.crc32c(ptr(a) + 10, 1000, 77) == E.crc32c(a[10:1010].tobytes(), 77)
@@ -196,18 +197,62 @@ def test_engine_crc32c_on_pointer():
 # construction
 
 
+def test_the_engine_has_no_defaults_of_its_own():
+    """Every setting comes from DataStatesConfig (runtime.py): a missing one is a TypeError."""
+    from engine_util import engine_args
+
+    for missing in engine_args():
+        args = engine_args()
+        del args[missing]
+        with pytest.raises(TypeError, match="incompatible constructor arguments"):
+            E.Engine(1 * MiB, **args)
+    with pytest.raises(TypeError):
+        E.Engine(1 * MiB)
+    eng = E.Engine(1 * MiB, **engine_args())
+    assert eng.stats()["alignment"] == 4096
+    eng.shutdown()
+
+
+def test_grid_binding_is_the_grid_a_job_checksums(tmp_path):
+    """metadata.piece_ranges and the binding it calls cut exactly where a write job checksums."""
+    from dcp_datastates.metadata import ItemLocation, piece_ranges
+
+    rng = np.random.default_rng(7)
+    grid = 64 * KiB
+    layout = Layout(b"H" * 100, [rand_array(rng, n) for n in (10, 3 * grid + 5, grid, 1, 0, 2 * grid)],
+                    gaps=[0, 7, grid - 3, 0, 0, 11], tail=9)
+    eng = build_engine(1 * MiB, chunk_bytes=grid)
+    try:
+        job, data = write_checked(eng, tmp_path / "f", layout)
+        assert job.piece_size() == grid
+        crcs = job.checksums()
+        for i, (a, off) in enumerate(zip(layout.arrays, layout.offsets)):
+            pieces = E.piece_ranges(off, a.nbytes, len(layout.header), grid)
+            assert pieces == layout.piece_ranges(i, grid)  # the test's own grid, written independently
+            assert E.piece_count(off, a.nbytes, len(layout.header), grid) == len(pieces) == len(crcs[i])
+            loc = ItemLocation("f", off, a.nbytes, "uint8", (a.nbytes,), tuple(crcs[i]), len(layout.header), grid)
+            assert piece_ranges(loc) == pieces
+            assert [E.crc32c(data[o : o + n]) for o, n in pieces] == crcs[i]
+    finally:
+        eng.shutdown()
+    with pytest.raises(ValueError, match="piece_size must be positive"):
+        E.piece_ranges(0, 1, 0, 0)
+    with pytest.raises(ValueError, match="does not lie in the data region starting at 100"):
+        E.piece_count(99, 1, 100, 16)
+
+
 def test_constructor_validation_and_chunk_size():
     with pytest.raises(ValueError, match="cache_bytes"):
-        E.Engine(0)
+        build_engine(0)
     with pytest.raises(ValueError, match="alignment"):
-        E.Engine(1 * MiB, alignment=3000)
+        build_engine(1 * MiB, alignment=3000)
     for kw in ("copy_threads", "flush_threads", "read_threads"):
         with pytest.raises(ValueError, match=kw):
-            E.Engine(1 * MiB, **{kw: 0})
+            build_engine(1 * MiB, **{kw: 0})
     with pytest.raises(MemoryError, match=str(1 << 50)):  # 1 PiB: more than any address space
-        E.Engine(1 << 50)
+        build_engine(1 << 50)
 
-    eng = E.Engine(1 * MiB, copy_threads=1, flush_threads=1, read_threads=1)
+    eng = build_engine(1 * MiB, copy_threads=1, flush_threads=1, read_threads=1)
     s = eng.stats()
     assert s["chunk_bytes"] == 256 * KiB  # a quarter of the cache
     assert s["slots_total"] == 4 and s["slots_free"] == 4
@@ -217,7 +262,7 @@ def test_constructor_validation_and_chunk_size():
     assert s["hw_crc32c"] == int(E.hw_crc32c())
     eng.shutdown()
 
-    eng = E.Engine(10 * MiB, chunk_bytes=100_000, copy_threads=1, flush_threads=1, read_threads=1)
+    eng = build_engine(10 * MiB, chunk_bytes=100_000, copy_threads=1, flush_threads=1, read_threads=1)
     assert eng.stats()["chunk_bytes"] == 98_304  # rounded down to the alignment
     assert eng.stats()["slots_total"] == (10 * MiB) // 98_304
     eng.shutdown()
@@ -233,7 +278,7 @@ def test_round_trip_many_tiny_and_big_items(tmp_path):
     random.Random(0).shuffle(sizes)
     arrays = [rand_array(rng, n) for n in sizes]
     layout = Layout(b"HDR" + bytes(range(200)), arrays)
-    eng = E.Engine(4 * MiB, chunk_bytes=512 * KiB)
+    eng = build_engine(4 * MiB, chunk_bytes=512 * KiB)
     try:
         # Items in a scrambled order: checksums come back in the order given.
         order = list(range(len(arrays)))
@@ -261,7 +306,7 @@ def test_round_trip_many_tiny_and_big_items(tmp_path):
 
 def test_job_much_larger_than_cache_reuses_one_cache(tmp_path):
     rng = np.random.default_rng(11)
-    eng = E.Engine(1 * MiB, copy_threads=2, flush_threads=1)
+    eng = build_engine(1 * MiB, copy_threads=2, flush_threads=1)
     try:
         s0 = eng.stats()
         assert s0["chunk_bytes"] == 256 * KiB and s0["slots_total"] == 4
@@ -293,7 +338,7 @@ def test_piece_checksums_follow_the_grid(tmp_path):
     sizes = [10, 5000, 0, 4096, 3 * 4096 + 1, 1, 0, 9000]
     arrays = [rand_array(rng, n) for n in sizes]
     layout = Layout(b"x" * 100, arrays)  # data_start 100: the grid is not page aligned
-    eng = E.Engine(64 * KiB, chunk_bytes=grid)
+    eng = build_engine(64 * KiB, chunk_bytes=grid)
     try:
         job, data = write_checked(eng, tmp_path / "grid.bin", layout)
         crcs = job.checksums()
@@ -315,7 +360,7 @@ def test_piece_checksums_span_flush_blocks(tmp_path):
     gaps = [0, 1000, 256 * KiB - 7, 0, 3, 0, 12345, 1]
     arrays = [rand_array(rng, n) for n in sizes]
     layout = Layout(b"h" * 777, arrays, gaps=gaps)
-    eng = E.Engine(8 * MiB, chunk_bytes=2 * MiB)
+    eng = build_engine(8 * MiB, chunk_bytes=2 * MiB)
     try:
         job, data = write_checked(eng, tmp_path / "blocks.bin", layout)
         assert job.piece_size() == 2 * MiB
@@ -331,7 +376,7 @@ def test_piece_checksums_span_flush_blocks(tmp_path):
 
 def test_gaps_zero_items_header_only_and_tail(tmp_path):
     rng = np.random.default_rng(13)
-    eng = E.Engine(256 * KiB, chunk_bytes=64 * KiB)
+    eng = build_engine(256 * KiB, chunk_bytes=64 * KiB)
     try:
         arrays = [rand_array(rng, n) for n in (100, 0, 70_000, 3)]
         layout = Layout(b"head", arrays, gaps=[5, 0, 9999, 1], tail=0)
@@ -369,7 +414,7 @@ def test_gaps_zero_items_header_only_and_tail(tmp_path):
 
 def test_several_jobs_in_flight(tmp_path):
     rng = np.random.default_rng(14)
-    eng = E.Engine(1 * MiB, chunk_bytes=128 * KiB)
+    eng = build_engine(1 * MiB, chunk_bytes=128 * KiB)
     try:
         jobs = []
         for j in range(8):
@@ -396,7 +441,7 @@ def test_submit_is_fast_for_many_items(tmp_path):
     base = ptr(src)
     header = b"h" * 4096
     items = [(base + 16 * i, 16, 4096 + 16 * i) for i in range(n)]
-    eng = E.Engine(8 * MiB)
+    eng = build_engine(8 * MiB)
     try:
         t0 = time.perf_counter()
         job = eng.submit_write(str(tmp_path / "many.bin"), header, 4096 + 16 * n, items, sync=False)
@@ -421,7 +466,7 @@ def test_torch_tensor_sources(tmp_path):
         items.append((t.data_ptr() if n else 0, n, pos))
         expected += t.numpy().tobytes()
         pos += n
-    eng = E.Engine(1 * MiB)
+    eng = build_engine(1 * MiB)
     try:
         path = tmp_path / "t.bin"
         job = eng.submit_write(str(path), header, pos, items)
@@ -437,7 +482,7 @@ def test_torch_tensor_sources(tmp_path):
 
 
 def test_invalid_submit_arguments(tmp_path):
-    eng = E.Engine(1 * MiB)
+    eng = build_engine(1 * MiB)
     a = np.zeros(100, dtype=np.uint8)
     p, path = ptr(a), str(tmp_path / "x.bin")
     try:
@@ -475,7 +520,7 @@ def test_read_into_round_trip_parallel(tmp_path):
     blob = rand_array(rng, 6 * MiB + 321).tobytes()
     path = tmp_path / "blob.bin"
     path.write_bytes(blob)
-    eng = E.Engine(1 * MiB, read_threads=4)  # 256 KiB pieces: the big range is split ~25 ways
+    eng = build_engine(1 * MiB, read_threads=4)  # 256 KiB pieces: the big range is split ~25 ways
     try:
         big = np.empty(6 * MiB, dtype=np.uint8)
         small = [np.empty(n, dtype=np.uint8) for n in (1, 100, 4096, 0)]
@@ -496,7 +541,7 @@ def test_read_into_checks_pieces_while_reading(tmp_path):
     blob = rand_array(rng, 3 * MiB + 999).tobytes()
     path = tmp_path / "blob.bin"
     path.write_bytes(blob)
-    eng = E.Engine(1 * MiB, read_threads=4)  # 256 KiB units: several groups, each its own stream
+    eng = build_engine(1 * MiB, read_threads=4)  # 256 KiB units: several groups, each its own stream
     try:
         big = np.empty(3 * MiB, dtype=np.uint8)
         small = np.empty(500, dtype=np.uint8)
@@ -533,7 +578,7 @@ def test_read_into_errors(tmp_path):
     path = tmp_path / "short.bin"
     path.write_bytes(b"a" * 1000)
     buf = np.empty(2000, dtype=np.uint8)
-    eng = E.Engine(1 * MiB)
+    eng = build_engine(1 * MiB)
     try:
         with pytest.raises(ValueError) as ei:
             eng.read_into(str(path), [(ptr(buf), 900, 200)])
@@ -575,7 +620,7 @@ def test_read_into_errors(tmp_path):
 )
 def test_fault_kinds_fail_the_job_not_the_engine(tmp_path, kind, cause):
     rng = np.random.default_rng(30)
-    eng = E.Engine(512 * KiB, chunk_bytes=64 * KiB)
+    eng = build_engine(512 * KiB, chunk_bytes=64 * KiB)
     try:
         layout = Layout(b"H" * 10, [rand_array(rng, n) for n in (300 * KiB, 5, 200 * KiB)])
         eng.set_fault(kind)
@@ -604,7 +649,7 @@ def test_fault_kinds_fail_the_job_not_the_engine(tmp_path, kind, cause):
 
 def test_fault_filters_by_path_and_after_bytes(tmp_path):
     rng = np.random.default_rng(31)
-    eng = E.Engine(512 * KiB, chunk_bytes=64 * KiB)
+    eng = build_engine(512 * KiB, chunk_bytes=64 * KiB)
     try:
         layout = Layout(b"", [rand_array(rng, 1 * MiB)])
         eng.set_fault("eio", path_substring="BADFILE")
@@ -634,7 +679,7 @@ def test_fault_filters_by_path_and_after_bytes(tmp_path):
 
 
 def test_open_failure_is_reported_on_the_job(tmp_path):
-    eng = E.Engine(256 * KiB)
+    eng = build_engine(256 * KiB)
     try:
         a = np.ones(10, dtype=np.uint8)
         path = tmp_path / "no_such_dir" / "f.bin"
@@ -652,7 +697,7 @@ def test_cache_wait_timeout_when_flushes_stall(tmp_path):
     FIFOs without blocking.)"""
     stalled = tmp_path / "stalled.bin"
     rng = np.random.default_rng(40)
-    eng = E.Engine(16 * KiB, chunk_bytes=4096, copy_threads=1, flush_threads=1, cache_wait_timeout_s=0.2)
+    eng = build_engine(16 * KiB, chunk_bytes=4096, copy_threads=1, flush_threads=1, cache_wait_timeout_s=0.2)
     try:
         eng.set_fault("stall", 0, "stalled.bin")
         a = rand_array(rng, 8 * 4096)
@@ -679,7 +724,7 @@ def test_cache_wait_timeout_when_flushes_stall(tmp_path):
 
 def test_shutdown_drains_and_is_idempotent(tmp_path):
     rng = np.random.default_rng(50)
-    eng = E.Engine(256 * KiB, flush_threads=1)
+    eng = build_engine(256 * KiB, flush_threads=1)
     layout = Layout(b"hdr", [rand_array(rng, n) for n in (3 * MiB, 17, 1 * MiB)])
     path = tmp_path / "drain.bin"
     job = eng.submit_write(str(path), layout.header, layout.file_size, layout.items())
@@ -699,7 +744,7 @@ def test_shutdown_drains_and_is_idempotent(tmp_path):
 
 def test_concurrent_shutdown_calls_and_job_outlives_engine(tmp_path):
     rng = np.random.default_rng(51)
-    eng = E.Engine(256 * KiB)
+    eng = build_engine(256 * KiB)
     a = rand_array(rng, 2 * MiB)
     job = eng.submit_write(str(tmp_path / "c.bin"), b"", a.nbytes, [(ptr(a), a.nbytes, 0)])
     threads = [threading.Thread(target=eng.shutdown) for _ in range(3)]
@@ -734,7 +779,7 @@ def _until(cond, timeout: float = 60.0) -> bool:
 def test_prefault_makes_the_cache_resident_without_a_checkpoint():
     cache = 128 * MiB
     before = _rss()
-    eng = E.Engine(cache, chunk_bytes=8 * MiB)
+    eng = build_engine(cache, chunk_bytes=8 * MiB)
     try:
         assert _until(lambda: eng.stats()["cache_prefaulted_bytes"] == cache)
         grown = _rss() - before
@@ -747,7 +792,7 @@ def test_prefault_makes_the_cache_resident_without_a_checkpoint():
 def test_prefault_off_leaves_the_cache_untouched():
     cache = 128 * MiB
     before = _rss()
-    eng = E.Engine(cache, prefault=False)
+    eng = build_engine(cache, prefault=False)
     try:
         time.sleep(0.2)
         assert eng.stats()["cache_prefaulted_bytes"] == 0
@@ -760,7 +805,7 @@ def test_copies_while_prefaulting_are_correct(tmp_path):
     """Jobs submitted right after start fill slots the prefault thread may still be walking: it
     must never change a byte a copy worker wrote."""
     rng = np.random.default_rng(21)
-    eng = E.Engine(512 * MiB, chunk_bytes=1 * MiB)
+    eng = build_engine(512 * MiB, chunk_bytes=1 * MiB)
     try:
         jobs = []
         for j in range(4):
@@ -779,7 +824,7 @@ def test_copies_while_prefaulting_are_correct(tmp_path):
 def test_shutdown_right_after_start_does_not_wait_for_prefault():
     cache = 2048 * MiB
     for pause in (0.0, 0.05):
-        eng = E.Engine(cache)
+        eng = build_engine(cache)
         time.sleep(pause)
         t0 = time.perf_counter()
         eng.shutdown()
@@ -796,7 +841,7 @@ def test_prefault_waits_while_copies_run():
     larger than the cache), so the prefault stays paused until the job fails."""
     cache, chunk = 256 * MiB, 1 * MiB
     src = np.ones(chunk, dtype=np.uint8)
-    eng = E.Engine(cache, chunk_bytes=chunk, cache_wait_timeout_s=60.0)
+    eng = build_engine(cache, chunk_bytes=chunk, cache_wait_timeout_s=60.0)
     try:
         items = [(ptr(src), chunk, 4096 + k * chunk) for k in range(300)]  # 300 chunks, 256 slots
         job = eng.submit_stream("mem://stalled", b"h" * 4096, 4096 + 300 * chunk, items)
@@ -820,7 +865,7 @@ def test_fail_abandons_a_file_job_in_flight(tmp_path):
     wait for cache slots (4x larger than the cache): the job is done at once with that error,
     every slot is given back, nothing more is written, and the engine goes on working."""
     rng = np.random.default_rng(41)
-    eng = E.Engine(64 * KiB, chunk_bytes=16 * KiB, copy_threads=1, flush_threads=2, cache_wait_timeout_s=600)
+    eng = build_engine(64 * KiB, chunk_bytes=16 * KiB, copy_threads=1, flush_threads=2, cache_wait_timeout_s=600)
     try:
         a = rand_array(rng, 256 * KiB)
         path = tmp_path / "stalled.bin"
@@ -854,7 +899,7 @@ def test_fail_abandons_a_file_job_in_flight(tmp_path):
 
 def test_fail_after_done_marks_the_job_failed_and_leaves_the_file(tmp_path):
     rng = np.random.default_rng(42)
-    eng = E.Engine(64 * KiB, chunk_bytes=16 * KiB, copy_threads=1, flush_threads=1)
+    eng = build_engine(64 * KiB, chunk_bytes=16 * KiB, copy_threads=1, flush_threads=1)
     try:
         a = rand_array(rng, 40 * KiB)
         job = eng.submit_write(str(tmp_path / "f.bin"), b"", a.nbytes, [(ptr(a), a.nbytes, 0)])

@@ -13,13 +13,14 @@ import numpy as np
 import pytest
 
 import dcp_datastates._engine as E
+from engine_util import build_engine
 
 KiB = 1 << 10
 CHUNK = 4 * KiB  # the smallest grid (the alignment): many chunks from little data
 
 
 def _engine(slots: int, copy_threads: int = 2, flush_threads: int = 2, **kw) -> E.Engine:
-    eng = E.Engine(slots * CHUNK, chunk_bytes=CHUNK, copy_threads=copy_threads, flush_threads=flush_threads, **kw)
+    eng = build_engine(slots * CHUNK, chunk_bytes=CHUNK, copy_threads=copy_threads, flush_threads=flush_threads, **kw)
     assert eng.stats()["slots_total"] == slots
     return eng
 

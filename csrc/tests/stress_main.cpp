@@ -99,6 +99,8 @@ EngineConfig stress_config(uint64_t cache_bytes, int read_threads, double cache_
   cfg.flush_threads = 2;
   cfg.read_threads = read_threads;
   cfg.cache_wait_timeout_s = cache_wait_timeout;
+  cfg.pin = false;
+  cfg.prefault = false;
   return cfg;
 }
 

@@ -64,6 +64,9 @@ void run_phase(const std::string& dir, const Fake& fake, int phase, bool faults)
   cfg.flush_threads = 2;
   cfg.read_threads = 2;
   cfg.cache_wait_timeout_s = 600;
+  cfg.alignment = 4096;
+  cfg.pin = true;
+  cfg.prefault = true;
   auto eng = std::make_unique<Engine>(cfg);
   CHECK(eng->cuda_mode(), "engine not in CUDA mode: %s", eng->cuda_status().c_str());
   CHECK(eng->stats().pinned == 1, "cache not pinned");
