@@ -190,6 +190,9 @@ void WriteJob::mark_done() {
 
 namespace {
 
+// The zeros a streaming job hands out for gaps and the tail (read-only, shared by every job).
+const char kZeros[1 << 20] = {};
+
 std::chrono::steady_clock::duration seconds(double s) {
   return std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
 }
@@ -200,16 +203,33 @@ WriteJob::Next WriteJob::next_chunk(double timeout_s, StreamChunk* out) {
   if (!stream_) throw std::logic_error(path_ + ": next_chunk on a job that is not streaming");
   std::unique_lock<std::mutex> lk(smu_);
   const size_t n = cstate_.size();
+  // Where the bytes handed out so far must reach before the next data chunk (or the end).
+  auto boundary = [&] { return next_ < n ? chunks_[next_].file_off : file_size_; };
   auto ready = [&] {
     while (next_ < n && cstate_[next_] == ChunkState::kFinished) ++next_;  // empty or dropped
-    return failed() || next_ == n || cstate_[next_] == ChunkState::kReady;
+    return failed() || handed_ < boundary() || next_ == n || cstate_[next_] == ChunkState::kReady;
   };
   if (timeout_s < 0 || timeout_s > 1e9) {
     scv_.wait(lk, ready);
   } else if (!scv_.wait_for(lk, seconds(timeout_s), ready)) {
     return Next::kTimeout;
   }
-  if (failed() || next_ == n) return Next::kEnd;
+  if (failed()) return Next::kEnd;
+  if (handed_ < boundary()) {  // the header, a gap or the tail: bytes no slot holds
+    const uint64_t stop = boundary();
+    out->file_offset = handed_;
+    if (handed_ < header_.size()) {
+      out->ptr = header_.data() + handed_;
+      out->nbytes = std::min<uint64_t>(header_.size(), stop) - handed_;
+    } else {
+      out->ptr = kZeros;
+      out->nbytes = std::min<uint64_t>(stop - handed_, sizeof(kZeros));
+    }
+    fills_out_.insert(handed_);
+    handed_ += out->nbytes;
+    return Next::kChunk;
+  }
+  if (next_ == n) return Next::kEnd;
   const Chunk& c = chunks_[next_];
   cstate_[next_] = ChunkState::kTaken;
   ++held_;
@@ -217,12 +237,14 @@ WriteJob::Next WriteJob::next_chunk(double timeout_s, StreamChunk* out) {
   out->file_offset = c.file_off;
   out->ptr = cache_->slot_ptr(c.slot);
   out->nbytes = c.span;
+  handed_ = c.file_off + c.span;
   return Next::kChunk;
 }
 
 void WriteJob::release(uint64_t file_offset) {
   if (!stream_) throw std::logic_error(path_ + ": release on a job that is not streaming");
   std::unique_lock<std::mutex> lk(smu_);
+  if (fills_out_.erase(file_offset) != 0) return;  // header or zeros: nothing to give back
   auto it = std::lower_bound(chunks_.begin(), chunks_.end(), file_offset,
                              [](const Chunk& c, uint64_t off) { return c.file_off < off; });
   const size_t i = static_cast<size_t>(it - chunks_.begin());

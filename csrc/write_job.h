@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -49,8 +50,8 @@ struct Chunk {
 
 class WriteJob;
 
-// A chunk of a streaming job handed to its consumer: `nbytes` bytes at `ptr` (a cache slot)
-// belong at `file_offset` of the file.
+// A piece of a streaming job's file handed to its consumer: `nbytes` bytes at `ptr` (a cache
+// slot, the job's header, or zeros) belong at `file_offset`; pieces come back to back.
 struct StreamChunk {
   uint64_t file_offset;
   const char* ptr;
@@ -102,9 +103,12 @@ class WriteJob {
   // ---- streaming jobs (stream() true); the others throw std::logic_error.
   bool stream() const { return stream_; }
   enum class Next { kChunk, kEnd, kTimeout };
-  // The next chunk in file order, once it is in the cache and checksummed; waits up to timeout_s
-  // (negative: forever). kEnd when every chunk was handed out or the job failed (see error()).
-  // The chunk's slot stays borrowed until release(chunk.file_offset) or until the job is aborted.
+  // The next piece of the file in order, so that the consumer only appends: the header, zeros
+  // for a gap or the tail (no slot: the engine writes every byte of every file, local or not),
+  // or a data chunk once it is in the cache and checksummed; waits up to timeout_s (negative:
+  // forever). kEnd when the whole file was handed out or the job failed (see error()). A data
+  // chunk's slot stays borrowed until release(chunk.file_offset) or until the job is aborted;
+  // releasing a header or zero piece is accepted and gives nothing back.
   Next next_chunk(double timeout_s, StreamChunk* out);
   // Gives back the slot of a chunk next_chunk returned. Throws std::invalid_argument when no
   // chunk handed out and not yet released starts at file_offset.
@@ -194,6 +198,8 @@ class WriteJob {
   std::condition_variable scv_;
   std::vector<ChunkState> cstate_;
   size_t next_ = 0;       // first chunk not yet handed out
+  uint64_t handed_ = 0;   // bytes [0, handed_) of the file handed out, in order
+  std::set<uint64_t> fills_out_;  // offsets of header/zero pieces handed out and not released
   size_t finished_ = 0;   // chunks in kFinished
   size_t held_ = 0;       // chunks in kTaken
 };

@@ -2,7 +2,9 @@
 
 Writes. A remote data file is an engine streaming job (``Engine.submit_stream``): copy workers
 fill host-cache slots on the same grid as local files and flush workers checksum them, then one
-uploader thread per file takes the chunks in file order and writes them to an fsspec file object
+uploader thread per file takes the file's bytes in order (the engine hands out the header, each
+chunk and the zeros of gaps and tail: it writes every byte of every data file, local or remote,
+and the uploader only appends) and writes them to an fsspec file object
 opened for writing (``fs.open(path, "wb", block_size=UPLOAD_BLOCK_SIZE)``: a multipart upload on
 S3/GCS/Azure, parts of ``block_size`` bytes), giving each slot back as soon as its bytes are in
 that file object's buffer. The upload starts with the first chunk in the cache and uses bounded
@@ -45,7 +47,6 @@ READ_CONCURRENCY = 8
 #: Data files uploading at once per process (more wait, in order).
 UPLOAD_THREADS = 8
 
-_ZEROS = bytes(1 << 20)
 
 _upload_pool = ThreadPoolExecutor(max_workers=UPLOAD_THREADS, thread_name_prefix="dcp-datastates-upload")
 _submit_lock = threading.Lock()
@@ -78,15 +79,8 @@ def submit_upload(
     url = folder.url_of(name)
     with _submit_lock:  # uploads start in the order the engine grants their jobs cache slots
         job = engine.submit_stream(url, header, file_size, items, device, stream)
-        fut = _upload_pool.submit(_upload, folder, name, url, job, header, file_size)
+        fut = _upload_pool.submit(_upload, folder, name, url, job)
     return job, fut
-
-
-def _write_zeros(f, n: int) -> None:
-    while n > 0:
-        k = min(n, len(_ZEROS))
-        f.write(memoryview(_ZEROS)[:k])
-        n -= k
 
 
 def _discard(folder: RemoteFolder, path: str, f) -> None:
@@ -111,30 +105,23 @@ def _discard(folder: RemoteFolder, path: str, f) -> None:
         pass
 
 
-def _upload(folder: RemoteFolder, name: str, url: str, job, header: bytes, file_size: int) -> None:
+def _upload(folder: RemoteFolder, name: str, url: str, job) -> None:
     path = folder.join(name)
     f = None
     try:
         f = folder.fs.open(path, "wb", block_size=UPLOAD_BLOCK_SIZE)
-        f.write(header)
-        pos = len(header)
-        while True:
+        while True:  # the engine hands out every byte in order: header, data, zeros
             chunk = job.next_chunk()
             if chunk is None:
                 break
             off, ptr, nbytes = chunk
             try:
-                if off > pos:
-                    _write_zeros(f, off - pos)
                 f.write(_buffer(ptr, nbytes))
-                pos = off + nbytes
             finally:
                 job.release(off)  # the bytes are in the file object's buffer (or the write failed)
         error = job.error()
         if error:
             raise _EngineFailed(error)
-        if pos < file_size:
-            _write_zeros(f, file_size - pos)
         f.close()  # completes the multipart upload: the object appears now
         f = None
     except _EngineFailed as exc:

@@ -48,9 +48,12 @@ class _Layout:
         return [(a.ctypes.data if a.nbytes else 0, a.nbytes, off) for a, off in zip(self.arrays, self.offsets)]
 
 
-def _consume(job, header: bytes, file_size: int, delay: float = 0.0, out: dict | None = None) -> bytes:
-    """The consumer a remote uploader runs: header, chunks in file order, zeros in gaps."""
-    data = bytearray(header)
+def _consume(job, header: bytes, file_size: int, delay: float = 0.0, out: dict | None = None,
+             taken: bytes = b"") -> bytes:
+    """The consumer a remote uploader runs: it only appends what the engine hands out (header,
+    data chunks, zeros), releasing each piece; every byte must come, in order, exactly once.
+    ``taken``: the bytes the test already took from this job."""
+    data = bytearray(taken)
     offsets = []
     while True:
         c = job.next_chunk(timeout=30)
@@ -58,13 +61,13 @@ def _consume(job, header: bytes, file_size: int, delay: float = 0.0, out: dict |
             break
         off, ptr, n = c
         offsets.append(off)
-        assert off >= len(data), "chunks must come in file order, without overlap"
-        data += bytes(off - len(data))
+        assert off == len(data), "the pieces must come back to back, in file order"
         data += bytes((ctypes.c_char * n).from_address(ptr))
         if delay:
             time.sleep(delay * random.random())
         job.release(off)
-    data += bytes(file_size - len(data))
+    if job.error() is None:
+        assert len(data) == file_size and data[: len(header)] == header
     if out is not None:
         out["offsets"] = offsets
     return bytes(data)
@@ -83,7 +86,7 @@ def _crcs(data: bytes, lay: _Layout, grid: int) -> list[list[int]]:
     return out
 
 
-def test_stream_round_trip_bytes_checksums_and_counters():
+def test_stream_round_trip_bytes_checksums_and_counters(tmp_path):
     rng = np.random.default_rng(0)
     eng = _engine(8)
     try:
@@ -93,13 +96,17 @@ def test_stream_round_trip_bytes_checksums_and_counters():
         info = {}
         data = _consume(job, lay.header, lay.file_size, out=info)
         assert data == lay.expected
+        # Byte for byte what a file job of the same layout writes: one side makes every byte.
+        local = eng.submit_write(str(tmp_path / "same"), lay.header, lay.file_size, lay.items(), False)
+        assert local.wait_done(10) and local.error() is None
+        assert (tmp_path / "same").read_bytes() == data
         assert info["offsets"] == sorted(info["offsets"])
         assert job.wait_done(10) and job.error() is None
         assert job.checksums() == _crcs(data, lay, job.piece_size())
         s = eng.stats()
         assert s["slots_free"] == s["slots_total"]
-        assert s["jobs_done"] == 1 and s["jobs_failed"] == 0
-        assert s["bytes_flushed"] == sum(a.nbytes for a in lay.arrays)
+        assert s["jobs_done"] == 2 and s["jobs_failed"] == 0  # the stream and the file job
+        assert s["bytes_flushed"] == 2 * sum(a.nbytes for a in lay.arrays)
     finally:
         eng.shutdown()
 
@@ -172,9 +179,13 @@ def test_consumer_fail_releases_every_slot_and_reports_the_message():
     try:
         lay = _Layout(rng, [20 * CHUNK])
         job = eng.submit_stream("s3://b/f", lay.header, lay.file_size, lay.items())
-        taken = [job.next_chunk(10) for _ in range(2)]
-        assert all(taken) and job.chunks_held() == 2
+        taken = [job.next_chunk(10) for _ in range(3)]
+        assert all(taken) and taken[0][0] == 0 and taken[0][2] == len(lay.header)  # the header, no slot
+        assert [t[0] for t in taken[1:]] == [len(lay.header), len(lay.header) + CHUNK]
+        assert job.chunks_held() == 2
         job.release(taken[0][0])
+        job.release(taken[1][0])
+        assert job.chunks_held() == 1
         job.fail("upload of s3://b/f failed: connection reset")
         assert job.chunks_held() == 0
         assert job.next_chunk(1) is None
@@ -185,7 +196,7 @@ def test_consumer_fail_releases_every_slot_and_reports_the_message():
         with pytest.raises(RuntimeError, match="connection reset"):
             job.checksums()
         with pytest.raises(ValueError, match="release"):
-            job.release(taken[1][0])  # already given back by fail()
+            job.release(taken[2][0])  # already given back by fail()
         s = eng.stats()
         assert s["slots_free"] == s["slots_total"] and s["jobs_failed"] == 1
         # The engine goes on: a new stream works.
@@ -204,10 +215,14 @@ def test_next_chunk_timeout_while_an_earlier_stream_holds_the_cache():
         second = _Layout(rng, [2 * CHUNK])
         j1 = eng.submit_stream("s3://b/1", first.header, first.file_size, first.items())
         j2 = eng.submit_stream("s3://b/2", second.header, second.file_size, second.items())
+        off, ptr, n = j2.next_chunk(timeout=0.2)  # its header needs no slot
+        head = bytes((ctypes.c_char * n).from_address(ptr))
+        assert off == 0 and head == second.header
+        j2.release(0)
         with pytest.raises(TimeoutError, match="s3://b/2"):
             j2.next_chunk(timeout=0.2)  # j1 holds both slots until its consumer runs
         assert _consume(j1, first.header, first.file_size) == first.expected
-        assert _consume(j2, second.header, second.file_size) == second.expected
+        assert _consume(j2, second.header, second.file_size, taken=head) == second.expected
         assert j1.wait_done(10) and j2.wait_done(10)
     finally:
         eng.shutdown()
@@ -232,6 +247,7 @@ def test_empty_stream_and_argument_errors(tmp_path):
     eng = _engine(4)
     try:
         job = eng.submit_stream("memory://e", b"H" * 16, 40, [])
+        assert _consume(job, b"H" * 16, 40) == b"H" * 16 + bytes(24)  # header and zeros, from the engine
         assert job.next_chunk(5) is None
         assert job.wait_done(5) and job.error() is None and job.checksums() == []
         rng = np.random.default_rng(6)
@@ -245,6 +261,8 @@ def test_empty_stream_and_argument_errors(tmp_path):
         with pytest.raises(ValueError, match="timeout"):
             job.next_chunk(-1)
         job.release(c[0])
+        head = lay.header
+        assert _consume(job, head, lay.file_size, taken=head) == lay.expected
         assert job.next_chunk(5) is None and job.wait_done(5)
         plain = eng.submit_write(str(tmp_path / "p"), lay.header, lay.file_size, lay.items(), False)
         assert not plain.is_stream
