@@ -98,12 +98,12 @@ void DeviceStager::begin_job(WriteJob& job, uint64_t stream) {
     std::snprintf(hex, sizeof hex, "%#llx", static_cast<unsigned long long>(stream));
     throw std::runtime_error(fail_text(job, std::string("cudaEventRecord on the caller's stream ") + hex, err));
   }
-  job.entry_event_ = e;
+  job.entry_event() = e;
 }
 
 void DeviceStager::enqueue(ChunkRef ref, char* dst) {
   WriteJob& job = *ref.job;
-  const Chunk& c = job.chunks_[ref.index];
+  const Chunk& c = job.chunk(ref.index);
   Device& d = *devices_[static_cast<size_t>(job.device())];  // created by begin_job
   DeviceGuard guard(api_, d.index);
   CudaEvent done = nullptr;
@@ -111,19 +111,19 @@ void DeviceStager::enqueue(ChunkRef ref, char* dst) {
     std::lock_guard<std::mutex> g(d.mu);
     if (guard.error() != kCudaSuccess && !job.failed())
       job.fail(fail_text(job, "cudaSetDevice(" + std::to_string(d.index) + ") on a copy worker", guard.error()));
-    if (job.entry_event_) {
+    if (job.entry_event()) {
       // The first chunk of the job in stream order: from here on the copy stream runs only
       // after everything the caller's stream had queued at submit (the tensors' producers).
       if (!job.failed()) {
-        cudaError err = api_.StreamWaitEvent(d.stream, job.entry_event_, 0);
+        cudaError err = api_.StreamWaitEvent(d.stream, job.entry_event(), 0);
         if (err != kCudaSuccess) job.fail(fail_text(job, "cudaStreamWaitEvent (copy stream on the caller's stream)", err));
       }
-      give_event(d, job.entry_event_);
-      job.entry_event_ = nullptr;
+      give_event(d, job.entry_event());
+      job.entry_event() = nullptr;
     }
     size_t queued = 0;
     if (dst && !job.failed()) {
-      place_pieces(dst, c, job.pieces_, [&](char* to, const Piece& p) {
+      place_pieces(dst, c, job.pieces(), [&](char* to, const Piece& p) {
         cudaError err = api_.MemcpyAsync(to, p.src, static_cast<size_t>(p.len), kCudaMemcpyDeviceToHost, d.stream);
         if (err != kCudaSuccess) {
           char what[160];
@@ -151,14 +151,14 @@ void DeviceStager::enqueue(ChunkRef ref, char* dst) {
       }
     }
     // Chunks of a device job are counted only here, under d.mu, so enqueue order is stream order.
-    const bool last = job.chunks_enqueued_.load(std::memory_order_relaxed) + 1 == job.nchunks();
+    const bool last = job.chunks_enqueued() + 1 == job.nchunks();
     if (last && !job.failed()) {
       // An event recorded after the job's last chunk follows every copy of the job.
       cudaError err = kCudaSuccess;
       CudaEvent e = take_event(d, &err);
       if (e && api_.EventRecord(e, d.stream) == kCudaSuccess) {
-        std::lock_guard<std::mutex> lg(job.cuda_mu_);
-        job.last_event_ = e;
+        std::lock_guard<std::mutex> lg(job.cuda_mutex());
+        job.last_event() = e;
       } else if (e) {
         give_event(d, e);  // device_wait falls back to a host wait
       }
@@ -186,7 +186,7 @@ void DeviceStager::complete_loop(Device& d) {
     if (p.event) {
       cudaError err = api_.EventSynchronize(p.event);
       if (err != kCudaSuccess) {
-        const Chunk& c = job.chunks_[p.ref.index];
+        const Chunk& c = job.chunk(p.ref.index);
         job.fail(fail_text(job, "waiting for the device-to-host copy of the chunk at file offset " + std::to_string(c.file_off) +
                                     " (cudaEventSynchronize, device " + std::to_string(d.index) + ")",
                            err));
@@ -199,9 +199,9 @@ void DeviceStager::complete_loop(Device& d) {
       // Every copy of the job is complete: later device_wait calls need no event.
       CudaEvent last;
       {
-        std::lock_guard<std::mutex> g(job.cuda_mu_);
-        last = job.last_event_;
-        job.last_event_ = nullptr;
+        std::lock_guard<std::mutex> g(job.cuda_mutex());
+        last = job.last_event();
+        job.last_event() = nullptr;
       }
       if (last) give_event(d, last);
     }
@@ -212,11 +212,11 @@ void DeviceStager::complete_loop(Device& d) {
 DeviceStager::Wait DeviceStager::device_wait(WriteJob& job, uint64_t stream) {
   if (job.is_staged()) return Wait::kNotNeeded;
   if (!job.all_enqueued()) return Wait::kHost;
-  std::lock_guard<std::mutex> g(job.cuda_mu_);
-  if (!job.last_event_) return job.is_staged() ? Wait::kNotNeeded : Wait::kHost;
+  std::lock_guard<std::mutex> g(job.cuda_mutex());
+  if (!job.last_event()) return job.is_staged() ? Wait::kNotNeeded : Wait::kHost;
   DeviceGuard guard(api_, job.device());  // stream 0 means the current device's default stream
   if (guard.error() != kCudaSuccess) return Wait::kHost;
-  cudaError err = api_.StreamWaitEvent(reinterpret_cast<CudaStream>(static_cast<uintptr_t>(stream)), job.last_event_, 0);
+  cudaError err = api_.StreamWaitEvent(reinterpret_cast<CudaStream>(static_cast<uintptr_t>(stream)), job.last_event(), 0);
   return err == kCudaSuccess ? Wait::kDevice : Wait::kHost;
 }
 

@@ -126,7 +126,7 @@ std::shared_ptr<WriteJob> Engine::submit_write(std::string path, std::string hea
                                                uint64_t stream) {
   if (is_shut_down()) throw std::runtime_error("engine is shut down");
   check_copy_device(device, cuda_devices_, cuda_status_);
-  return submit(std::make_shared<WriteJob>(std::move(path), std::move(header), file_size, items, chunk_bytes(), sync, device),
+  return submit(std::make_shared<FileJob>(std::move(path), std::move(header), file_size, items, chunk_bytes(), sync, device),
                 stream);
 }
 
@@ -134,11 +134,9 @@ std::shared_ptr<WriteJob> Engine::submit_stream(std::string label, std::string h
                                                 const std::vector<WriteItem>& items, int device, uint64_t stream) {
   if (is_shut_down()) throw std::runtime_error("engine is shut down");
   check_copy_device(device, cuda_devices_, cuda_status_);
-  auto job = std::make_shared<WriteJob>(std::move(label), std::move(header), file_size, items, chunk_bytes(),
-                                        /*sync=*/false, device, /*stream=*/true);
-  job->cache_ = cache_.get();
-  job->engine_ = this;
-  return submit(std::move(job), stream);
+  return submit(std::make_shared<StreamJob>(std::move(label), std::move(header), file_size, items, chunk_bytes(), device,
+                                           cache_.get(), this),
+                stream);
 }
 
 std::shared_ptr<WriteJob> Engine::submit(std::shared_ptr<WriteJob> job, uint64_t stream) {
@@ -146,8 +144,8 @@ std::shared_ptr<WriteJob> Engine::submit(std::shared_ptr<WriteJob> job, uint64_t
     std::lock_guard<std::mutex> g(copy_mu_);
     if (stop_copy_) throw std::runtime_error("engine is shut down");
     if (job->device() != kHostDevice) stager_->begin_job(*job, stream);  // the ordering point
-    for (size_t k = 0; k < job->chunks_.size(); ++k) copy_q_.push_back(ChunkRef{job, k});
-    copies_pending_.fetch_add(static_cast<int64_t>(job->chunks_.size()), std::memory_order_relaxed);
+    for (size_t k = 0; k < job->nchunks(); ++k) copy_q_.push_back(ChunkRef{job, k});
+    copies_pending_.fetch_add(static_cast<int64_t>(job->nchunks()), std::memory_order_relaxed);
     jobs_submitted_.fetch_add(1, std::memory_order_relaxed);
   }
   copy_cv_.notify_all();
@@ -183,13 +181,13 @@ void Engine::copy_loop() {
         ref = std::move(copy_q_.front());
         copy_q_.pop_front();
       }
-      take_slot(*ref.job, ref.job->chunks_[ref.index]);
+      take_slot(*ref.job, ref.job->chunk(ref.index));
     }
     WriteJob& job = *ref.job;
-    if (job.device_ != kHostDevice) {
+    if (job.device() != kHostDevice) {
       stage_device_chunk(std::move(ref));  // handed on by the device's completion thread
     } else {
-      stage_chunk(job, job.chunks_[ref.index]);
+      stage_chunk(job, job.chunk(ref.index));
       job.chunk_enqueued();
       job.chunk_staged();
       push_flush(std::move(ref));
@@ -247,7 +245,7 @@ void Engine::stage_chunk(WriteJob& job, Chunk& c) {
   try {
     if (job.failed() || c.slot < 0) return;  // the slot goes back in the flush worker
     const int slot = c.slot;
-    place_pieces(cache_->slot_ptr(slot), c, job.pieces_, [](char* dst, const Piece& p) {
+    place_pieces(cache_->slot_ptr(slot), c, job.pieces(), [](char* dst, const Piece& p) {
       copy_bytes(dst, p.src, static_cast<size_t>(p.len));
       return true;
     });
@@ -264,7 +262,7 @@ void Engine::stage_chunk(WriteJob& job, Chunk& c) {
 // is full), then the stager queues the D2H copies and the chunk's event on the copy stream.
 void Engine::stage_device_chunk(ChunkRef ref) {
   WriteJob& job = *ref.job;
-  Chunk& c = job.chunks_[ref.index];
+  Chunk& c = job.chunk(ref.index);
   char* dst = nullptr;
   if (!job.failed() && c.slot >= 0) dst = cache_->slot_ptr(c.slot);  // else given back by flush
   try {
@@ -278,7 +276,7 @@ void Engine::stage_device_chunk(ChunkRef ref) {
 // staged already when this was its last chunk).
 void Engine::device_chunk_ready(ChunkRef&& ref, bool copied) {
   if (copied) {
-    const Chunk& c = ref.job->chunks_[ref.index];
+    const Chunk& c = ref.job->chunk(ref.index);
     bytes_staged_.fetch_add(c.data_bytes, std::memory_order_relaxed);
     d2h_bytes_.fetch_add(c.data_bytes, std::memory_order_relaxed);
     chunks_staged_.fetch_add(1, std::memory_order_relaxed);
@@ -287,7 +285,7 @@ void Engine::device_chunk_ready(ChunkRef&& ref, bool copied) {
 }
 
 bool Engine::device_wait(WriteJob& job, uint64_t stream) {
-  if (!stager_ || job.device_ == kHostDevice) return false;
+  if (!stager_ || job.device() == kHostDevice) return false;
   switch (stager_->device_wait(job, stream)) {
     case DeviceStager::Wait::kDevice:
       device_waits_.fetch_add(1, std::memory_order_relaxed);
@@ -315,11 +313,11 @@ void Engine::flush_loop() {
       flush_q_.pop_front();
     }
     if (ref.job->stream()) {
-      stream_flush(std::move(ref));
+      stream_flush(static_cast<StreamJob&>(*ref.job), ref.index);
       continue;
     }
-    WriteJob& job = *ref.job;
-    Chunk& c = job.chunks_[ref.index];
+    auto& job = static_cast<FileJob&>(*ref.job);  // the only other kind
+    Chunk& c = job.chunk(ref.index);
     flush_chunk(job, c);
     if (c.slot >= 0) {
       cache_->release(c.slot);
@@ -331,44 +329,23 @@ void Engine::flush_loop() {
 
 // A streaming chunk: checksum its pieces while the bytes are hot, then hand it to the consumer
 // (the slot stays borrowed until WriteJob::release); failed jobs and empty chunks just finish.
-void Engine::stream_flush(ChunkRef&& ref) {
-  WriteJob& job = *ref.job;
-  const Chunk& c = job.chunks_[ref.index];
+void Engine::stream_flush(StreamJob& job, size_t index) {
+  const Chunk& c = job.chunk(index);
   if (job.failed() || c.slot < 0 || c.span == 0) {
-    job.stream_drop(ref.index);
+    job.chunk_drop(index);
     return;
   }
   size_t first = c.piece_begin;
   const uint64_t ns = checksum_range(job, c, cache_->slot_ptr(c.slot), c.file_off, c.file_off + c.span, &first);
   checksum_ns_.fetch_add(ns, std::memory_order_relaxed);
   flush_ns_.fetch_add(ns, std::memory_order_relaxed);
-  job.stream_ready(ref.index);
+  job.chunk_ready(index);
 }
 
-bool Engine::ensure_open(WriteJob& job) {
-  std::lock_guard<std::mutex> g(job.open_mu_);
-  if (!job.open_attempted_) {
-    job.open_attempted_ = true;
-    std::string err;
-    const int fd = open_regular_for_write(job.path(), &err);  // no symlink, FIFO or shared inode
-    if (fd < 0) {
-      job.fail(err);
-      return false;
-    }
-    job.fd_ = fd;
-    // The header goes first, before any data chunk of this job.
-    if (!job.header_.empty() && !job.failed()) {
-      std::string err = pwrite_full(fd, job.header_.data(), job.header_.size(), 0);
-      if (!err.empty()) job.fail(job.path() + ": writing the header: " + err);
-    }
-  }
-  return job.fd_ >= 0 && !job.failed();
-}
-
-void Engine::flush_chunk(WriteJob& job, Chunk& c) {
+void Engine::flush_chunk(FileJob& job, Chunk& c) {
   try {
     if (job.failed() || c.span == 0 || c.slot < 0) return;
-    if (!ensure_open(job)) return;
+    if (!job.open_once()) return;
     const char* base = cache_->slot_ptr(c.slot);
     const FaultKind fault = faults_.active_for(job.path(), bytes_flushed_.load(std::memory_order_relaxed));
     // Checksum, then write, one block at a time: the checksum pulls the block into the core's
@@ -387,7 +364,7 @@ void Engine::flush_chunk(WriteJob& job, Chunk& c) {
       if (job.failed()) return;  // aborted (or failed elsewhere): drop the rest of the chunk
       const uint64_t stop = std::min(end, pos + kFlushBlock);
       crc_ns += checksum_range(job, c, base, pos, stop, &first);
-      err = pwrite_full(job.fd_, base + (pos - c.file_off), static_cast<size_t>(stop - pos), pos, fault);
+      err = pwrite_full(job.fd(), base + (pos - c.file_off), static_cast<size_t>(stop - pos), pos, fault);
       pos = stop;
     }
     checksum_ns_.fetch_add(crc_ns, std::memory_order_relaxed);
@@ -397,7 +374,7 @@ void Engine::flush_chunk(WriteJob& job, Chunk& c) {
       return;
     }
     bytes_flushed_.fetch_add(c.data_bytes, std::memory_order_relaxed);
-    job.bytes_done_.fetch_add(c.data_bytes, std::memory_order_acq_rel);
+    job.add_bytes_done(c.data_bytes);
     chunks_flushed_.fetch_add(1, std::memory_order_relaxed);
   } catch (const std::exception& e) {
     job.fail(internal_error(job.path(), e.what()));
@@ -413,31 +390,25 @@ uint64_t Engine::checksum_range(WriteJob& job, const Chunk& c, const char* base,
                                 size_t* first_piece) const {
   if (!checksums_.load(std::memory_order_relaxed)) return 0;
   const uint64_t t0 = now_ns();
-  for (size_t i = *first_piece; i < c.piece_end; ++i) {
-    const Piece& p = job.pieces_[i];
-    if (p.file_off >= to) break;
-    const uint64_t a = std::max(from, p.file_off), b = std::min(to, p.file_off + p.len);
-    if (b > a) job.crcs_[p.crc_index] = crc32c(base + (a - c.file_off), static_cast<size_t>(b - a), job.crcs_[p.crc_index]);
-    if (p.file_off + p.len <= to) *first_piece = i + 1;
-  }
+  job.checksum_range(c, base, from, to, first_piece);
   return now_ns() - t0;
 }
 
-void Engine::finalize(WriteJob& job) {
+void Engine::finalize(FileJob& job) {
   try {
-    // ensure_open also covers jobs whose every chunk was empty (header-only files).
-    if (!job.failed() && ensure_open(job)) {
+    // open_once also covers jobs whose every chunk was empty (header-only files).
+    if (!job.failed() && job.open_once()) {
       int rc;
       do {
-        rc = ::ftruncate(job.fd_, static_cast<off_t>(job.file_size()));
+        rc = ::ftruncate(job.fd(), static_cast<off_t>(job.file_size()));
       } while (rc != 0 && errno == EINTR);
       if (rc != 0) {
         job.fail(job.path() + ": ftruncate to " + std::to_string(job.file_size()) + " bytes failed: " + errno_text(errno));
-      } else if (job.sync_) {
+      } else if (job.sync()) {
         const FaultKind fault = faults_.active_for(job.path(), bytes_flushed_.load(std::memory_order_relaxed));
         if (fault == FaultKind::kFsyncEio) {
           job.fail(job.path() + ": fsync of " + std::to_string(job.file_size()) + " bytes failed: " + errno_text(EIO));
-        } else if (::fsync(job.fd_) != 0) {
+        } else if (::fsync(job.fd()) != 0) {
           job.fail(job.path() + ": fsync of " + std::to_string(job.file_size()) + " bytes failed: " + errno_text(errno));
         }
       }
@@ -447,15 +418,7 @@ void Engine::finalize(WriteJob& job) {
   } catch (...) {
     job.fail(internal_error(job.path(), "unknown exception"));
   }
-  {
-    std::lock_guard<std::mutex> g(job.open_mu_);
-    if (job.fd_ >= 0) {
-      // No retry on EINTR: Linux always releases the descriptor.
-      if (::close(job.fd_) != 0 && !job.failed())
-        job.fail(job.path() + ": close failed: " + errno_text(errno));
-      job.fd_ = -1;
-    }
-  }
+  job.close_file();
   jobs_done_.fetch_add(1, std::memory_order_relaxed);
   if (job.failed()) jobs_failed_.fetch_add(1, std::memory_order_relaxed);
   job.mark_done();

@@ -11,18 +11,22 @@
 //                               flush_mu_ (push_flush)
 //   device completion thread    DeviceStager::Device::done_mu,          none (hands the chunk on
 //     (complete_loop), 1/device pool_mu; flush_mu_ (push_flush)         to the flush queue)
-//   flush worker (flush_loop)   flush_mu_ (queue pop); WriteJob::       file jobs: releases the
+//   flush worker (flush_loop)   flush_mu_ (queue pop); FileJob::        file jobs: releases the
 //     x flush_threads           open_mu_ (open/close the file);         slot after pwrite
-//                               HostCache::mu_ (release)                (flush_loop)
+//                               StreamJob::smu_ (chunk_ready/drop);     (flush_loop)
+//                               HostCache::mu_ (release)
 //   read worker (read_loop)     read_mu_; ReadBatch::mu_                none (reads bypass the cache)
 //     x read_threads
 //   prefault thread (1)         HostCache::mu_ (borrows a free slot     gives its slot back at once
 //                               to touch its pages)                     (give_back_prefault)
 //   Python caller (bindings)    copy_mu_ (submit), DeviceStager::       streaming jobs: the consumer
 //                               init_mu_ (first use of a device),       releases each chunk's slot
-//                               read_mu_, shutdown_mu_ (shutdown)       (WriteJob::release); failed
-//                                                                       or aborted jobs release the
-//                                                                       slots they hold (stream_drop*)
+//                               read_mu_, shutdown_mu_ (shutdown);      (StreamJob::release); failed
+//                               StreamJob::smu_ (next_chunk, release)   or aborted jobs release the
+//                                                                       slots they hold (drop_held)
+//
+// Jobs (write_job.h): FileJob (the engine writes the file) and StreamJob (a consumer takes the
+// bytes) share WriteJob, whose "engine side" methods are how the workers drive either.
 //
 // No thread holds a queue lock while it waits for a slot except the copy worker holding
 // slot_order_mu_ (by design: slots are granted in queue order, which streaming jobs need); a
@@ -149,17 +153,16 @@ class Engine {
   std::shared_ptr<WriteJob> submit(std::shared_ptr<WriteJob> job, uint64_t stream);
   int acquire_slot(WriteJob& job, const Chunk& c);
   void take_slot(WriteJob& job, Chunk& c);
-  void stream_flush(ChunkRef&& ref);
+  void stream_flush(StreamJob& job, size_t index);
   void stage_chunk(WriteJob& job, Chunk& c);
   void stage_device_chunk(ChunkRef ref);
   void device_chunk_ready(ChunkRef&& ref, bool copied);
   void push_flush(ChunkRef&& ref);
-  void flush_chunk(WriteJob& job, Chunk& c);
+  void flush_chunk(FileJob& job, Chunk& c);
   // Returns the nanoseconds spent (0 with checksums off).
   uint64_t checksum_range(WriteJob& job, const Chunk& c, const char* base, uint64_t from, uint64_t to,
                           size_t* first_piece) const;
-  bool ensure_open(WriteJob& job);
-  void finalize(WriteJob& job);
+  void finalize(FileJob& job);
   void stop_threads();
 
   const EngineConfig cfg_;

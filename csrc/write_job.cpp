@@ -1,14 +1,17 @@
 #include "write_job.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <limits>
 #include <stdexcept>
 #include <unistd.h>
 
+#include "crc32c.h"
 #include "engine.h"
 #include "grid.h"
 #include "host_cache.h"
+#include "io_util.h"
 
 namespace dcpds {
 namespace {
@@ -23,9 +26,8 @@ constexpr uint64_t kMaxOffset = static_cast<uint64_t>(std::numeric_limits<int64_
 }  // namespace
 
 WriteJob::WriteJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
-                   uint64_t grid, bool sync, int device, bool stream)
-    : path_(std::move(path)), header_(std::move(header)), file_size_(file_size), grid_(grid), sync_(sync),
-      device_(device), stream_(stream) {
+                   uint64_t grid, int device)
+    : path_(std::move(path)), header_(std::move(header)), file_size_(file_size), grid_(grid), device_(device) {
   if (grid_ == 0) throw std::invalid_argument("chunk grid must be positive");
   const uint64_t data_start = header_.size();
   if (file_size_ > kMaxOffset) throw std::invalid_argument("file_size " + std::to_string(file_size_) + " is too large");
@@ -99,11 +101,62 @@ WriteJob::WriteJob(std::string path, std::string header, uint64_t file_size, con
   // A job without data still has to create the file, write the header and set the size:
   // one empty chunk carries it through the pipeline.
   if (chunks_.empty()) chunks_.push_back(Chunk{});
-  if (stream_) cstate_.assign(chunks_.size(), ChunkState::kPending);
 }
 
-WriteJob::~WriteJob() {
+void WriteJob::checksum_range(const Chunk& c, const char* base, uint64_t from, uint64_t to, size_t* first_piece) {
+  for (size_t i = *first_piece; i < c.piece_end; ++i) {
+    const Piece& p = pieces_[i];
+    if (p.file_off >= to) break;
+    const uint64_t a = std::max(from, p.file_off), b = std::min(to, p.file_off + p.len);
+    if (b > a) crcs_[p.crc_index] = crc32c(base + (a - c.file_off), static_cast<size_t>(b - a), crcs_[p.crc_index]);
+    if (p.file_off + p.len <= to) *first_piece = i + 1;
+  }
+}
+
+WriteJob::Next WriteJob::next_chunk(double, StreamChunk*) {
+  throw std::logic_error(path_ + ": next_chunk on a job that is not streaming");
+}
+
+void WriteJob::release(uint64_t) { throw std::logic_error(path_ + ": release on a job that is not streaming"); }
+
+// ---------------------------------------------------------------------------------------------
+// File jobs.
+
+FileJob::FileJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
+                 uint64_t grid, bool sync, int device)
+    : WriteJob(std::move(path), std::move(header), file_size, items, grid, device), sync_(sync) {}
+
+FileJob::~FileJob() {
   if (fd_ >= 0) ::close(fd_);  // only reachable if a job is dropped unfinished (engine failure)
+}
+
+bool FileJob::open_once() {
+  std::lock_guard<std::mutex> g(open_mu_);
+  if (!open_attempted_) {
+    open_attempted_ = true;
+    std::string err;
+    const int fd = open_regular_for_write(path_, &err);  // no symlink, FIFO or shared inode
+    if (fd < 0) {
+      fail(err);
+      return false;
+    }
+    fd_ = fd;
+    // The header goes first, before any data chunk of this job.
+    if (!header_.empty() && !failed()) {
+      std::string werr = pwrite_full(fd, header_.data(), header_.size(), 0);
+      if (!werr.empty()) fail(path_ + ": writing the header: " + werr);
+    }
+  }
+  return fd_ >= 0 && !failed();
+}
+
+void FileJob::close_file() {
+  std::lock_guard<std::mutex> g(open_mu_);
+  if (fd_ >= 0) {
+    // No retry on EINTR: Linux always releases the descriptor.
+    if (::close(fd_) != 0 && !failed()) fail(path_ + ": close failed: " + errno_text(errno));
+    fd_ = -1;
+  }
 }
 
 bool WriteJob::wait_for(const bool& flag, double timeout_s) {
@@ -149,14 +202,14 @@ std::vector<std::vector<uint32_t>> WriteJob::checksums() const {
 }
 
 void WriteJob::fail(const std::string& msg) {
-  {
-    std::lock_guard<std::mutex> g(mu_);
-    if (error_.empty()) error_ = msg.empty() ? path_ + ": unknown error" : msg;
-    failed_.store(true, std::memory_order_release);
-  }
-  // Streaming: chunks waiting for the consumer will never be taken; give their slots back (and
-  // wake a consumer waiting in next_chunk). Handed-out chunks stay the consumer's until release.
-  if (stream_) stream_drop_held(false);
+  std::lock_guard<std::mutex> g(mu_);
+  if (error_.empty()) error_ = msg.empty() ? path_ + ": unknown error" : msg;
+  failed_.store(true, std::memory_order_release);
+}
+
+void WriteJob::abort(const std::string& msg) {
+  fail(msg.empty() ? path_ + ": aborted" : msg);
+  // File jobs wind down through the workers, which check failed() at every step.
 }
 
 bool WriteJob::chunk_staged() {
@@ -199,8 +252,19 @@ std::chrono::steady_clock::duration seconds(double s) {
 
 }  // namespace
 
-WriteJob::Next WriteJob::next_chunk(double timeout_s, StreamChunk* out) {
-  if (!stream_) throw std::logic_error(path_ + ": next_chunk on a job that is not streaming");
+StreamJob::StreamJob(std::string label, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
+                     uint64_t grid, int device, HostCache* cache, Engine* engine)
+    : WriteJob(std::move(label), std::move(header), file_size, items, grid, device), cache_(cache), engine_(engine),
+      cstate_(chunks_.size(), ChunkState::kPending) {}
+
+void StreamJob::fail(const std::string& msg) {
+  WriteJob::fail(msg);
+  // Chunks waiting for the consumer will never be taken; give their slots back (and wake a
+  // consumer waiting in next_chunk). Handed-out chunks stay the consumer's until release.
+  drop_held(false);
+}
+
+WriteJob::Next StreamJob::next_chunk(double timeout_s, StreamChunk* out) {
   std::unique_lock<std::mutex> lk(smu_);
   const size_t n = cstate_.size();
   // Where the bytes handed out so far must reach before the next data chunk (or the end).
@@ -241,8 +305,7 @@ WriteJob::Next WriteJob::next_chunk(double timeout_s, StreamChunk* out) {
   return Next::kChunk;
 }
 
-void WriteJob::release(uint64_t file_offset) {
-  if (!stream_) throw std::logic_error(path_ + ": release on a job that is not streaming");
+void StreamJob::release(uint64_t file_offset) {
   std::unique_lock<std::mutex> lk(smu_);
   if (fills_out_.erase(file_offset) != 0) return;  // header or zeros: nothing to give back
   auto it = std::lower_bound(chunks_.begin(), chunks_.end(), file_offset,
@@ -255,55 +318,54 @@ void WriteJob::release(uint64_t file_offset) {
   it->slot = -1;
   --held_;
   const uint64_t bytes = it->data_bytes;
-  bytes_done_.fetch_add(bytes, std::memory_order_acq_rel);
-  const bool last = stream_finish_locked(i);
+  add_bytes_done(bytes);
+  const bool last = finish_locked(i);
   lk.unlock();
   if (engine_) engine_->note_stream_release(bytes);
-  if (last) stream_complete();
+  if (last) complete();
 }
 
-void WriteJob::abort(const std::string& msg) {
+void StreamJob::abort(const std::string& msg) {
   fail(msg.empty() ? path_ + ": aborted" : msg);
-  if (stream_) stream_drop_held(true);
-  // File jobs wind down through the workers, which check failed() at every step.
+  drop_held(true);
 }
 
-size_t WriteJob::chunks_held() const {
+size_t StreamJob::chunks_held() const {
   std::lock_guard<std::mutex> g(smu_);
   return held_;
 }
 
-void WriteJob::stream_ready(size_t index) {
+void StreamJob::chunk_ready(size_t index) {
   bool last = false;
   {
     std::lock_guard<std::mutex> g(smu_);
-    if (failed()) {  // fail() may have run stream_drop_held already: nobody else frees this slot
+    if (failed()) {  // fail() may have run drop_held already: nobody else frees this slot
       Chunk& c = chunks_[index];
       if (c.slot >= 0) cache_->release(c.slot);
       c.slot = -1;
-      last = stream_finish_locked(index);
+      last = finish_locked(index);
     } else {
       cstate_[index] = ChunkState::kReady;
     }
   }
   scv_.notify_all();
-  if (last) stream_complete();
+  if (last) complete();
 }
 
-void WriteJob::stream_drop(size_t index) {
+void StreamJob::chunk_drop(size_t index) {
   bool last;
   {
     std::lock_guard<std::mutex> g(smu_);
     Chunk& c = chunks_[index];
     if (c.slot >= 0) cache_->release(c.slot);
     c.slot = -1;
-    last = stream_finish_locked(index);
+    last = finish_locked(index);
   }
   scv_.notify_all();
-  if (last) stream_complete();
+  if (last) complete();
 }
 
-void WriteJob::stream_drop_held(bool taken) {
+void StreamJob::drop_held(bool taken) {
   bool last = false;
   {
     std::lock_guard<std::mutex> g(smu_);
@@ -314,19 +376,19 @@ void WriteJob::stream_drop_held(bool taken) {
       Chunk& c = chunks_[i];
       if (c.slot >= 0) cache_->release(c.slot);
       c.slot = -1;
-      last = stream_finish_locked(i) || last;
+      last = finish_locked(i) || last;
     }
   }
   scv_.notify_all();
-  if (last) stream_complete();
+  if (last) complete();
 }
 
-bool WriteJob::stream_finish_locked(size_t index) {
+bool StreamJob::finish_locked(size_t index) {
   cstate_[index] = ChunkState::kFinished;
   return ++finished_ == cstate_.size();
 }
 
-void WriteJob::stream_complete() {
+void StreamJob::complete() {
   if (engine_) engine_->note_job_done(failed());  // counted before waiters see the job done
   mark_done();
 }

@@ -1,5 +1,6 @@
 // One data file to write: the caller's layout (header + items at given offsets) cut into chunks
-// on a fixed grid, plus the job's progress, error and per-piece checksums.
+// on the checksum grid (grid.h), plus the job's progress, error and per-piece checksums. A
+// FileJob is written to a local file by the engine; a StreamJob's bytes go to a consumer.
 #pragma once
 
 #include <atomic>
@@ -17,7 +18,6 @@
 
 namespace dcpds {
 
-class DeviceStager;
 class Engine;
 class HostCache;
 
@@ -64,18 +64,18 @@ struct ChunkRef {
   size_t index;
 };
 
+// What every job has: the layout cut on the grid, progress, the first error, the checksums and
+// the device events. The engine and the device stager drive a job through its "engine side"
+// methods; FileJob and StreamJob add what differs: where the bytes go.
 class WriteJob {
  public:
   // Validates the layout and cuts it on a grid of `grid` bytes starting at header.size().
   // Throws std::invalid_argument naming the offending item.
-  // stream: a streaming job (Engine::submit_stream): nothing is written to `path` (a label for
-  // messages); each chunk, once copied and checksummed, waits in its slot for the consumer
-  // (next_chunk / release) instead of being pwritten.
   WriteJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
-           uint64_t grid, bool sync, int device, bool stream = false);
+           uint64_t grid, int device);
   WriteJob(const WriteJob&) = delete;
   WriteJob& operator=(const WriteJob&) = delete;
-  ~WriteJob();
+  virtual ~WriteJob() = default;
 
   const std::string& path() const { return path_; }
   uint64_t nbytes() const { return nbytes_; }
@@ -100,61 +100,51 @@ class WriteJob {
   // job is done without error.
   std::vector<std::vector<uint32_t>> checksums() const;
 
-  // ---- streaming jobs (stream() true); the others throw std::logic_error.
-  bool stream() const { return stream_; }
+  // A streaming job (StreamJob); the streaming calls below throw std::logic_error otherwise.
+  virtual bool stream() const { return false; }
   enum class Next { kChunk, kEnd, kTimeout };
-  // The next piece of the file in order, so that the consumer only appends: the header, zeros
-  // for a gap or the tail (no slot: the engine writes every byte of every file, local or not),
-  // or a data chunk once it is in the cache and checksummed; waits up to timeout_s (negative:
-  // forever). kEnd when the whole file was handed out or the job failed (see error()). A data
-  // chunk's slot stays borrowed until release(chunk.file_offset) or until the job is aborted;
-  // releasing a header or zero piece is accepted and gives nothing back.
-  Next next_chunk(double timeout_s, StreamChunk* out);
-  // Gives back the slot of a chunk next_chunk returned. Throws std::invalid_argument when no
-  // chunk handed out and not yet released starts at file_offset.
-  void release(uint64_t file_offset);
-  // Fails the job with `msg` (the first error wins) at once, for any job. Streaming jobs give
-  // back every slot they hold, the consumer's included (it must not touch a chunk's memory after
-  // calling this). File jobs stop where they are: copy workers skip their remaining chunks (a
-  // worker waiting for a cache slot for one gives up), flush workers drop their chunks between
-  // two blocks and give the slots back, and the job is done (waiters wake) as soon as no worker
-  // touches it any more, normally within milliseconds. The file is left incomplete.
-  void abort(const std::string& msg);
+  virtual Next next_chunk(double timeout_s, StreamChunk* out);
+  virtual void release(uint64_t file_offset);
+  // Chunks handed out and not released (for tests); 0 for file jobs.
+  virtual size_t chunks_held() const { return 0; }
+  // Fails the job with `msg` (the first error wins) at once. File jobs stop where they are:
+  // copy workers skip their remaining chunks (a worker waiting for a cache slot for one gives
+  // up), flush workers drop their chunks between two blocks and give the slots back, and the job
+  // is done (waiters wake) as soon as no worker touches it any more, normally within
+  // milliseconds; the file is left incomplete. StreamJob also gives back every slot it holds.
+  virtual void abort(const std::string& msg);
   // Data bytes durable so far: written to the file (file jobs; synced only once done) or
   // handed to and released by the consumer (streaming jobs).
   uint64_t bytes_done() const { return bytes_done_.load(std::memory_order_acquire); }
-  // Chunks handed out and not released (for tests).
-  size_t chunks_held() const;
 
- private:
-  friend class DeviceStager;
-  friend class Engine;
-
+  // ---- the engine's side (Engine and DeviceStager drive the job through these)
+  Chunk& chunk(size_t index) { return chunks_[index]; }
+  const std::vector<Piece>& pieces() const { return pieces_; }
+  // Chains the CRC32C of each piece of chunk c over the bytes of file range [from, to) (at
+  // `base`, the chunk's slot) onto what earlier ranges gave. Ranges come in file order;
+  // *first_piece skips the pieces that ended before `from`.
+  void checksum_range(const Chunk& c, const char* base, uint64_t from, uint64_t to, size_t* first_piece);
   // Records the first error; later chunks of the job are skipped.
-  void fail(const std::string& msg);
-  bool chunk_staged();       // marks the job staged after its last chunk; true for that call
+  virtual void fail(const std::string& msg);
   void chunk_enqueued() { chunks_enqueued_.fetch_add(1, std::memory_order_acq_rel); }
-  bool chunk_flushed();      // true for the caller that flushed the last chunk
+  size_t chunks_enqueued() const { return chunks_enqueued_.load(std::memory_order_relaxed); }
+  bool chunk_staged();   // marks the job staged after its last chunk; true for that call
+  bool chunk_flushed();  // true for the caller that flushed the last chunk
+  void add_bytes_done(uint64_t n) { bytes_done_.fetch_add(n, std::memory_order_acq_rel); }
   void mark_done();
-  bool wait_for(const bool& flag, double timeout_s);
+  // Device jobs (DeviceStager). The entry event is recorded on the caller's stream at submit and
+  // handed back once the copy stream waits on it (guarded by the device's enqueue mutex). The
+  // last event follows the job's last copy on the copy stream, for device_wait; it is given back
+  // once the job is staged (guarded by cuda_mutex()).
+  CudaEvent& entry_event() { return entry_event_; }
+  std::mutex& cuda_mutex() { return cuda_mu_; }
+  CudaEvent& last_event() { return last_event_; }
 
-  // Streaming: the engine's flush worker hands a checksummed chunk (slot held) to the consumer,
-  // or drops it (failed job, no slot, empty chunk). Both give the slot back when the job failed.
-  void stream_ready(size_t index);
-  void stream_drop(size_t index);
-  // Gives back the slots of chunks waiting for the consumer (and with `taken`, of handed-out ones
-  // too); the job must have failed. Wakes the consumer.
-  void stream_drop_held(bool taken);
-  // Marks chunk `index` finished (slot already given back); the caller holds smu_. True when it
-  // was the job's last.
-  bool stream_finish_locked(size_t index);
-  void stream_complete();  // after the last chunk finished: done, engine counters
-
+ protected:
   const std::string path_;
   const std::string header_;
   const uint64_t file_size_;
   const uint64_t grid_;
-  const bool sync_;
   const int device_;
   uint64_t nbytes_ = 0;
 
@@ -163,16 +153,14 @@ class WriteJob {
   std::vector<uint32_t> crcs_;        // each element written by exactly one flush worker
   std::vector<size_t> crc_begin_;     // item i (given order) owns crcs_[crc_begin_[i], crc_begin_[i+1])
 
+ private:
+  bool wait_for(const bool& flag, double timeout_s);
+
   std::atomic<size_t> chunks_enqueued_{0};
   std::atomic<size_t> chunks_staged_{0};
   std::atomic<size_t> chunks_flushed_{0};
   std::atomic<bool> failed_{false};
   std::atomic<uint64_t> bytes_done_{0};
-
-  // The file is opened and the header written once, by the first flush of the job.
-  std::mutex open_mu_;
-  bool open_attempted_ = false;
-  int fd_ = -1;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -180,21 +168,83 @@ class WriteJob {
   bool done_ = false;
   std::string error_;
 
-  // Device jobs (DeviceStager). entry_event_ is recorded on the caller's stream at submit and
-  // handed back once the copy stream waits on it (guarded by the device's enqueue mutex).
-  // last_event_ follows the job's last copy on the copy stream, for device_wait; it is given
-  // back once the job is staged.
   CudaEvent entry_event_ = nullptr;
-  std::mutex cuda_mu_;  // guards last_event_
+  std::mutex cuda_mu_;
   CudaEvent last_event_ = nullptr;
+};
 
-  // Streaming state (stream_ only). Each chunk goes kPending -> kReady (in its slot, checksummed)
-  // -> kTaken (handed to the consumer) -> kFinished (slot given back), or straight to kFinished.
+// A data file the engine writes itself (Engine::submit_write): the first flush opens it and
+// writes the header, every chunk is pwritten at its offset (gaps inside a chunk are zeros in
+// its slot), the last one truncates it to file_size (the zero tail) and fsyncs it with `sync`.
+class FileJob final : public WriteJob {
+ public:
+  FileJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
+          uint64_t grid, bool sync, int device);
+  ~FileJob() override;
+
+  bool sync() const { return sync_; }
+  // Opens the file (no symlink, FIFO or shared inode) and writes the header, the first time;
+  // false when the job failed (then or before).
+  bool open_once();
+  // The descriptor open_once opened (-1 before).
+  int fd() const { return fd_; }
+  // Closes the descriptor; a failure fails the job.
+  void close_file();
+
+ private:
+  const bool sync_;
+  std::mutex open_mu_;
+  bool open_attempted_ = false;
+  int fd_ = -1;
+};
+
+// A data file handed to a consumer instead (Engine::submit_stream): each chunk, once copied and
+// checksummed, waits in its slot until the consumer takes it (next_chunk, in file order, with
+// the header and zeros between) and gives it back (release). Nothing is written to `path`: it
+// names the file in messages (a URL).
+class StreamJob final : public WriteJob {
+ public:
+  StreamJob(std::string label, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
+            uint64_t grid, int device, HostCache* cache, Engine* engine);
+
+  bool stream() const override { return true; }
+  // The next piece of the file in order, so that the consumer only appends: the header, zeros
+  // for a gap or the tail (no slot: the engine makes every byte of every file, local or not),
+  // or a data chunk once it is in the cache and checksummed; waits up to timeout_s (negative:
+  // forever). kEnd when the whole file was handed out or the job failed (see error()). A data
+  // chunk's slot stays borrowed until release(chunk.file_offset) or until the job is aborted;
+  // releasing a header or zero piece is accepted and gives nothing back.
+  Next next_chunk(double timeout_s, StreamChunk* out) override;
+  // Gives back the slot of a chunk next_chunk returned. Throws std::invalid_argument when no
+  // piece handed out and not yet released starts at file_offset.
+  void release(uint64_t file_offset) override;
+  size_t chunks_held() const override;
+  // Also gives back every slot the job holds, the consumer's included (it must not touch a
+  // chunk's memory after calling this).
+  void abort(const std::string& msg) override;
+  // Also gives back the slots of chunks waiting for the consumer, and wakes it.
+  void fail(const std::string& msg) override;
+
+  // ---- the engine's side: chunk `index` is checksummed in its slot (ready for the consumer),
+  // or dropped (failed job, no slot, empty chunk). Both give the slot back when the job failed.
+  void chunk_ready(size_t index);
+  void chunk_drop(size_t index);
+
+ private:
+  // Gives back the slots of chunks waiting for the consumer (and with `taken`, of handed-out
+  // ones too); the job must have failed. Wakes the consumer.
+  void drop_held(bool taken);
+  // Marks chunk `index` finished (slot already given back); the caller holds smu_. True when it
+  // was the job's last.
+  bool finish_locked(size_t index);
+  void complete();  // after the last chunk finished: done, engine counters
+
+  // Each chunk goes kPending -> kReady (in its slot, checksummed) -> kTaken (handed to the
+  // consumer) -> kFinished (slot given back), or straight to kFinished.
   enum class ChunkState : uint8_t { kPending, kReady, kTaken, kFinished };
-  const bool stream_ = false;
-  HostCache* cache_ = nullptr;  // set by the engine at submit; outlives the job's use
-  Engine* engine_ = nullptr;
-  mutable std::mutex smu_;  // lock order: d.mu (DeviceStager) -> mu_ released -> smu_ -> cache
+  HostCache* const cache_;  // outlives the job's use
+  Engine* const engine_;
+  mutable std::mutex smu_;  // lock order: d.mu (DeviceStager) -> WriteJob::mu_ released -> smu_ -> cache
   std::condition_variable scv_;
   std::vector<ChunkState> cstate_;
   size_t next_ = 0;       // first chunk not yet handed out

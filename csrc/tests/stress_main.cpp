@@ -269,7 +269,7 @@ void run_stream_phase(const std::string& dir, int phase, double cache_wait_timeo
           std::mt19937_64 r(seed);
           WriteJob& job = *raw->p.job;
           std::string& out = raw->got;
-          out = raw->p.header;
+          out.clear();  // the engine hands out every byte: header, chunks, zeros
           StreamChunk c{};
           for (int k = 0;; ++k) {
             if (k == abort_at) {
@@ -278,14 +278,15 @@ void run_stream_phase(const std::string& dir, int phase, double cache_wait_timeo
               break;
             }
             if (job.next_chunk(-1, &c) != WriteJob::Next::kChunk) break;
-            CHECK(c.file_offset >= out.size(), "%s: chunk at %llu out of order", raw->p.path.c_str(),
-                  (unsigned long long)c.file_offset);
-            out.resize(c.file_offset, '\0');
+            CHECK(c.file_offset == out.size(), "%s: piece at %llu out of order (expected %zu)", raw->p.path.c_str(),
+                  (unsigned long long)c.file_offset, out.size());
             out.append(c.ptr, c.nbytes);
             if (r() % 4 == 0) std::this_thread::sleep_for(std::chrono::microseconds(r() % 500));
             job.release(c.file_offset);
           }
-          out.resize(raw->p.expected.size(), '\0');
+          if (!raw->aborted && !job.failed())
+            CHECK(out.size() == raw->p.expected.size(), "%s: %zu bytes handed out, the file has %zu", raw->p.path.c_str(),
+                  out.size(), raw->p.expected.size());
         });
         all[s].push_back(std::move(st));
       }
