@@ -398,7 +398,7 @@ PYBIND11_MODULE(_engine, m) {
         "The CRC32C implementations this CPU runs, the one in use first.");
   m.def("hw_crc32c", &dcpds::crc32c_hardware_available, "True when CRC32C uses a hardware path.");
 
-  // The checksum grid (grid.h), for the Python side of the format (metadata.piece_ranges).
+  // The checksum grid (grid.h), for the Python side of the format (checkpoint_format.piece_ranges).
   auto check_grid = [](int64_t offset, int64_t length, int64_t data_start, int64_t piece_size) {
     if (piece_size <= 0) throw py::value_error("piece_size must be positive, got " + std::to_string(piece_size));
     if (data_start < 0 || offset < data_start || length < 0)

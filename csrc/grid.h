@@ -1,5 +1,5 @@
 // The checksum grid of a data file, stated once for the engine and for Python (bindings expose
-// piece_count / piece_ranges; dcp_datastates/metadata.py calls them): cell k covers
+// piece_count / piece_ranges; dcp_datastates/checkpoint_format.py calls them): cell k covers
 // [data_start + k*step, data_start + (k+1)*step), data_start being the first byte after the
 // header. A piece is the part of one item inside one cell; each piece gets its own CRC32C.
 #pragma once

@@ -108,8 +108,8 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
 def _cmd_inspect(args) -> int:
     from .integrity import file_kind
     from .convert import checkpoint_items
-    from .layout import FORMAT_NAME
-    from .metadata import FORMAT_VERSION
+    from .checkpoint_format import FORMAT_NAME
+    from .checkpoint_format import FORMAT_VERSION
 
     path = _checkpoint_dir(args.path)
     md, files = _read_metadata(path)

@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from . import folders
 from .errors import CheckpointWriteError, DataStatesError
 from .integrity import check_data_files, read_commit
-from .metadata import METADATA_NAME, STEP_NUMBER, ItemLocation, decode_metadata, encode_metadata, rank_marker_name
+from .checkpoint_format import METADATA_NAME, STEP_NUMBER, ItemLocation, decode_metadata, encode_metadata, rank_marker_name
 
 log = logging.getLogger("dcp_datastates")
 

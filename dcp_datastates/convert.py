@@ -66,7 +66,7 @@ def checkpoint_items(md) -> list[CheckpointItem]:
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    from .layout import dtype_to_name
+    from .checkpoint_format import dtype_to_name
 
     by_fqn: dict[str, list] = defaultdict(list)
     for index, loc in md.storage_data.items():
@@ -149,7 +149,7 @@ def to_hf(path: str, out: str, *, max_shard_size: int = 5 * 10**9, prefix: str |
     Only tensors (under ``prefix``, which is stripped from their names); nothing is unpickled."""
     from safetensors.torch import save_file
 
-    from .layout import safetensors_dtype
+    from .checkpoint_format import safetensors_dtype
 
     if max_shard_size < 1:
         raise ValueError("max_shard_size must be positive")

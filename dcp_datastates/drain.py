@@ -19,7 +19,7 @@ import torch
 from . import commit, folders, integrity, tiers
 from .config import DataStatesConfig
 from .errors import ChecksumMismatchError, CheckpointWriteError, DataStatesError
-from .metadata import piece_ranges
+from .checkpoint_format import piece_ranges
 from .runtime import get_engine
 
 log = logging.getLogger("dcp_datastates")

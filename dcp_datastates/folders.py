@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import CheckpointFormatError, CheckpointWriteError, IncompleteCheckpointError
-from .metadata import MAX_METADATA_BYTES, METADATA_NAME
+from .checkpoint_format import MAX_METADATA_BYTES, METADATA_NAME
 
 __all__ = ["is_remote", "local_path", "normalize", "is_supported_url", "RemoteFolder", "remote_folder"]
 

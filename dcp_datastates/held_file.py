@@ -26,8 +26,7 @@ from typing import Any
 
 from . import folders
 from .errors import CheckpointWriteError
-from .layout import plan_file
-from .metadata import ItemLocation, piece_ranges
+from .checkpoint_format import ItemLocation, piece_ranges, plan_file
 from .remote import UPLOAD_BLOCK_SIZE, _buffer, _discard
 from .stage.pipeline import item_location, written
 from .stage.items import ItemKey, SourceItem

@@ -30,18 +30,18 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from . import folders
 from .errors import ChecksumMismatchError, CheckpointFormatError, IncompleteCheckpointError
-from .layout import safetensors_dtype
-from .metadata import (
+from .checkpoint_format import (
     MAX_METADATA_BYTES,
     METADATA_NAME,
     STEP_NUMBER,
-    FileInfo,
-    ItemLocation,
     _DuplicateKey,
     _no_duplicate_keys,
     decode_metadata,
+    FileInfo,
+    ItemLocation,
     piece_ranges,
     rank_marker_name,
+    safetensors_dtype,
 )
 
 __all__ = [

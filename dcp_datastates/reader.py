@@ -29,8 +29,7 @@ from .config import DataStatesConfig
 from .errors import ChecksumMismatchError, CheckpointFormatError, DataStatesError, record_metadata_read
 from .integrity import check_data_files, checksum_mismatch, file_size_error
 from .gcpause import gc_paused
-from .layout import name_to_dtype
-from .metadata import FileInfo, ItemLocation, piece_ranges, rank_marker_name
+from .checkpoint_format import FileInfo, ItemLocation, name_to_dtype, piece_ranges, rank_marker_name
 from .runtime import get_engine
 
 log = logging.getLogger("dcp_datastates")

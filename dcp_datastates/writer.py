@@ -41,8 +41,7 @@ from .consolidate import consolidate_results
 from .errors import CheckpointWriteError
 from .gcpause import gc_paused
 from .held_file import HeldFile
-from .layout import data_file_name
-from .metadata import ItemLocation
+from .checkpoint_format import data_file_name, ItemLocation
 from .runtime import get_engine
 from .stage.pipeline import PlannedFile, moved, on_one_device, plan_stage, planned_file, written
 from .stage.items import ItemKey, SourceItem, flatten, item_key, source_for_resolved

@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_datastates.errors import CheckpointFormatError, UnsafeCheckpointError
 from dcp_datastates.safe_unpickle import decode_value
-from dcp_datastates.layout import FileEntry, plan_file
-from dcp_datastates.metadata import ItemLocation, decode_metadata, encode_metadata, piece_ranges
+from dcp_datastates.checkpoint_format import FileEntry, plan_file
+from dcp_datastates.checkpoint_format import ItemLocation, decode_metadata, encode_metadata, piece_ranges
 from dcp_datastates.integrity import MAX_HEADER_BYTES, parse_header
 
 QUICK = settings(

@@ -24,7 +24,7 @@ from conftest import raises_through_dcp
 from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesWriter
 from dcp_datastates.cli import main as cli_main
 from dcp_datastates.integrity import read_commit
-from dcp_datastates.metadata import MAX_METADATA_BYTES
+from dcp_datastates.checkpoint_format import MAX_METADATA_BYTES
 from dcp_datastates.errors import (
     CheckpointFormatError,
     IncompleteCheckpointError,

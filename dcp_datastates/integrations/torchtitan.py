@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from ..integrity import open_for_reading
 from ..config import DataStatesConfig, cache_size
 from ..errors import CheckpointFormatError
-from ..metadata import METADATA_NAME
+from ..checkpoint_format import METADATA_NAME
 from ..reader import DataStatesReader
 from ..safe_unpickle import restricted_pickle_loads
 from ..staging_tracker import wait_staged

@@ -1,15 +1,28 @@
-"""The ``.metadata`` commit marker: a JSON document (never a pickle) that DCP's ``Metadata`` is
-encoded into and decoded from, with every item's file, offset, length, dtype, shape and checksums.
+"""The checkpoint format, stated once: data-file names, byte offsets and the safetensors header
+of each data file (the layout), the checksum grid, and the ``.metadata`` commit marker.
 
-Decoding validates everything it reads, so a damaged or foreign file raises
-``CheckpointFormatError`` naming the file and the field instead of crashing or allocating
-absurd sizes later.
+Data files. Each rank's data file is a valid safetensors file: an 8-byte little-endian header
+length, a JSON header, then the items back to back (safetensors rejects holes between tensors).
+The header is padded with spaces so the data region starts on a 4 KiB boundary. The C++ engine
+receives the offsets computed here and never computes a layout of its own; it writes every byte
+(header, data, zeros) of every data file, local or remote.
+
+Checksum grid. Each data file is cut on a grid of ``piece_size`` bytes from its first data byte;
+the part of an item inside one cell is a piece with its own CRC32C. The grid is the engine's
+(``csrc/grid.h``: it cuts and checksums on it); ``piece_ranges`` here reads it from there.
+
+Commit marker. ``.metadata`` is a JSON document (never a pickle) that DCP's ``Metadata`` is
+encoded into and decoded from, with every item's file, offset, length, dtype, shape and
+checksums. Decoding validates everything it reads, so a damaged or foreign file raises
+``CheckpointFormatError`` naming the file and the field instead of crashing or allocating absurd
+sizes later.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,10 +39,127 @@ from torch.distributed.checkpoint.metadata import (
 
 from . import _engine
 from .errors import CheckpointFormatError
-from .layout import FORMAT_NAME, dtype_to_name, name_to_dtype
 
-__all__ = ["ItemLocation", "FileInfo", "encode_metadata", "decode_metadata", "FORMAT_VERSION", "METADATA_NAME"]
+__all__ = [
+    # data files
+    "FileEntry", "FileLayout", "plan_file", "data_file_name", "dtype_to_name", "name_to_dtype", "safetensors_dtype",
+    "DATA_ALIGNMENT", "FORMAT_NAME",
+    # the checksum grid
+    "piece_ranges",
+    # the commit marker
+    "ItemLocation", "FileInfo", "encode_metadata", "decode_metadata", "FORMAT_VERSION", "METADATA_NAME",
+    "MAX_METADATA_BYTES", "STEP_NUMBER", "rank_marker_name",
+]
 
+
+
+# =========================================================================== data files
+FORMAT_NAME = "dcp_datastates"
+DATA_ALIGNMENT = 4096
+
+# torch dtype <-> the name we record in our metadata (stable, independent of torch's repr).
+_DTYPES: dict[str, torch.dtype] = {
+    name: getattr(torch, name)
+    for name in (
+        "float64", "float32", "float16", "bfloat16",
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+        "int64", "int32", "int16", "int8", "uint64", "uint32", "uint16", "uint8", "bool",
+        "complex64", "complex128",
+    )
+    if hasattr(torch, name)
+}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+# The safetensors spelling of each dtype it supports. Others are stored as raw U8 bytes (shape
+# [nbytes]); our metadata keeps their real dtype and shape.
+_SAFETENSORS = {
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0",
+    "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8",
+    "uint64": "U64", "uint32": "U32", "uint16": "U16", "uint8": "U8", "bool": "BOOL",
+    "complex64": "C64",
+}
+
+
+def dtype_to_name(dtype: torch.dtype) -> str:
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"dtype {dtype} cannot be checkpointed by dcp_datastates") from None
+
+
+def name_to_dtype(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype name {name!r} in checkpoint metadata") from None
+
+
+def safetensors_dtype(name: str) -> str | None:
+    return _SAFETENSORS.get(name)
+
+
+def data_file_name(rank: int, index: int = 0, tag: str | None = None) -> str:
+    """Name of a rank's data file, relative to the checkpoint folder. ``tag`` (a save's id) makes
+    the names of a save into a folder that holds a committed checkpoint differ from that one's."""
+    return f"__{rank}_{index}.safetensors" if tag is None else f"__{rank}_{index}.{tag}.safetensors"
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One item to place in a data file. ``kind`` is "tensor" or "bytes"."""
+
+    name: str
+    kind: str
+    dtype: str  # our dtype name; "uint8" for bytes items
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    header: bytes  # 8-byte length + JSON + padding; the data region starts at len(header)
+    offsets: tuple[int, ...]  # absolute file offset of each entry, in entry order
+    file_size: int
+
+    @property
+    def data_start(self) -> int:
+        return len(self.header)
+
+
+def plan_file(entries: list[FileEntry], file_metadata: dict[str, str] | None = None) -> FileLayout:
+    """Lay out entries back to back after a safetensors header, in the order given."""
+    header: dict[str, object] = {}
+    meta = {"format": FORMAT_NAME}
+    meta.update(file_metadata or {})
+    raw_dtypes: dict[str, list] = {}
+    begin = 0
+    rel: list[int] = []
+    for e in entries:
+        st = safetensors_dtype(e.dtype) if e.kind == "tensor" else "U8"
+        shape = list(e.shape)
+        if st is None:  # e.g. complex128: raw bytes in the file, real dtype in our metadata
+            st, shape = "U8", [e.nbytes]
+            raw_dtypes[e.name] = [e.dtype, list(e.shape)]
+        if e.kind == "bytes":
+            shape = [e.nbytes]
+        header[e.name] = {"dtype": st, "shape": shape, "data_offsets": [begin, begin + e.nbytes]}
+        rel.append(begin)
+        begin += e.nbytes
+    if raw_dtypes:
+        meta["raw_dtypes"] = json.dumps(raw_dtypes, separators=(",", ":"))
+    header["__metadata__"] = meta
+    body = json.dumps(header, separators=(",", ":")).encode()
+    # Pad with spaces (allowed by the format) so the data region is 4 KiB aligned.
+    pad = -(8 + len(body)) % DATA_ALIGNMENT
+    body += b" " * pad
+    head = struct.pack("<Q", len(body)) + body
+    start = len(head)
+    return FileLayout(header=head, offsets=tuple(start + r for r in rel), file_size=start + begin)
+
+
+# ==================================================================== the commit marker
 FORMAT_VERSION = 1
 METADATA_NAME = ".metadata"
 # A marker this large is not one (a million chunks encode to ~200 MB): refuse before reading it.
