@@ -18,7 +18,7 @@ import torch
 
 from . import commit, folders, integrity, tiers
 from .config import DataStatesConfig
-from .errors import ChecksumMismatchError, CheckpointWriteError, DataStatesError
+from .errors import ChecksumMismatchError, CheckpointWriteError
 from .checkpoint_format import piece_ranges
 from .runtime import get_engine
 
@@ -135,7 +135,7 @@ def _drain_unlocked(local: str, durable: str, config: DataStatesConfig) -> None:
         if str(exc).startswith(f"draining {local}"):
             raise
         raise CheckpointWriteError(f"draining {local} to the durable tier {durable} failed: {exc}") from exc
-    except (DataStatesError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - the store's own errors too (botocore, aiohttp ...)
         detail = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise CheckpointWriteError(
             f"draining {local} to the durable tier {durable} failed: {type(exc).__name__}: {detail}; "
@@ -158,7 +158,7 @@ def drain_rank(local: str, durable: str, locations: dict, tag: str | None, confi
             src = os.path.join(local, name)
             _write_durable(src, durable, renamed[name], os.stat(src).st_size, pieces, engine, config)
         return renamed
-    except (DataStatesError, OSError) as exc:
+    except Exception as exc:  # noqa: BLE001 - the store's own errors too (botocore, aiohttp ...)
         detail = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise CheckpointWriteError(
             f"draining {local} to the durable tier {durable} failed: {type(exc).__name__}: {detail}; "

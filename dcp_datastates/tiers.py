@@ -188,6 +188,9 @@ def checkpoint_id(path: str, storage_options: dict | None = None) -> str | None:
         integrity.check_data_files(path, files, storage_options=storage_options)
     except (DataStatesError, OSError):
         return None
+    except Exception as exc:  # noqa: BLE001 - an unreachable store (botocore, aiohttp ...): no copy known there
+        log.debug("dcp_datastates: cannot read the commit of %s: %s", path, exc)
+        return None
     return md.storage_meta.save_id if md.storage_meta is not None else None
 
 

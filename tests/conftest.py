@@ -97,3 +97,15 @@ class raises_through_dcp:
         assert any(re.search(self.pattern, t) for t in texts), f"{self.pattern!r} not in: {value}\ncause: {texts[1]}"
         self.value = value
         return True
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A moto S3 server on 127.0.0.1 for the module (skipped without moto/s3fs)."""
+    from s3_util import S3, s3_options, start_moto, stop_moto
+
+    server, endpoint = start_moto()
+    try:
+        yield S3(server, endpoint, s3_options(endpoint))
+    finally:
+        stop_moto(server)

@@ -5,10 +5,8 @@ helpers on URLs, and the engine's streaming path underneath."""
 
 from __future__ import annotations
 
-import logging
 import re
 import socket
-import threading
 import time
 import uuid
 
@@ -17,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import assert_state_equal, raises_through_dcp, zeros_like_state
+from s3_util import CutProxy as _CutProxy, s3_options as _options
 from dcp_datastates import DataStatesReader, DataStatesWriter, commit, folders, remote
 from dcp_datastates.errors import IncompleteCheckpointError
 from dcp_datastates.runtime import engine_stats
@@ -204,47 +203,6 @@ def test_read_requests_split_merge_and_cover_every_range():
 
 
 # ------------------------------------------------------------------------------------ S3 (moto)
-class _S3:
-    def __init__(self, server, endpoint: str, options: dict):
-        self.server, self.endpoint, self.options = server, endpoint, options
-        import s3fs
-
-        self.fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
-
-    def bucket(self) -> str:
-        name = f"b-{uuid.uuid4().hex[:12]}"
-        self.fs.mkdir(name)
-        return name
-
-
-def _start_moto():
-    pytest.importorskip("s3fs")
-    moto_server = pytest.importorskip("moto.server")
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    return server, f"http://{host}:{port}"
-
-
-def _stop_moto(server) -> None:
-    server.stop()
-    server._server.server_close()  # stop() leaves the listening socket open
-
-
-def _options(endpoint: str) -> dict:
-    return {"endpoint_url": endpoint, "key": "testing", "secret": "testing"}
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server, endpoint = _start_moto()
-    try:
-        yield _S3(server, endpoint, _options(endpoint))
-    finally:
-        _stop_moto(server)
-
-
 def test_s3_save_async_save_and_load(s3):
     url = f"s3://{s3.bucket()}/run/step-1"
     state = make_state(big=5 * MiB)
@@ -277,73 +235,6 @@ def test_s3_missing_object_names_it(s3):
     s3.fs.rm_file(f"{url[5:]}/__0_0.safetensors")
     with raises_through_dcp(r"incomplete checkpoint s3://.*/ck: data file __0_0\.safetensors is missing \(s3://.*/ck/__0_0\.safetensors"):
         dcp.load(zeros_like_state(state), storage_reader=DataStatesReader(url, storage_options=s3.options))
-
-
-class _CutProxy:
-    """A TCP proxy in front of the S3 server that dies (stops listening and drops every
-    connection) once ``limit`` more request bytes went through: the server vanishing mid-save."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.limit = float("inf")
-        self.sent = 0
-        self.dead = threading.Event()
-        self._lock = threading.Lock()
-        self._conns: list[socket.socket] = []
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def arm(self, more_bytes: int) -> None:
-        with self._lock:
-            self.limit = self.sent + more_bytes
-
-    def _accept(self) -> None:
-        while not self.dead.is_set():
-            try:
-                client, _ = self.sock.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.port))
-            with self._lock:
-                self._conns += [client, upstream]
-            threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-            threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
-
-    def _pump(self, src: socket.socket, dst: socket.socket, upstream: bool) -> None:
-        try:
-            while True:
-                data = src.recv(1 << 16)
-                if not data:
-                    break
-                if upstream:
-                    with self._lock:
-                        self.sent += len(data)
-                        over = self.sent > self.limit
-                    if over:
-                        self.kill()
-                        return
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def kill(self) -> None:
-        self.dead.set()
-        self.sock.close()
-        with self._lock:
-            conns = list(self._conns)
-        for s in conns:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-                s.close()
-            except OSError:
-                pass
 
 
 def test_s3_server_gone_mid_upload_fails_the_save_without_commit(s3, monkeypatch):
