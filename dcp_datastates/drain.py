@@ -136,11 +136,7 @@ def _drain_unlocked(local: str, durable: str, config: DataStatesConfig) -> None:
             raise
         raise CheckpointWriteError(f"draining {local} to the durable tier {durable} failed: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - the store's own errors too (botocore, aiohttp ...)
-        detail = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise CheckpointWriteError(
-            f"draining {local} to the durable tier {durable} failed: {type(exc).__name__}: {detail}; "
-            f"the local copy stays committed (drain_pending retries)"
-        ) from exc
+        raise _drain_failed(local, durable, exc, "the local copy stays committed (drain_pending retries)") from exc
 
 
 def drain_rank(local: str, durable: str, locations: dict, tag: str | None, config: DataStatesConfig) -> dict[str, str]:
@@ -159,11 +155,14 @@ def drain_rank(local: str, durable: str, locations: dict, tag: str | None, confi
             _write_durable(src, durable, renamed[name], os.stat(src).st_size, pieces, engine, config)
         return renamed
     except Exception as exc:  # noqa: BLE001 - the store's own errors too (botocore, aiohttp ...)
-        detail = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise CheckpointWriteError(
-            f"draining {local} to the durable tier {durable} failed: {type(exc).__name__}: {detail}; "
-            f"the durable tier keeps its previous commit"
-        ) from exc
+        raise _drain_failed(local, durable, exc, "the durable tier keeps its previous commit") from exc
+
+
+def _drain_failed(local: str, durable: str, exc: Exception, outcome: str) -> CheckpointWriteError:
+    detail = f"{exc.strerror}: {exc.filename}" if isinstance(exc, OSError) and exc.strerror else str(exc)
+    return CheckpointWriteError(
+        f"draining {local} to the durable tier {durable} failed: {type(exc).__name__}: {detail}; {outcome}"
+    )
 
 
 def _durable_name(name: str, tag: str | None) -> str:

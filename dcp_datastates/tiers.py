@@ -97,6 +97,14 @@ def record_rank_files(local: str, rank: int, durable: str, save_id: str, renamed
     os.replace(tmp, os.path.join(local, f".tier-{rank}.json"))
 
 
+def _names(folder: str) -> list[str]:
+    """The entries of ``folder``; none when it cannot be listed (gone, not a folder)."""
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
 def forget_rank_files(local: str, rank: int) -> None:
     """Drop this rank's record before it rewrites its files in the copy: a record must never
     name a local file whose bytes are not the recorded checkpoint's."""
@@ -109,11 +117,7 @@ def forget_rank_files(local: str, rank: int) -> None:
 def _rank_records(local: str) -> list[tuple[int, dict]]:
     """(mtime_ns, record) of every ``.tier-<rank>.json`` of a local copy that reads as one."""
     out = []
-    try:
-        names = os.listdir(local)
-    except OSError:
-        return []
-    for name in names:
+    for name in _names(local):
         if not _RANK_FILES.match(name):
             continue
         full = os.path.join(local, name)
@@ -224,11 +228,7 @@ def evict_drained(local_tier: str, keep: int, storage_options: dict | None = Non
     """Remove the local copies beyond the ``keep`` newest that ``_removable`` allows: a copy
     committed here and not drained yet is never removed. Returns the folders removed."""
     copies = []
-    try:
-        names = os.listdir(local_tier)
-    except OSError:
-        return []
-    for name in names:
+    for name in _names(local_tier):
         local = os.path.join(local_tier, name)
         state = _local_state(local)
         if state is not None and durable_of(local) is not None:

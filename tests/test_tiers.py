@@ -266,6 +266,12 @@ def test_object_store_down_fails_upload_completion_keeps_local_copy(tmp_path):
                "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1}}
     durable, nv = "s3://nobucket/step-30", str(tmp_path / "nvme")
     state = make_state(30)
+    drain_fails_local_copy_loads(state, durable, nv, options)
+
+
+def drain_fails_local_copy_loads(state, durable, nv, options):
+    """An async save whose drain fails: upload_completion raises naming the durable path, and the
+    local copy stays committed, tied to that path, and loads the saved values. Returns it."""
     w = DataStatesWriter(durable, local_tier=nv, storage_options=options)
     resp = dcp.async_save(clone_state(state), storage_writer=w)
     with raises_through_dcp(rf"draining .* to the durable tier {durable} failed"):
@@ -275,6 +281,7 @@ def test_object_store_down_fails_upload_completion_keeps_local_copy(tmp_path):
     out = zeros_like_state(state)
     dcp.load(out, storage_reader=DataStatesReader(local))
     assert_state_equal(state, out)
+    return local
 
 
 def _bytes_under(folder):

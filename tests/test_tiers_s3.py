@@ -8,9 +8,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
+from conftest import assert_state_equal, clone_state, zeros_like_state
 from dcp_datastates import DataStatesReader, DataStatesWriter, commit, tiers
 from s3_util import CutProxy as _CutProxy, s3_options as _options
+from test_tiers import drain_fails_local_copy_loads
 
 MiB = 1 << 20
 
@@ -42,16 +43,8 @@ def test_store_cut_during_the_drain_then_the_next_checkpoint_drains_both(s3, tmp
 
     cut = _CutProxy(port)
     cut.arm(64 * 1024)  # the store goes away 64 KiB into the drain
-    w = DataStatesWriter(first, local_tier=nv, storage_options=via(cut))
-    response = dcp.async_save(clone_state(state1), storage_writer=w)
-    with raises_through_dcp(rf"draining .* to the durable tier {first} failed"):
-        response.upload_completion.result(timeout=120)
     # Safe on the local tier all along: committed there, loadable, tied to the durable path.
-    local = w.local_commit.result(timeout=0)
-    assert local == tiers.local_copy(nv, first) and tiers.durable_of(local) == first
-    out = zeros_like_state(state1)
-    dcp.load(out, storage_reader=DataStatesReader(local))
-    assert_state_equal(state1, out)
+    drain_fails_local_copy_loads(state1, first, nv, via(cut))
     assert not commit.is_committed(first, storage_options=s3.options)  # never a commit without its data
     # A restart now reads the local copy (the durable tier has no commit of it yet).
     out = zeros_like_state(state1)
