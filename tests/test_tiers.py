@@ -69,6 +69,14 @@ def test_config_local_tier_checked(tmp_path):
     with pytest.raises(ValueError, match="local_tier: expected a local folder path, got 3"):
         DataStatesConfig(local_tier=3)
     assert DataStatesConfig.from_dict({"local_tier": "/nvme/ck"}).local_tier == "/nvme/ck"
+    # Config files: a Nanotron-style YAML block and a DeepSpeed-style JSON section.
+    (tmp_path / "ds.yaml").write_text("datastates:\n  local_tier: /nvme/ck\n  keep_local: 3\n")
+    (tmp_path / "ds.json").write_text('{"train_batch_size": 8, "datastates_ckpt": {"local_tier": "/nvme/x"}}')
+    c = DataStatesConfig.from_file(str(tmp_path / "ds.yaml"))
+    assert (c.local_tier, c.keep_local) == ("/nvme/ck", 3)
+    assert DataStatesConfig.from_file(str(tmp_path / "ds.json")).local_tier == "/nvme/x"
+    w = DataStatesWriter(str(tmp_path / "durable" / "step-1"), config=str(tmp_path / "ds.yaml"))
+    assert w.durable_path == str(tmp_path / "durable" / "step-1") and w.path.startswith("/nvme/ck/step-1-")
 
 
 @pytest.mark.parametrize("asynchronous", [True, False])
