@@ -48,7 +48,7 @@ __all__ = [
     "piece_ranges",
     # the commit marker
     "ItemLocation", "FileInfo", "encode_metadata", "decode_metadata", "FORMAT_VERSION", "METADATA_NAME",
-    "MAX_METADATA_BYTES", "STEP_NUMBER", "rank_marker_name",
+    "MAX_METADATA_BYTES", "STEP_NUMBER", "rank_marker_name", "PENDING_NAME",
 ]
 
 
@@ -162,6 +162,9 @@ def plan_file(entries: list[FileEntry], file_metadata: dict[str, str] | None = N
 # ==================================================================== the commit marker
 FORMAT_VERSION = 1
 METADATA_NAME = ".metadata"
+# Several ranks with a local tier: the metadata of a checkpoint committed on the nodes' local tiers
+# and not yet on the durable one (tiers.py); never read by DCP.
+PENDING_NAME = ".pending.metadata"
 # A marker this large is not one (a million chunks encode to ~200 MB): refuse before reading it.
 MAX_METADATA_BYTES = 1 << 30
 # The step number of a checkpoint folder's name: its last run of digits (``step-100``, ``ckpt_7``).

@@ -124,27 +124,9 @@ def write_commit(
         _remove_obsolete(folder.names(), set(files) | set(in_use), rank_local, folder.remove)
         return
     path = folders.local_path(path)
-    tmp = os.path.join(path, f"{_TMP_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                written = os.write(fd, view)
-                view = view[written:]
-            if sync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, os.path.join(path, marker))
-        if sync:
-            _fsync_dir(path)
-            _fsync_dir(os.path.dirname(os.path.abspath(path)))
+        put_file(path, marker, data, sync=sync)
     except OSError as exc:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
         raise CheckpointWriteError(
             f"committing checkpoint {path} failed: {exc.strerror or exc}"
             + (f": {exc.filename}" if exc.filename else "")
@@ -156,6 +138,37 @@ def write_commit(
     if rank_local is None:  # rank-local commits run at once on every rank: their temporaries are live
         _remove_stale_markers(path)
     _remove_obsolete(names, set(files) | set(in_use), rank_local, lambda n: os.unlink(os.path.join(path, n)))
+
+
+def put_file(folder: str, name: str, data: bytes, *, sync: bool, storage_options: dict | None = None) -> None:
+    """Write the small file ``name`` of ``folder`` (local or fsspec) atomically: under a temporary
+    name, fsynced with ``sync``, renamed over ``name`` (one PUT on object stores). Raises OSError
+    (local) or the store's error; no temporary file is left behind."""
+    if folders.is_remote(folder):
+        folders.remote_folder(folder, storage_options).write_marker(data, name)
+        return
+    tmp = os.path.join(folder, f"{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")  # .metadata: _TMP_PREFIX
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+        try:
+            view = memoryview(data)
+            while view:
+                written = os.write(fd, view)
+                view = view[written:]
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, os.path.join(folder, name))
+        if sync:
+            _fsync_dir(folder)
+            _fsync_dir(os.path.dirname(os.path.abspath(folder)))
+    except OSError:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def _remove_obsolete(names, keep: set, rank_local: int | None, remove) -> None:
@@ -217,10 +230,15 @@ def latest_checkpoint(
 
         durable = latest_checkpoint(root, check_files=check_files, storage_options=storage_options)
         step = (lambda name: int(m.group(1)) if (m := STEP_NUMBER.search(name)) else None)
-        local = tiers.newest_local(folders.normalize(root), os.path.abspath(os.fspath(local_tier)), step)
-        if local is None or (durable is not None and step(os.path.basename(durable.rstrip("/"))) >= local[0]):
-            return durable
-        return local[1]
+        candidates = [c for c in (
+            tiers.newest_local(folders.normalize(root), os.path.abspath(os.fspath(local_tier)), step),
+            # several ranks: committed on every node's local tier, drain interrupted (durable state
+            # only, so every rank picks the same one)
+            None if folders.is_remote(root) else tiers.newest_pending(folders.local_path(root), step),
+        ) if c is not None]
+        if durable is not None:
+            candidates.append((step(os.path.basename(durable.rstrip("/"))), durable))
+        return max(candidates, key=lambda c: c[0])[1] if candidates else None
     if folders.is_remote(root):
         folder = folders.remote_folder(os.fspath(root), storage_options)
         return _latest_remote(folder, check_files=check_files, storage_options=storage_options)

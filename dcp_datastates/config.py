@@ -207,6 +207,9 @@ class DataStatesConfig:
             drained in the background to the checkpoint path (``tiers.py``). None: off.
         keep_local: local copies kept in ``local_tier`` (newest first); older ones are removed
             once drained, never before.
+        drain_timeout: with ``local_tier`` and several ranks, seconds the coordinator waits for
+            every rank's drain report before failing the save (the checkpoint then stays on the
+            local tiers); a rank that fails reports at once.
     """
 
     host_cache_size: int | None = None
@@ -227,6 +230,7 @@ class DataStatesConfig:
     storage_options: dict = field(default_factory=dict)
     local_tier: str | None = None
     keep_local: int = 2
+    drain_timeout: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.local_tier is not None:
@@ -249,6 +253,9 @@ class DataStatesConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+        if isinstance(self.drain_timeout, bool) or not isinstance(self.drain_timeout, (int, float)) \
+                or not (self.drain_timeout > 0):
+            raise ValueError(f"drain_timeout: expected seconds > 0, got {self.drain_timeout!r}")
         if not (self.cache_wait_timeout > 0):
             raise ValueError(f"cache_wait_timeout: expected seconds > 0, got {self.cache_wait_timeout!r}")
         for name in ("pin_host_cache", "sync_files", "overwrite", "verify", "dedup_replicated", "hierarchical_consolidation"):

@@ -24,7 +24,7 @@ from .runtime import get_engine
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["drain", "drain_pending", "drain_rank", "verify_copy"]
+__all__ = ["drain", "drain_pending", "drain_rank", "drain_pending_ranks", "durable_name", "verify_copy"]
 
 _COPY_BLOCK = 16 << 20  # bytes outside any checksum piece (headers) are copied in blocks this big
 _NAME = re.compile(r"^(__\d+_\d+)(\.[0-9a-f]+)?\.safetensors$")
@@ -123,7 +123,7 @@ def _drain_unlocked(local: str, durable: str, config: DataStatesConfig) -> None:
         options = config.storage_options
         # A durable folder holding a commit keeps it until the new one is committed: new names.
         tag = uuid.uuid4().hex[:12] if commit.prepare_folder(durable, overwrite=True, storage_options=options) else None
-        renamed = {name: _durable_name(name, tag) for name in files}
+        renamed = {name: durable_name(name, tag) for name in files}
         engine = get_engine(config)
         pieces = _pieces_by_file(md.storage_data)
         for name, info in files.items():
@@ -139,23 +139,63 @@ def _drain_unlocked(local: str, durable: str, config: DataStatesConfig) -> None:
         raise _drain_failed(local, durable, exc, "the local copy stays committed (drain_pending retries)") from exc
 
 
-def drain_rank(local: str, durable: str, locations: dict, tag: str | None, config: DataStatesConfig) -> dict[str, str]:
-    """Several ranks: copy the data files this rank wrote into its local copy ``local`` (their
-    items are ``locations``, {MetadataIndex: ItemLocation}) to ``durable``, verifying every
-    piece, under the names the coordinator chose (``tag``: the durable folder holds a commit).
-    Returns {local name: durable name}. The coordinator commits the durable folder once every
-    rank's drain returned (DCP gathers them); this rank's failure fails the save on every rank.
-    Raises CheckpointWriteError naming both folders."""
+def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str], save_id: str, rank: int,
+               config: DataStatesConfig) -> None:
+    """Several ranks, on a drain thread: copy the data files this rank wrote into its local copy
+    ``local`` (their items are ``locations``, {MetadataIndex: ItemLocation}) to ``durable`` under
+    the names ``renamed`` ({local name: durable name}, chosen by the coordinator), verifying
+    every piece, then report the outcome in the durable folder (``tiers.report_drained``): the
+    coordinator commits once every rank reported success, and fails the save on every rank at
+    the first error. Then drains this rank's share of checkpoints an earlier run left pending."""
+    error = None
     try:
-        engine = get_engine(config)
-        renamed = {}
-        for name, pieces in _pieces_by_file(locations).items():
-            renamed[name] = _durable_name(name, tag)
-            src = os.path.join(local, name)
-            _write_durable(src, durable, renamed[name], os.stat(src).st_size, pieces, engine, config)
-        return renamed
-    except Exception as exc:  # noqa: BLE001 - the store's own errors too (botocore, aiohttp ...)
-        raise _drain_failed(local, durable, exc, "the durable tier keeps its previous commit") from exc
+        _copy_files(local, durable, locations, renamed, config)
+    except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which raises it on every rank
+        error = str(_drain_failed(local, durable, exc, "the durable tier keeps its previous commit"))
+    try:
+        tiers.report_drained(durable, rank, save_id, error, config.storage_options)
+    except Exception as exc:  # noqa: BLE001 - the coordinator then times out naming this rank
+        log.warning("dcp_datastates: rank %d could not report its drain to %s: %s", rank, durable, exc)
+    if error is None:
+        drain_pending_ranks(config.local_tier, rank, config, skip=local)
+        tiers.evict_drained(config.local_tier, config.keep_local, config.storage_options)
+
+
+def _copy_files(local: str, durable: str, locations: dict, renamed: dict[str, str], config: DataStatesConfig) -> None:
+    engine = get_engine(config)
+    for name, pieces in _pieces_by_file(locations).items():
+        src = os.path.join(local, name)
+        _write_durable(src, durable, renamed[name], os.stat(src).st_size, pieces, engine, config)
+
+
+def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, skip: str | None = None) -> None:
+    """Several ranks: for each checkpoint of this node's local tier that is committed on the local
+    tiers and not durably (its save was killed or failed during the drain), drain this rank's files
+    and report; the rank that sees every report complete commits it. Failures are logged: the
+    checkpoint stays restorable from the local copies and the next save tries again."""
+    for local in tiers.copies_with_records(local_tier):
+        record = tiers.rank_record(local, rank)
+        if local == skip or record is None:
+            continue
+        durable = record.get("durable")
+        pending = tiers.read_pending(durable, config.storage_options) if isinstance(durable, str) else None
+        if pending is None or pending[0].storage_meta.save_id != record["save_id"]:
+            continue
+        md, _ = pending
+        save_id, options = record["save_id"], config.storage_options
+        try:
+            renamed = {n: d for d, n in record["files"].items()}
+            mine = {i: loc for i, loc in md.storage_data.items() if loc.file in record["files"]}
+            local_names = {i: dataclasses.replace(loc, file=record["files"][loc.file]) for i, loc in mine.items()}
+            _copy_files(local, durable, local_names, renamed, config)
+            tiers.report_drained(durable, rank, save_id, None, options)
+            ranks = tiers.file_ranks(md.storage_data)
+            if tiers.all_drained(durable, save_id, ranks, options):
+                commit.write_commit(durable, md, dict(md.storage_data), sync=config.sync_files, storage_options=options)
+                tiers.clear_pending(durable, ranks, options)
+                log.info("dcp_datastates: committed %s on the durable tier (its drain was interrupted)", durable)
+        except Exception as exc:  # noqa: BLE001 - retried by the next save
+            log.warning("dcp_datastates: rank %d: the pending checkpoint %s is still not durable: %s", rank, durable, exc)
 
 
 def _drain_failed(local: str, durable: str, exc: Exception, outcome: str) -> CheckpointWriteError:
@@ -165,7 +205,8 @@ def _drain_failed(local: str, durable: str, exc: Exception, outcome: str) -> Che
     )
 
 
-def _durable_name(name: str, tag: str | None) -> str:
+def durable_name(name: str, tag: str | None) -> str:
+    """The durable name of a local data file: the same, or tagged when the durable folder holds a commit."""
     if tag is None:
         return name
     m = _NAME.match(name)

@@ -227,12 +227,13 @@ def _missing_marker_error(path: str, name: str = METADATA_NAME) -> IncompleteChe
 
 
 def read_commit(path: str | os.PathLike, *, storage_options: dict | None = None,
-                rank: int | None = None) -> tuple[Metadata, dict[str, FileInfo]]:
+                rank: int | None = None, name: str | None = None) -> tuple[Metadata, dict[str, FileInfo]]:
     """Read and decode the commit marker of ``path`` (a folder or a URL; ``rank``: that rank's
-    rank-local marker): the one place that maps "no folder", "no marker", "a folder of
-    checkpoints", "a stock DCP checkpoint" and "marker is not a regular file" to clear errors.
-    Returns DCP's ``Metadata`` and the per-file table."""
-    name = METADATA_NAME if rank is None else rank_marker_name(rank)
+    rank-local marker; ``name``: another file of the same format, e.g. ``PENDING_NAME``): the one
+    place that maps "no folder", "no marker", "a folder of checkpoints", "a stock DCP checkpoint"
+    and "marker is not a regular file" to clear errors. Returns DCP's ``Metadata`` and the
+    per-file table."""
+    name = name or (METADATA_NAME if rank is None else rank_marker_name(rank))
     if folders.is_remote(path):
         folder = folders.remote_folder(os.fspath(path), storage_options)
         raw = folder.read_marker(name)  # maps "nothing stored" and "no marker" itself

@@ -26,7 +26,13 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from . import commit, folders, integrity, remote, safe_unpickle, tiers
 from .config import DataStatesConfig
-from .errors import ChecksumMismatchError, CheckpointFormatError, DataStatesError, record_metadata_read
+from .errors import (
+    ChecksumMismatchError,
+    CheckpointFormatError,
+    DataStatesError,
+    IncompleteCheckpointError,
+    record_metadata_read,
+)
 from .integrity import check_data_files, checksum_mismatch, file_size_error
 from .gcpause import gc_paused
 from .checkpoint_format import FileInfo, ItemLocation, name_to_dtype, piece_ranges, rank_marker_name
@@ -122,6 +128,7 @@ class DataStatesReader(StorageReader):
         # local_tier, several-rank saves: durable file name -> this node's local copy of it, and
         # how many files this load read from each tier (logged)
         self._local_files: dict[str, str] = {}
+        self._pending_id: str | None = None  # reading a checkpoint committed on the local tiers only
         self.tier_reads = {"local": 0, "durable": 0}
 
     # ---------------------------------------------------------------------------- StorageReader
@@ -132,6 +139,7 @@ class DataStatesReader(StorageReader):
         self._folder = None
         self._sizes = None
         self._local_files = {}
+        self._pending_id = None
         self.tier_reads = {"local": 0, "durable": 0}
 
     @property
@@ -159,6 +167,16 @@ class DataStatesReader(StorageReader):
             raise ValueError("DataStatesReader: no checkpoint path (pass path= or checkpoint_id=)")
         if self.config.local_tier is not None and rank is None:  # local_tier hook: the nearest good copy
             self.path = tiers.choose_copy(self.durable_path, self.config)
+            pending = tiers.read_pending(self.durable_path, self.config.storage_options, uncommitted_only=True) \
+                if self.path == self.durable_path else None
+            if pending is not None:  # several ranks: committed on the local tiers, not drained yet
+                md, files = pending
+                log.info("dcp_datastates: %s is committed on the nodes' local tiers and not yet on the durable "
+                         "tier: reading checkpoint %s from the local copies", self.durable_path, md.storage_meta.save_id)
+                self._local_files = tiers.local_files(
+                    tiers.local_copy(self.config.local_tier, self.durable_path), md.storage_meta.save_id)
+                self._pending_id = md.storage_meta.save_id
+                return self._with_index(md, files)
         if rank is None and not folders.is_remote(self.path) and dist.is_available() and dist.is_initialized():
             # A rank-local checkpoint (saved with use_collectives=False): each rank reads its own
             # commit, unless the folder holds one committed by all ranks together.
@@ -247,6 +265,20 @@ class DataStatesReader(StorageReader):
             raise error
 
     def _check_file(self, name: str) -> str:
+        try:
+            return self._check_durable_file(name)
+        except IncompleteCheckpointError as exc:
+            if self._pending_id is None:
+                raise
+            raise IncompleteCheckpointError(
+                f"checkpoint {self._pending_id} of {self.durable_path} is committed only on the nodes' local tiers "
+                f"(its drain did not finish), and rank {self.rank} needs data file {name}, which is neither on this "
+                f"node's local tier ({self.config.local_tier}) nor drained yet: restart on the nodes that wrote it, "
+                f"or load the newest durable checkpoint (dcp_datastates.latest_checkpoint(root) without local_tier). "
+                f"({exc})"
+            ) from exc
+
+    def _check_durable_file(self, name: str) -> str:
         if folders.is_remote(self.path):
             self._check_remote_file(name)  # sizes from one listing per load
             return name

@@ -35,20 +35,19 @@ Retention. After each drain, ``evict_drained`` keeps the ``keep_local`` newest l
 The durable path may be local or any fsspec URL (the marker is one PUT there, as usual).
 
 Several ranks. Each node has its own local tier, so no rank can drain another's files, and
-only the coordinator sees the global metadata. So each rank drains its own files, inside
-``write_data`` (DCP's save thread, never the training thread): its files are durable on the local
-tier (``local_commit`` resolves on that rank), then copied and verified to the durable folder
-under the names the coordinator chose in ``prepare_global_plan`` (``RankDrain``), and recorded in
-``.tier-<rank>.json`` of the local copy (``record_rank_files``: checkpoint id, durable name ->
-local name). DCP gathers every rank's results only once every drain returned, so the
-coordinator's ``finish`` commits the durable folder directly; a drain failing on any rank fails
-the save on every rank through DCP's own gather (nothing is committed, the durable tier keeps
-its previous checkpoint). The reader then takes each data file from the local copy when that
-node holds it for the same checkpoint id and its pieces verify, else from the durable folder
-(``local_files``), and logs the count per tier on each rank.
-Not yet for several ranks: a restart after a kill between a rank's local flush and the durable
-commit reads the durable tier's previous checkpoint (the global metadata of the interrupted one
-exists only in the coordinator's memory), and ``drain_pending`` handles one-process copies only.
+only the coordinator sees the global metadata. So each rank drains its own, on a drain thread
+started in ``write_data`` once its files are durable on the local tier (``local_commit`` resolves on
+that rank), after recording in ``.tier-<rank>.json`` of the local copy (``record_rank_files``:
+checkpoint id, durable name -> local name) the names the coordinator chose in
+``prepare_global_plan`` (``RankDrain``); the drain reports in the durable folder
+(``report_drained``). The coordinator's ``finish`` writes the metadata there as ``PENDING_NAME``
+(the checkpoint is then committed on the local tiers, restorable from them), waits for every
+writing rank's report (``wait_drained``, bounded by ``drain_timeout``), commits and clears them.
+A failure anywhere fails the save on every rank (DCP broadcasts the coordinator's error). The
+reader takes each data file from the local copy when this node holds it for the same checkpoint
+id and its pieces verify, else from the durable folder (``local_files``), and logs the count per
+tier; a folder with no commit and a pending checkpoint is read that way (``read_pending``). The
+next save drains each rank's share of a pending checkpoint (``drain.drain_pending_ranks``).
 """
 
 from __future__ import annotations
@@ -59,8 +58,10 @@ import logging
 import os
 import re
 import shutil
+import time
 
-from . import commit, integrity
+from . import commit, folders, integrity
+from .checkpoint_format import PENDING_NAME, encode_metadata
 from .errors import CheckpointWriteError, DataStatesError
 
 log = logging.getLogger("dcp_datastates")
@@ -93,7 +94,7 @@ def record_rank_files(local: str, rank: int, durable: str, save_id: str, renamed
     rank's local files are ({local name: durable name})."""
     tmp = os.path.join(local, f".tier-{rank}.json.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
-        json.dump({"durable": durable, "save_id": save_id, "files": {d: n for n, d in renamed.items()}}, f)
+        json.dump({"durable": durable, "save_id": save_id, "rank": rank, "files": {d: n for n, d in renamed.items()}}, f)
     os.replace(tmp, os.path.join(local, f".tier-{rank}.json"))
 
 
@@ -167,12 +168,16 @@ def _local_state(local: str) -> tuple[int, str | None, bool] | None:
 
 
 def _removable(local: str, local_id: str | None, committed_here: bool, storage_options: dict | None) -> bool:
-    """A copy committed here goes only once its durable tier holds the same checkpoint. A
-    several-rank copy holds no commit of its own: either the durable tier has its checkpoint, or
-    its save failed and nothing can restore it; either way removing it loses nothing."""
-    if not committed_here:
+    """A copy goes only once its durable tier holds the same checkpoint, or (several ranks) when
+    nothing refers to it any more: no commit and no pending metadata of its checkpoint there (its
+    save failed before the local commit). A pending checkpoint's copies are its only data."""
+    durable = durable_of(local)
+    if local_id is not None and checkpoint_id(durable, storage_options) == local_id:
         return True
-    return local_id is not None and checkpoint_id(durable_of(local), storage_options) == local_id
+    if committed_here:
+        return False
+    pending = read_pending(durable, storage_options)
+    return pending is None or pending[0].storage_meta.save_id != local_id
 
 
 def durable_of(local: str) -> str | None:
@@ -301,3 +306,141 @@ def newest_local(root: str, local_tier: str, step_of) -> tuple[tuple, str] | Non
         if key is not None and checkpoint_id(local) is not None:
             found.append((key, durable))
     return max(found) if found else None
+
+
+# ------------------------------------------------------------------ several ranks: the commit
+# Each rank reports its drain in the durable folder (``.drain-<rank>.json``: the checkpoint id and
+# an error or none); the coordinator writes the checkpoint's metadata there as ``PENDING_NAME``
+# first (from then on the checkpoint is restorable from the nodes' local copies), waits for every
+# rank that wrote files, then commits and removes both.
+
+_DATA_RANK = re.compile(r"^__(\d+)_\d+")
+
+
+def file_ranks(locations) -> set[int]:
+    """The ranks that wrote the data files of ``locations`` ({index: ItemLocation})."""
+    return {int(m.group(1)) for loc in locations.values() if (m := _DATA_RANK.match(loc.file))}
+
+
+def _folder(durable: str) -> str:
+    return durable if folders.is_remote(durable) else folders.local_path(durable)
+
+
+def _read_small(durable: str, name: str, storage_options: dict | None) -> bytes | None:
+    try:
+        if folders.is_remote(durable):
+            return folders.remote_folder(durable, storage_options).read_marker(name)
+        fd = integrity.open_for_reading(os.path.join(folders.local_path(durable), name))  # no link, no FIFO
+        try:
+            return os.read(fd, 1 << 20)
+        finally:
+            os.close(fd)
+    except Exception:  # noqa: BLE001 - absent, unreadable or the store is down: not reported
+        return None
+
+
+def write_pending(durable: str, md, locations, *, sync: bool, storage_options: dict | None) -> None:
+    """The coordinator: the checkpoint is committed on every node's local tier (DCP gathered every
+    rank's results); record its metadata in the durable folder before the drains end."""
+    commit.put_file(_folder(durable), PENDING_NAME, encode_metadata(md, locations), sync=sync,
+                    storage_options=storage_options)
+
+
+def read_pending(durable: str, storage_options: dict | None = None, *, uncommitted_only: bool = False):
+    """(Metadata, files) of the checkpoint pending in ``durable`` when it is not the committed
+    one (a save interrupted or failed between the local commits and the durable one); else None.
+    ``uncommitted_only``: only when ``durable`` holds no commit at all (what a load may read: a
+    folder that holds a commit is that checkpoint until a new one is committed there)."""
+    try:
+        md, files = integrity.read_commit(durable, storage_options=storage_options, name=PENDING_NAME)
+    except Exception:  # noqa: BLE001 - none, damaged, or the store is down: nothing pending known
+        return None
+    pending_id = md.storage_meta.save_id if md.storage_meta is not None else None
+    committed_id = checkpoint_id(durable, storage_options)
+    if pending_id is None or pending_id == committed_id or (uncommitted_only and committed_id is not None):
+        return None
+    return md, files
+
+
+def report_drained(durable: str, rank: int, save_id: str, error: str | None, storage_options: dict | None) -> None:
+    data = json.dumps({"save_id": save_id, "error": error}).encode()
+    commit.put_file(_folder(durable), f".drain-{rank}.json", data, sync=False, storage_options=storage_options)
+
+
+def _drain_report(durable: str, rank: int, save_id: str, storage_options: dict | None) -> dict | None:
+    raw = _read_small(durable, f".drain-{rank}.json", storage_options)
+    try:
+        record = json.loads(raw) if raw else None
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and record.get("save_id") == save_id else None
+
+
+def all_drained(durable: str, save_id: str, ranks: set[int], storage_options: dict | None) -> bool:
+    """True when every rank of ``ranks`` reported its drain of ``save_id`` without error."""
+    reports = [_drain_report(durable, r, save_id, storage_options) for r in ranks]
+    return all(rep is not None and not rep.get("error") for rep in reports)
+
+
+def wait_drained(durable: str, save_id: str, ranks: set[int], timeout: float, storage_options: dict | None) -> None:
+    """The coordinator: wait, bounded by ``timeout``, until every rank of ``ranks`` reported its
+    drain of ``save_id``; raise CheckpointWriteError at the first error, or naming the ranks that
+    did not report."""
+    left, delay = set(ranks), 0.02
+    deadline = time.monotonic() + timeout
+    while left:
+        for r in sorted(left):
+            report = _drain_report(durable, r, save_id, storage_options)
+            if report is None:
+                continue
+            if report.get("error"):
+                raise CheckpointWriteError(f"rank {r}: {report['error']}")
+            left.discard(r)
+        if not left:
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointWriteError(
+                f"draining to the durable tier {durable}: rank(s) {sorted(left)} did not report within "
+                f"{timeout:g} s (drain_timeout); nothing was committed there, the checkpoint stays on the local tiers"
+            )
+        time.sleep(delay)
+        delay = min(0.5, delay * 2)
+
+
+def clear_pending(durable: str, ranks: set[int], storage_options: dict | None) -> None:
+    """After the durable commit: the pending metadata and the ranks' reports go (best effort)."""
+    names = [PENDING_NAME] + [f".drain-{r}.json" for r in sorted(ranks)]
+    for name in names:
+        try:
+            if folders.is_remote(durable):
+                folders.remote_folder(durable, storage_options).remove(name)
+            else:
+                os.unlink(os.path.join(folders.local_path(durable), name))
+        except Exception:  # noqa: BLE001 - already gone, or the store hiccups: harmless leftovers
+            pass
+
+
+def newest_pending(root: str, step_of) -> tuple[tuple, str] | None:
+    """(step key, path) of the newest folder directly under the local ``root`` holding a checkpoint
+    committed on the local tiers and not yet durably (several ranks); None when there is none."""
+    found = []
+    for name in _names(root):
+        key = step_of(name)
+        path = os.path.join(root, name)
+        if key is not None and os.path.isfile(os.path.join(path, PENDING_NAME)) \
+                and read_pending(path, uncommitted_only=True) is not None:
+            found.append((key, path))
+    return max(found) if found else None
+
+
+def rank_record(local: str, rank: int) -> dict | None:
+    """This rank's record in a local copy (``record_rank_files``), or None."""
+    for _, record in _rank_records(local):
+        if record.get("rank") == rank:
+            return record
+    return None
+
+
+def copies_with_records(local_tier: str) -> list[str]:
+    """The local copies that hold several-rank records."""
+    return [os.path.join(local_tier, n) for n in _names(local_tier) if _rank_records(os.path.join(local_tier, n))]

@@ -279,6 +279,11 @@ def _retire_old_file(path: str) -> None:
     folders.retire_local_file(path, lambda aside: _watchers.submit(_unlink_quietly, aside))
 
 
+# local_tier, several ranks: each rank's drain of its files (drain.drain_rank), off DCP's thread
+# so the coordinator can gather while ranks drain.
+_drainers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dcp-datastates-drain")
+
+
 def _unlink_quietly(path: str) -> None:
     try:
         os.unlink(path)
@@ -597,7 +602,10 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if self.durable_path is not None and len(plans) > 1:  # local_tier hook: each rank drains its files
             options = self.config.storage_options
             committed = commit.prepare_folder(self.durable_path, overwrite=self.config.overwrite, storage_options=options)
-            drain_plan = RankDrain(self.save_id, _new_tag() if committed else None)
+            # New names next to a commit, or next to a pending checkpoint whose drained files a
+            # restart may still read.
+            pending = tiers.read_pending(self.durable_path, options) is not None
+            drain_plan = RankDrain(self.save_id, _new_tag() if committed or pending else None)
             plans = [dataclasses.replace(p, storage_data=drain_plan) for p in plans]
         return plans
 
@@ -671,15 +679,17 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         return out
 
     def _drain_rank(self, staged: _StagedSave, results: list[WriteResult], plan: RankDrain) -> list[WriteResult]:
-        """local_tier hook, several ranks: this rank's files are durable on the local tier; copy
-        them to the durable folder (verified) and return the results naming the durable files."""
+        """local_tier hook, several ranks: this rank's files are durable on the local tier. Record
+        them in the local copy, then drain them on a drain thread (it reports to the coordinator,
+        which commits once every rank did); the results name the durable files."""
+        locations = {r.index: r.storage_data for r in results}
+        renamed = {loc.file: drain.durable_name(loc.file, plan.tag) for loc in locations.values()}
+        tiers.record_rank_files(self.path, self.rank, self.durable_path, plan.save_id, renamed)
         staged.local_s = time.monotonic() - staged.requested
         if not self.local_commit.done():
             self.local_commit.set_result(self.path)
-        locations = {r.index: r.storage_data for r in results}
-        renamed = drain.drain_rank(self.path, self.durable_path, locations, plan.tag, self.config)
-        tiers.record_rank_files(self.path, self.rank, self.durable_path, plan.save_id, renamed)
-        tiers.evict_drained(self.config.local_tier, self.config.keep_local, self.config.storage_options)
+        _drainers.submit(drain.drain_rank, self.path, self.durable_path, locations, renamed, plan.save_id, self.rank,
+                         self.config)
         return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed[r.storage_data.file])) for r in results]
 
     def _relocate(self, staged: _StagedSave, locations: dict[ItemKey, ItemLocation]) -> dict[ItemKey, ItemLocation]:
@@ -738,9 +748,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 for r in rank_results:
                     locations[r.index] = r.storage_data
             rank_local = None if self.use_collectives else self.rank
-            if staged is not None and staged.rank_drain is not None:  # local_tier hook, several ranks: every rank drained its files
-                commit.write_commit(self.durable_path, metadata, locations, sync=self.config.sync_files,
-                                    storage_options=self.config.storage_options)
+            if staged is not None and staged.rank_drain is not None:  # local_tier hook, several ranks
+                self._commit_drained(metadata, locations, staged)
                 return
             commit.write_commit(
                 self.path, metadata, locations, sync=self.config.sync_files,
@@ -763,6 +772,17 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             if staged is not None:
                 total = sum(r.size_in_bytes for rank_results in results for r in rank_results)
                 self._close(staged, error=error, total_bytes=total, committed=error is None)
+
+    def _commit_drained(self, metadata: Metadata, locations: dict, staged: _StagedSave) -> None:
+        """local_tier, several ranks: every rank's files are on its node's local tier. Record the
+        checkpoint's metadata in the durable folder (restorable from the local copies from here
+        on), wait for every rank's drain report, then commit the durable folder (tiers.py)."""
+        options, durable = self.config.storage_options, self.durable_path
+        tiers.write_pending(durable, metadata, locations, sync=self.config.sync_files, storage_options=options)
+        ranks = tiers.file_ranks(locations)
+        tiers.wait_drained(durable, staged.rank_drain.save_id, ranks, self.config.drain_timeout, options)
+        commit.write_commit(durable, metadata, locations, sync=self.config.sync_files, storage_options=options)
+        tiers.clear_pending(durable, ranks, options)
 
     def _check_tiered(self) -> None:
         """local_tier hook: what the tiers support (raised inside DCP's planning, so every rank

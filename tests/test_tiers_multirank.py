@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
 from dist_harness import run_ranks
-from dcp_datastates import DataStatesReader, DataStatesWriter, drain, integrity, tiers
+from dcp_datastates import DataStatesReader, DataStatesWriter, commit, drain, integrity, tiers
 from dcp_datastates.errors import CheckpointWriteError
 
 
@@ -208,3 +208,49 @@ def _keep_local(rank, world, root):
 
 def test_keep_local_with_several_ranks(tmp_path):
     run_ranks(2, _keep_local, str(tmp_path))
+
+
+def _killed_before_its_drain(rank, world, root):
+    """The last rank's process dies after its local flush, before draining (its drain never runs,
+    never reports): the save fails on every rank within drain_timeout, the checkpoint is restorable
+    from the nodes' local copies (every rank picks it), and the next save completes its drain."""
+    import time
+
+    nv = node_tier(root, rank, world)
+    ck = os.path.join(root, "ck")
+    first, second, third = (os.path.join(ck, f"step-{i}") for i in (1, 2, 3))
+    # Rank-unique tensors (pipeline-parallel-like): each rank reads only the files it wrote.
+    states = {i: {f"own{rank}": rank_state(rank, i)[f"own{rank}"]} for i in (1, 2, 3)}
+    save(states[1], first, nv, asynchronous=True)
+    dead = (lambda *args, **kwargs: None) if rank == world - 1 else drain.drain_rank
+    with mock.patch.object(drain, "drain_rank", dead):
+        with raises_through_dcp(rf"rank\(s\) \[{world - 1}\] did not report within 2 s \(drain_timeout\)"):
+            save(states[2], second, nv, asynchronous=True, drain_timeout=2)
+    assert not commit.is_committed(second)
+    dist.barrier()
+    # Restart: every rank finds step-2 (committed on the local tiers) and loads it from there.
+    assert commit.latest_checkpoint(ck, local_tier=nv) == second
+    assert commit.latest_checkpoint(ck) == first  # without the local tier: the durable one
+    out, reader = load(second, nv, states[2])
+    assert_state_equal(states[2], out)
+    assert reader.tier_reads == {"local": 1, "durable": 0}
+    # A rank that needs a file only the other node holds (here: both ranks' tensors) gets a clear
+    # error, on every rank (DCP's read gathers it), naming what to do.
+    both = {f"own{r}": rank_state(r, 2)[f"own{r}"] for r in range(world)}
+    with raises_through_dcp(r"committed only on the nodes' local tiers .* neither on this node's local tier"):
+        load(second, nv, both)
+    dist.barrier()
+    # The next save drains this rank's share of step-2 too; the rank completing the set commits it.
+    save(states[3], third, nv, asynchronous=True)
+    deadline = time.monotonic() + 60
+    while not commit.is_committed(second) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    dist.barrier()
+    out = zeros_like_state(states[2])
+    dcp.load(out, storage_reader=DataStatesReader(second))  # the durable tier alone
+    assert_state_equal(states[2], out)
+    assert not os.path.exists(os.path.join(second, ".pending.metadata"))
+
+
+def test_killed_before_its_drain_restarts_from_the_local_copies_then_drains(tmp_path):
+    run_ranks(2, _killed_before_its_drain, str(tmp_path))
