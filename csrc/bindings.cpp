@@ -78,11 +78,34 @@ std::vector<std::array<uint64_t, N>> parse_tuples(py::handle seq_obj, const char
   return out;
 }
 
-// The (src_ptr, nbytes, file_offset) items of submit_write and submit_stream.
+// The (src_ptr, nbytes, file_offset) items of submit_write and submit_stream; src_ptr may also be
+// a list of (src_ptr, nbytes) segments holding the item's bytes back to back.
 std::vector<dcpds::WriteItem> parse_write_items(py::handle items) {
+  const char* msg = "items must be a list of (src_ptr or [(src_ptr, nbytes), ...], nbytes, file_offset) tuples";
+  py::object seq = py::reinterpret_steal<py::object>(PySequence_Fast(items.ptr(), msg));
+  if (!seq) throw py::error_already_set();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  PyObject** elems = PySequence_Fast_ITEMS(seq.ptr());
   std::vector<dcpds::WriteItem> out;
-  for (const auto& r : parse_tuples<3>(items, "item", {"src_ptr", "nbytes", "file_offset"}))
-    out.push_back(dcpds::WriteItem{r[0], r[1], r[2]});
+  out.reserve(static_cast<size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const size_t idx = static_cast<size_t>(i);
+    py::object t = py::reinterpret_steal<py::object>(PySequence_Fast(elems[i], ""));
+    if (!t || PySequence_Fast_GET_SIZE(t.ptr()) != 3) {
+      PyErr_Clear();
+      throw py::value_error("item " + std::to_string(idx) + " must be a tuple (src_ptr, nbytes, file_offset)");
+    }
+    PyObject** f = PySequence_Fast_ITEMS(t.ptr());
+    dcpds::WriteItem it{0, as_u64(f[1], "item", idx, "nbytes"), as_u64(f[2], "item", idx, "file_offset")};
+    if (PyList_Check(f[0]) || PyTuple_Check(f[0])) {
+      const std::string what = "item " + std::to_string(idx) + " segment";
+      for (const auto& g : parse_tuples<2>(f[0], what.c_str(), {"src_ptr", "nbytes"}))
+        it.segments.push_back(dcpds::SourceSegment{g[0], g[1]});
+    } else {
+      it.src = as_u64(f[0], "item", idx, "src_ptr");
+    }
+    out.push_back(std::move(it));
+  }
   return out;
 }
 

@@ -51,8 +51,22 @@ WriteJob::WriteJob(std::string path, std::string header, uint64_t file_size, con
       throw std::invalid_argument(item_text(i, it) + ": ends at " + std::to_string(it.offset + it.nbytes) +
                                   ", past file_size " + std::to_string(file_size_));
     if (it.nbytes == 0) continue;
-    if (it.src == 0) throw std::invalid_argument(item_text(i, it) + ": src_ptr is null");
-    if (it.src + it.nbytes < it.src) throw std::invalid_argument(item_text(i, it) + ": source range wraps around");
+    if (it.segments.empty()) {
+      if (it.src == 0) throw std::invalid_argument(item_text(i, it) + ": src_ptr is null");
+      if (it.src + it.nbytes < it.src) throw std::invalid_argument(item_text(i, it) + ": source range wraps around");
+    } else {
+      uint64_t total = 0;
+      for (size_t k = 0; k < it.segments.size(); ++k) {
+        const SourceSegment& g = it.segments[k];
+        if (g.nbytes == 0 || g.src == 0 || g.src + g.nbytes < g.src || g.nbytes > kMaxOffset)
+          throw std::invalid_argument(item_text(i, it) + ": source segment " + std::to_string(k) +
+                                      " is empty, null or wraps around");
+        total += g.nbytes;
+      }
+      if (total != it.nbytes)
+        throw std::invalid_argument(item_text(i, it) + ": source segments hold " + std::to_string(total) +
+                                    " bytes, the item " + std::to_string(it.nbytes));
+    }
     npieces += grid::piece_count(it.offset, it.nbytes, data_start, grid_);
     nbytes_ += it.nbytes;
   }
@@ -79,6 +93,8 @@ WriteJob::WriteJob(std::string path, std::string header, uint64_t file_size, con
   for (uint32_t idx : order) {
     const WriteItem& it = items[idx];
     size_t crc_index = crc_begin_[idx];
+    size_t seg = 0;         // segmented items: the segment holding the next byte,
+    uint64_t seg_pos = 0;   // and how far into it
     grid::for_each_piece(it.offset, it.nbytes, data_start, grid_, [&](uint64_t pos, uint64_t len) {
       const uint64_t cell = grid::cell_of(pos, data_start, grid_);
       const uint64_t stop = pos + len;
@@ -91,8 +107,23 @@ WriteJob::WriteJob(std::string path, std::string header, uint64_t file_size, con
         cur_cell = cell;
       }
       Chunk& c = chunks_.back();
-      const auto src = static_cast<uintptr_t>(it.src + (pos - it.offset));
-      pieces_.push_back(Piece{reinterpret_cast<const char*>(src), len, pos, crc_index++});
+      if (it.segments.empty()) {
+        const auto src = static_cast<uintptr_t>(it.src + (pos - it.offset));
+        pieces_.push_back(Piece{reinterpret_cast<const char*>(src), len, pos, crc_index});
+      } else {
+        // One grid piece from several segments: consecutive pieces sharing its checksum, which
+        // the flush chains in file order (a grid piece never spans two chunks).
+        for (uint64_t done = 0; done < len;) {
+          const SourceSegment& g = it.segments[seg];
+          const uint64_t take = std::min(len - done, g.nbytes - seg_pos);
+          const auto src = static_cast<uintptr_t>(g.src + seg_pos);
+          pieces_.push_back(Piece{reinterpret_cast<const char*>(src), take, pos + done, crc_index});
+          done += take;
+          seg_pos += take;
+          if (seg_pos == g.nbytes) ++seg, seg_pos = 0;
+        }
+      }
+      ++crc_index;
       c.piece_end = pieces_.size();
       c.span = stop - c.file_off;
       c.data_bytes += len;

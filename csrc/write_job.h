@@ -21,11 +21,21 @@ namespace dcpds {
 class Engine;
 class HostCache;
 
-// One item as given by the caller: bytes [src, src + nbytes) go to file offset `offset`.
+// One piece of an item's source memory, when the item is gathered from several places.
+struct SourceSegment {
+  uint64_t src;
+  uint64_t nbytes;
+};
+
+// One item as given by the caller: bytes [src, src + nbytes) go to file offset `offset`. With
+// `segments`, the item's bytes are those segments back to back instead (their lengths sum to
+// nbytes; src is ignored): a file laid out anew from memory that holds its items in pieces (a
+// held file's chunks in the cache). Checksums are per item piece on the grid all the same.
 struct WriteItem {
   uint64_t src;
   uint64_t nbytes;
   uint64_t offset;
+  std::vector<SourceSegment> segments = {};
 };
 
 // The part of one item that falls inside one grid chunk; it gets its own CRC32C.

@@ -5,9 +5,10 @@ see ``stage/ownership.py``) and, when the user names the folder only through ``c
 the file goes (DCP passes it to ``reset()`` after staging). Such items are copied into the host
 cache at once, like any other (an engine streaming job: copies and checksums on the engine's
 threads), but nothing is flushed until ``set_destination`` and ``set_selection`` have both been
-called. Then one consumer thread takes the chunks in file order and writes the selected items back
-to back after a fresh safetensors header (local file or fsspec object), recomputing each item's
-CRC32C on the final file's grid as the bytes pass, and gives every cache slot back. Items not
+called. Then one thread lays the selected items out anew (``plan_file``) and submits an engine job
+that gathers them from the held chunks (local file or fsspec object, written by the engine like
+every data file: header, data, checksums on the final file's grid), and gives every held slot back
+once that job copied them. Items not
 selected are dropped; when none is, no file is created.
 
 The held bytes stay in the cache until the plan arrives, so the writer holds only what fits in
@@ -24,11 +25,10 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from . import folders
+from . import folders, remote
+from .checkpoint_format import ItemLocation, plan_file
 from .errors import CheckpointWriteError
-from .checkpoint_format import ItemLocation, piece_ranges, plan_file
-from .remote import UPLOAD_BLOCK_SIZE, _buffer, _discard
-from .stage.pipeline import item_location, written
+from .stage.pipeline import item_location
 from .stage.items import ItemKey, SourceItem
 
 __all__ = ["HeldFile"]
@@ -155,111 +155,52 @@ class HeldFile:
             self.job.release(chunk[0])
 
     def _write(self, dest: _Destination, kept: list[tuple[SourceItem, int]]) -> dict[ItemKey, ItemLocation]:
+        """Lay the kept items out anew and have the engine write that file from the held chunks
+        (every byte of every data file comes from the engine, checksums included): take every
+        piece the held job hands out, submit a job whose items are gathered from those chunks,
+        give the chunks back once it copied them."""
         final = plan_file([it.entry for it, _ in kept])
-        piece = self.job.piece_size()
-        located = [item_location(dest.name, it.entry, foff, final.data_start, piece, (), final.file_size)
-                   for (it, _), foff in zip(kept, final.offsets)]
-        writer = _open(dest)
+        taken = []
         try:
-            writer.write(memoryview(final.header))
-            crcs = _GridChecksums(self.engine, located)
-            spans = [(off, off + it.entry.nbytes, foff) for (it, off), foff in zip(kept, final.offsets)]
-            k = 0  # first kept span not fully written
-            while True:
-                chunk = self.job.next_chunk()
-                if chunk is None:
-                    break
-                coff, ptr, n = chunk
-                try:
-                    cend = coff + n
-                    while k < len(spans) and spans[k][1] <= coff:
-                        k += 1
-                    j = k
-                    while j < len(spans) and spans[j][0] < cend:
-                        a, b = max(spans[j][0], coff), min(spans[j][1], cend)
-                        if b > a:
-                            view = _buffer(ptr + (a - coff), b - a)
-                            writer.write(view)
-                            crcs.add(j, spans[j][2] + (a - spans[j][0]), ptr + (a - coff), b - a)
-                        j += 1
-                finally:
-                    self.job.release(coff)
+            while (chunk := self.job.next_chunk()) is not None:
+                taken.append(chunk)
             error = self.job.error()
             if error:
                 raise CheckpointWriteError(error)
-            writer.close()
-        except BaseException as exc:
-            writer.discard()
-            if not isinstance(exc, CheckpointWriteError):
-                self.job.fail(f"writing {dest.url()} failed: {exc}")
-                raise CheckpointWriteError(f"writing {dest.url()} failed: {type(exc).__name__}: {exc}") from exc
-            raise
-        return {it.key: written(loc, dest.name, tuple(crcs.of(j)), final.file_size)
-                for j, ((it, _), loc) in enumerate(zip(kept, located))}
-
-
-class _GridChecksums:
-    """CRC32C of each item's pieces on the final file's checksum grid (``piece_ranges``: the
-    engine's grid), fed in file order."""
-
-    def __init__(self, engine, locations: list[ItemLocation]) -> None:
-        self.engine = engine
-        self._ends = [[off + n for off, n in piece_ranges(loc)] for loc in locations]
-        self._done: list[list[int]] = [[] for _ in locations]
-        self._running = [0] * len(locations)
-
-    def add(self, item: int, pos: int, ptr: int, n: int) -> None:
-        ends, done = self._ends[item], self._done[item]
-        while n > 0:
-            end = ends[len(done)]
-            take = min(n, end - pos)
-            crc = self.engine.crc32c(ptr, take, self._running[item])
-            pos, ptr, n = pos + take, ptr + take, n - take
-            if pos == end:
-                done.append(crc)
-                crc = 0
-            self._running[item] = crc
-
-    def of(self, item: int) -> list[int]:
-        return self._done[item]
-
-
-class _LocalWriter:
-    def __init__(self, path: str, sync: bool) -> None:
-        self.path, self.sync = path, sync
-        folders.retire_local_file(path, _unlink_quietly)  # never write into a shared inode
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
-        try:
-            self.fd = os.open(path, flags, 0o644)
-        except OSError as exc:
-            raise CheckpointWriteError(f"cannot create data file {path}: {exc.strerror or exc}") from exc
-
-    def write(self, view: memoryview) -> None:
-        while view:
-            try:
-                written = os.write(self.fd, view)
-            except OSError as exc:
-                raise CheckpointWriteError(f"{self.path}: write failed: {exc.strerror or exc} (errno {exc.errno})") from exc
-            view = view[written:]
-
-    def close(self) -> None:
-        try:
-            if self.sync:
-                os.fsync(self.fd)
-        except OSError as exc:
-            raise CheckpointWriteError(f"{self.path}: fsync failed: {exc.strerror or exc} (errno {exc.errno})") from exc
+            items = [(_segments(taken, off, it.entry.nbytes) or 0, it.entry.nbytes, foff)
+                     for (it, off), foff in zip(kept, final.offsets)]
+            job, upload = self._submit(dest, final, items)
+            job.wait_staged()  # copied out of the held chunks
         finally:
-            os.close(self.fd)
-            self.fd = -1
+            for off, _, _ in taken:
+                self.job.release(off)
+        if upload is not None:
+            upload.result()  # raises CheckpointWriteError naming the URL
+        job.wait_done()
+        if job.error():
+            raise CheckpointWriteError(job.error())
+        crcs, piece = job.checksums(), job.piece_size()
+        return {it.key: item_location(dest.name, it.entry, foff, final.data_start, piece, tuple(crcs[j]), final.file_size)
+                for j, ((it, _), foff) in enumerate(zip(kept, final.offsets))}
 
-    def discard(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        try:
-            os.unlink(self.path)
-        except OSError:
-            pass
+    def _submit(self, dest: _Destination, final, items: list):
+        """(engine job, upload future or None) writing the final file at its destination."""
+        if dest.remote is not None:
+            return remote.submit_upload(self.engine, dest.remote, dest.name, final.header, final.file_size, items)
+        path = os.path.join(folders.local_path(dest.folder), dest.name)
+        folders.retire_local_file(path, _unlink_quietly)  # never write into a shared inode
+        return self.engine.submit_write(path, final.header, final.file_size, items, dest.sync), None
+
+
+def _segments(taken: list[tuple[int, int, int]], offset: int, nbytes: int) -> list[tuple[int, int]]:
+    """(pointer, length) of the parts of the held chunks ``taken`` ((file offset, pointer,
+    length), in file order) that hold bytes [offset, offset + nbytes) of the held layout."""
+    out, end = [], offset + nbytes
+    for coff, ptr, n in taken:
+        a, b = max(offset, coff), min(end, coff + n)
+        if b > a:
+            out.append((ptr + (a - coff), b - a))
+    return out
 
 
 def _unlink_quietly(path: str) -> None:
@@ -267,27 +208,3 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-class _RemoteWriter:
-    def __init__(self, folder, name: str) -> None:
-        self.folder, self.path = folder, folder.join(name)
-        self.f = folder.fs.open(self.path, "wb", block_size=UPLOAD_BLOCK_SIZE)
-
-    def write(self, view: memoryview) -> None:
-        self.f.write(view)
-
-    def close(self) -> None:
-        self.f.close()
-        self.f = None
-
-    def discard(self) -> None:
-        if self.f is not None:
-            _discard(self.folder, self.path, self.f)
-            self.f = None
-
-
-def _open(dest: _Destination):
-    if dest.remote is not None:
-        return _RemoteWriter(dest.remote, dest.name)
-    return _LocalWriter(os.path.join(folders.local_path(dest.folder), dest.name), dest.sync)

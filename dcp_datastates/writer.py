@@ -698,10 +698,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         renamed: dict[str, str] = {}
         for f in staged.files:
             new = data_file_name(staged.rank, f.index, staged.tag)
-            if folders.is_remote(staged.path):
-                src = self._remote(staged.moved_from)
-                dst = self._remote(staged.path)
+            src_remote, dst_remote = folders.is_remote(staged.moved_from), folders.is_remote(staged.path)
+            if src_remote and dst_remote and self._remote(staged.moved_from).fs is self._remote(staged.path).fs:
+                src, dst = self._remote(staged.moved_from), self._remote(staged.path)
                 src.fs.mv(src.join(f.name), dst.join(new))
+            elif src_remote or dst_remote:  # between a local folder and a store, or two stores
+                self._copy_between(staged.moved_from, f.name, staged.path, new)
             else:
                 src, dst = os.path.join(staged.moved_from, f.name), os.path.join(staged.path, new)
                 try:
@@ -712,6 +714,21 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             renamed[f.name] = new
             f.name = new
         return {k: moved(loc, renamed.get(loc.file, loc.file)) for k, loc in locations.items()}
+
+    def _copy_between(self, src_folder: str, src_name: str, dst_folder: str, dst_name: str) -> None:
+        """Copy a written data file to another kind of folder, then remove the original."""
+        def opener(folder: str, name: str, mode: str):
+            if folders.is_remote(folder):
+                remote_folder = self._remote(folder)
+                return remote_folder.fs.open(remote_folder.join(name), mode)
+            return open(os.path.join(folders.local_path(folder), name), mode)
+
+        with opener(src_folder, src_name, "rb") as fin, opener(dst_folder, dst_name, "wb") as fout:
+            shutil.copyfileobj(fin, fout, 16 << 20)
+        if folders.is_remote(src_folder):
+            self._remote(src_folder).remove(src_name)
+        else:
+            os.unlink(os.path.join(src_folder, src_name))
 
     def _write_late(self, staged: _StagedSave, late: list, planner: SavePlanner) -> _FileJob:
         """Items the plan gives this rank that it did not stage (``dcp.save``; a planner that lays

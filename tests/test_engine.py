@@ -241,6 +241,33 @@ def test_grid_binding_is_the_grid_a_job_checksums(tmp_path):
         E.piece_count(99, 1, 100, 16)
 
 
+def test_an_item_gathered_from_segments_writes_and_checksums_as_one(tmp_path):
+    """Items given as [(ptr, nbytes), ...] segments (a held file laid out anew from its chunks in
+    the cache): the same file and the same per-piece checksums as contiguous items."""
+    rng = np.random.default_rng(11)
+    grid = 16 * KiB
+    layout = Layout(b"H" * 300, [rand_array(rng, n) for n in (5, 3 * grid + 77, grid, 1000)], gaps=[0, 0, 0, 0])
+    eng = build_engine(1 * MiB, chunk_bytes=grid)
+    try:
+        whole, data = write_checked(eng, tmp_path / "whole", layout)
+        items = []
+        for a, off in zip(layout.arrays, layout.offsets):
+            cuts = sorted({0, a.nbytes, *(int(x) for x in rng.integers(1, max(a.nbytes, 2), size=4) if x < a.nbytes)})
+            segments = [(ptr(a) + lo, hi - lo) for lo, hi in zip(cuts, cuts[1:])]
+            items.append((segments, a.nbytes, off))
+        job = eng.submit_write(str(tmp_path / "gathered"), layout.header, layout.file_size, items)
+        wait(job)
+        assert job.error() is None
+        assert (tmp_path / "gathered").read_bytes() == data
+        assert job.checksums() == whole.checksums()
+        with pytest.raises(ValueError, match="source segments hold 10 bytes, the item 11"):
+            eng.submit_write(str(tmp_path / "bad"), b"", 11, [([(ptr(layout.arrays[1]), 10)], 11, 0)])
+        with pytest.raises(ValueError, match="source segment 0 is empty, null or wraps around"):
+            eng.submit_write(str(tmp_path / "bad"), b"", 11, [([(0, 11)], 11, 0)])
+    finally:
+        eng.shutdown()
+
+
 def test_constructor_validation_and_chunk_size():
     with pytest.raises(ValueError, match="cache_bytes"):
         build_engine(0)

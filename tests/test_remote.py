@@ -5,6 +5,7 @@ helpers on URLs, and the engine's streaming path underneath."""
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import time
@@ -314,3 +315,14 @@ def test_oversized_remote_marker_is_refused_before_reading(mem_url, monkeypatch)
     folder = folders.remote_folder(mem_url)
     with pytest.raises(CheckpointFormatError, match=r"\.metadata: \d+ bytes, more than the 16-byte limit"):
         folder.read_marker()
+
+
+def test_one_writer_saves_to_a_local_folder_then_to_a_store(tmp_path, mem_url):
+    """A writer given its folder per save (checkpoint_id), first local then an fsspec URL: the
+    second save is staged into the first folder and its files move to the store when DCP names it."""
+    state = make_state()
+    w = DataStatesWriter()
+    for url in (str(tmp_path / "local-ck"), mem_url, str(tmp_path / "local-again")):
+        dcp.async_save(state, storage_writer=w, checkpoint_id=url).upload_completion.result(timeout=60)
+        assert_state_equal(state, load_only(url, state))
+    assert sorted(os.listdir(tmp_path / "local-ck")) == [".metadata", "__0_0.safetensors"]
