@@ -7,7 +7,6 @@ See ``tiers.py`` for the design.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
@@ -21,6 +20,7 @@ from .config import DataStatesConfig
 from .errors import ChecksumMismatchError, CheckpointWriteError
 from .checkpoint_format import piece_ranges
 from .runtime import get_engine
+from .stage.pipeline import moved
 
 log = logging.getLogger("dcp_datastates")
 
@@ -129,7 +129,7 @@ def _drain_unlocked(local: str, durable: str, config: DataStatesConfig) -> None:
         for name, info in files.items():
             src = os.path.join(local, name)
             _write_durable(src, durable, renamed[name], info.size, pieces.get(name, []), engine, config)
-        locations = {index: dataclasses.replace(loc, file=renamed[loc.file]) for index, loc in md.storage_data.items()}
+        locations = {index: moved(loc, renamed[loc.file]) for index, loc in md.storage_data.items()}
         commit.write_commit(durable, md, locations, sync=config.sync_files, storage_options=options)
     except CheckpointWriteError as exc:
         if str(exc).startswith(f"draining {local}"):
@@ -186,7 +186,7 @@ def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, sk
         try:
             renamed = {n: d for d, n in record["files"].items()}
             mine = {i: loc for i, loc in md.storage_data.items() if loc.file in record["files"]}
-            local_names = {i: dataclasses.replace(loc, file=record["files"][loc.file]) for i, loc in mine.items()}
+            local_names = {i: moved(loc, record["files"][loc.file]) for i, loc in mine.items()}
             _copy_files(local, durable, local_names, renamed, config)
             tiers.report_drained(durable, rank, save_id, None, options)
             ranks = tiers.file_ranks(md.storage_data)
