@@ -184,11 +184,12 @@ def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, sk
         md, _ = pending
         save_id, options = record["save_id"], config.storage_options
         try:
-            renamed = {n: d for d, n in record["files"].items()}
-            mine = {i: loc for i, loc in md.storage_data.items() if loc.file in record["files"]}
-            local_names = {i: moved(loc, record["files"][loc.file]) for i, loc in mine.items()}
-            _copy_files(local, durable, local_names, renamed, config)
-            tiers.report_drained(durable, rank, save_id, None, options)
+            if not tiers.drained_ok(durable, rank, save_id, options):  # never rewrite a drained file
+                renamed = {n: d for d, n in record["files"].items()}
+                mine = {i: loc for i, loc in md.storage_data.items() if loc.file in record["files"]}
+                local_names = {i: moved(loc, record["files"][loc.file]) for i, loc in mine.items()}
+                _copy_files(local, durable, local_names, renamed, config)
+                tiers.report_drained(durable, rank, save_id, None, options)
             ranks = tiers.file_ranks(md.storage_data)
             if tiers.all_drained(durable, save_id, ranks, options):
                 commit.write_commit(durable, md, dict(md.storage_data), sync=config.sync_files, storage_options=options)

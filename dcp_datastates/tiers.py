@@ -376,10 +376,15 @@ def _drain_report(durable: str, rank: int, save_id: str, storage_options: dict |
     return record if isinstance(record, dict) and record.get("save_id") == save_id else None
 
 
+def drained_ok(durable: str, rank: int, save_id: str, storage_options: dict | None) -> bool:
+    """True when ``rank`` reported its drain of ``save_id`` without error."""
+    report = _drain_report(durable, rank, save_id, storage_options)
+    return report is not None and not report.get("error")
+
+
 def all_drained(durable: str, save_id: str, ranks: set[int], storage_options: dict | None) -> bool:
     """True when every rank of ``ranks`` reported its drain of ``save_id`` without error."""
-    reports = [_drain_report(durable, r, save_id, storage_options) for r in ranks]
-    return all(rep is not None and not rep.get("error") for rep in reports)
+    return all(drained_ok(durable, r, save_id, storage_options) for r in ranks)
 
 
 def wait_drained(durable: str, save_id: str, ranks: set[int], timeout: float, storage_options: dict | None) -> None:
