@@ -254,3 +254,65 @@ def _killed_before_its_drain(rank, world, root):
 
 def test_killed_before_its_drain_restarts_from_the_local_copies_then_drains(tmp_path):
     run_ranks(2, _killed_before_its_drain, str(tmp_path))
+
+
+def _save_then_sigkill_mid_drain(rank, world, root):
+    """Phase 1: step-1 saved; step-2's processes are SIGKILLed during its drain, once the coordinator
+    has recorded the checkpoint as committed on the local tiers (rank 0 after copying its files,
+    the others before copying anything)."""
+    import signal
+    import time
+
+    nv = node_tier(root, rank, world)
+    first, second = (os.path.join(root, "ck", f"step-{i}") for i in (1, 2))
+    save(own_state(rank, 1), first, nv, asynchronous=True)
+    real = drain._copy_files
+
+    def killed(local, durable, locations, renamed, config):
+        deadline = time.monotonic() + 60
+        while not os.path.exists(os.path.join(durable, ".pending.metadata")) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if rank == 0:
+            real(local, durable, locations, renamed, config)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    drain._copy_files = killed
+    save(own_state(rank, 2), second, nv, asynchronous=True)
+    time.sleep(120)  # never reached: the drain thread kills the process
+
+
+def _restart_after_the_kill(rank, world, root):
+    import time
+
+    nv = node_tier(root, rank, world)
+    ck = os.path.join(root, "ck")
+    second, third = os.path.join(ck, "step-2"), os.path.join(ck, "step-3")
+    assert not commit.is_committed(second)
+    path = commit.latest_checkpoint(ck, local_tier=nv)
+    assert path == second, path
+    out, reader = load(path, nv, own_state(rank, 2))
+    assert_state_equal(own_state(rank, 2), out)
+    assert reader.tier_reads == {"local": 1, "durable": 0}
+    dist.barrier()
+    save(own_state(rank, 3), third, nv, asynchronous=True)  # drains what the killed run left
+    deadline = time.monotonic() + 60
+    while not commit.is_committed(second) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    dist.barrier()
+    out = zeros_like_state(own_state(rank, 2))
+    dcp.load(out, storage_reader=DataStatesReader(second))  # the durable tier alone
+    assert_state_equal(own_state(rank, 2), out)
+
+
+def own_state(rank, seed):
+    """Rank-unique tensors (pipeline-parallel-like): each rank reads only what it wrote."""
+    return {f"own{rank}": rank_state(rank, seed)[f"own{rank}"]}
+
+
+def test_sigkill_mid_drain_restarts_from_the_local_copies_then_the_next_run_drains(tmp_path):
+    from dist_harness import _launch
+
+    failure = _launch(2, _save_then_sigkill_mid_drain, (str(tmp_path),), 120.0)
+    assert failure == "ranks exited abnormally: [(0, -9), (1, -9)]", failure
+    assert os.path.exists(tmp_path / "ck" / "step-2" / ".pending.metadata")
+    run_ranks(2, _restart_after_the_kill, str(tmp_path))
