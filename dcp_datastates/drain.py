@@ -157,7 +157,7 @@ def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str
     except Exception as exc:  # noqa: BLE001 - the coordinator then times out naming this rank
         log.warning("dcp_datastates: rank %d could not report its drain to %s: %s", rank, durable, exc)
     if error is None:
-        drain_pending_ranks(config.local_tier, rank, config, skip=local)
+        drain_pending_ranks(config.local_tier, rank, config, skip=local, root=durable.rstrip("/").rsplit("/", 1)[0])
         tiers.evict_drained(config.local_tier, config.keep_local, config.storage_options)
 
 
@@ -168,7 +168,8 @@ def _copy_files(local: str, durable: str, locations: dict, renamed: dict[str, st
         _write_durable(src, durable, renamed[name], os.stat(src).st_size, pieces, engine, config)
 
 
-def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, skip: str | None = None) -> None:
+def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, skip: str | None = None,
+                        root: str | None = None) -> None:
     """Several ranks: for each checkpoint of this node's local tier that is committed on the local
     tiers and not durably (its save was killed or failed during the drain), drain this rank's files
     and report; the rank that sees every report complete commits it. Failures are logged: the
@@ -178,7 +179,9 @@ def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, sk
         if local == skip or record is None:
             continue
         durable = record.get("durable")
-        pending = tiers.read_pending(durable, config.storage_options) if isinstance(durable, str) else None
+        if not isinstance(durable, str) or not _under(durable, root):
+            continue  # another store's copy: its own options drain it
+        pending = tiers.read_pending(durable, config.storage_options)
         if pending is None or pending[0].storage_meta.save_id != record["save_id"]:
             continue
         md, _ = pending
@@ -216,10 +219,12 @@ def durable_name(name: str, tag: str | None) -> str:
     return f"{m.group(1)}.{tag}.safetensors"
 
 
-def drain_pending(local_tier: str, config: DataStatesConfig | None = None) -> list[str]:
+def drain_pending(local_tier: str, config: DataStatesConfig | None = None, *, root: str | None = None) -> list[str]:
     """Drain every committed local copy under ``local_tier`` whose durable tier does not hold
-    the same checkpoint (a process killed before its drain). Returns the durable paths drained;
-    raises the first failure after trying them all."""
+    the same checkpoint (a process killed before its drain); with ``root``, only those whose
+    durable folder is directly under it (``config.storage_options`` are that store's: a copy bound
+    for another store is left to a call with its own). Returns the durable paths drained; raises
+    the first failure after trying them all."""
     config = config or DataStatesConfig()
     drained, errors = [], []
     try:
@@ -229,8 +234,10 @@ def drain_pending(local_tier: str, config: DataStatesConfig | None = None) -> li
     for name in names:
         local = os.path.join(local_tier, name)
         durable = tiers.durable_of(local)
+        if durable is None or not _under(durable, root):
+            continue
         local_id = tiers.checkpoint_id(local)
-        if durable is None or local_id is None or tiers.checkpoint_id(durable, config.storage_options) == local_id:
+        if local_id is None or tiers.checkpoint_id(durable, config.storage_options) == local_id:
             continue
         try:
             drain(local, durable, config)
@@ -243,10 +250,14 @@ def drain_pending(local_tier: str, config: DataStatesConfig | None = None) -> li
     return drained
 
 
-def drain_pending_quietly(local_tier: str, config: DataStatesConfig) -> None:
+def _under(durable: str, root: str | None) -> bool:
+    return root is None or durable.rstrip("/").rsplit("/", 1)[0] == root.rstrip("/")
+
+
+def drain_pending_quietly(local_tier: str, config: DataStatesConfig, root: str | None = None) -> None:
     """``drain_pending`` after a save's own drain: what an earlier run left undrained goes to its
     durable tier now; a failure is logged, it does not fail this save (retried next time)."""
     try:
-        drain_pending(local_tier, config)
+        drain_pending(local_tier, config, root=root)
     except CheckpointWriteError as exc:
         log.warning("dcp_datastates: a local copy is still not drained (retried at the next save): %s", exc)

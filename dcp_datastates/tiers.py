@@ -47,7 +47,8 @@ A failure anywhere fails the save on every rank (DCP broadcasts the coordinator'
 reader takes each data file from the local copy when this node holds it for the same checkpoint
 id and its pieces verify, else from the durable folder (``local_files``), and logs the count per
 tier; a folder with no commit and a pending checkpoint is read that way (``read_pending``). The
-next save drains each rank's share of a pending checkpoint (``drain.drain_pending_ranks``).
+next save under the same root drains each rank's share of a pending checkpoint
+(``drain.drain_pending_ranks``).
 """
 
 from __future__ import annotations

@@ -778,7 +778,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                     staged.local_s = time.monotonic() - staged.requested
                 self.local_commit.set_result(self.path)
                 drain.drain(self.path, self.durable_path, self.config)
-                drain.drain_pending_quietly(self.config.local_tier, self.config)  # e.g. left by a killed run
+                # left by a killed run, under the same root (so on the store these options are for)
+                drain.drain_pending_quietly(self.config.local_tier, self.config,
+                                            root=self.durable_path.rstrip("/").rsplit("/", 1)[0])
                 tiers.evict_drained(self.config.local_tier, self.config.keep_local, self.config.storage_options)
         except BaseException as exc:
             if self.durable_path is not None and not self.local_commit.done():

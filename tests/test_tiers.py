@@ -127,9 +127,12 @@ def test_failing_drain_raises_names_durable_and_keeps_local(tmp_path):
     out = zeros_like_state(state)
     dcp.load(out, storage_reader=DataStatesReader(local))
     assert_state_equal(state, out)
-    # the durable path is fixed: the next save (to another path) drains it too
+    # the durable path is fixed: a save under another root leaves it (its storage options may be
+    # another store's); the next save under the same root drains it too
     os.unlink(durable)
-    save(make_state(4), str(tmp_path / "step-4"), nv)
+    save(make_state(5), str(tmp_path / "elsewhere" / "step-5"), nv, keep_local=5)
+    assert not commit.is_committed(durable)
+    save(make_state(4), str(tmp_path / "ro" / "step-4"), nv, keep_local=5)
     assert data_bytes(durable) == data_bytes(local)
     assert tiers.checkpoint_id(durable) == w.save_id
     assert drain.drain_pending(str(nv)) == []  # nothing left to drain
