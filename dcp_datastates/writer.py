@@ -682,13 +682,15 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """local_tier hook, several ranks: this rank's files are durable on the local tier. Record
         them in the local copy, then drain them on a drain thread (it reports to the coordinator,
         which commits once every rank did); the results name the durable files."""
+        # The rank in the data file names (global: the coordinator waits for the writers of the
+        # files it commits, tiers.file_ranks), not the rank in DCP's process group.
         locations = {r.index: r.storage_data for r in results}
         renamed = {loc.file: drain.durable_name(loc.file, plan.tag) for loc in locations.values()}
-        tiers.record_rank_files(self.path, self.rank, self.durable_path, plan.save_id, renamed)
+        tiers.record_rank_files(self.path, staged.rank, self.durable_path, plan.save_id, renamed)
         staged.local_s = time.monotonic() - staged.requested
         if not self.local_commit.done():
             self.local_commit.set_result(self.path)
-        _drainers.submit(drain.drain_rank, self.path, self.durable_path, locations, renamed, plan.save_id, self.rank,
+        _drainers.submit(drain.drain_rank, self.path, self.durable_path, locations, renamed, plan.save_id, staged.rank,
                          self.config)
         return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed[r.storage_data.file])) for r in results]
 
