@@ -42,7 +42,7 @@ from .errors import CheckpointFormatError
 
 __all__ = [
     # data files
-    "FileEntry", "FileLayout", "plan_file", "data_file_name", "dtype_to_name", "name_to_dtype", "safetensors_dtype",
+    "FileEntry", "FileLayout", "plan_file", "data_file_name", "data_file_parts", "dtype_to_name", "name_to_dtype", "safetensors_dtype",
     "DATA_ALIGNMENT", "FORMAT_NAME",
     # the checksum grid
     "piece_ranges",
@@ -104,6 +104,15 @@ def data_file_name(rank: int, index: int = 0, tag: str | None = None) -> str:
     """Name of a rank's data file, relative to the checkpoint folder. ``tag`` (a save's id) makes
     the names of a save into a folder that holds a committed checkpoint differ from that one's."""
     return f"__{rank}_{index}.safetensors" if tag is None else f"__{rank}_{index}.{tag}.safetensors"
+
+
+_DATA_FILE_NAME = re.compile(r"^__(\d+)_(\d+)(?:\.[0-9a-f]+)?\.safetensors$")
+
+
+def data_file_parts(name: str) -> tuple[int, int] | None:
+    """(rank, index) of a ``data_file_name``; None for any other name."""
+    m = _DATA_FILE_NAME.match(name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
 
 
 @dataclass(frozen=True)

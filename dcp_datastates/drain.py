@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import threading
 import uuid
 
 import torch
 
 from . import commit, folders, integrity, tiers
+from .checkpoint_format import data_file_name, data_file_parts
 from .config import DataStatesConfig
 from .errors import ChecksumMismatchError, CheckpointWriteError
 from .checkpoint_format import piece_ranges
@@ -27,9 +27,6 @@ log = logging.getLogger("dcp_datastates")
 __all__ = ["drain", "drain_pending", "drain_rank", "drain_pending_ranks", "durable_name", "verify_copy"]
 
 _COPY_BLOCK = 16 << 20  # bytes outside any checksum piece (headers) are copied in blocks this big
-_NAME = re.compile(r"^(__\d+_\d+)(\.[0-9a-f]+)?\.safetensors$")
-
-
 def _pieces_by_file(locations) -> dict[str, list[tuple[int, int, int, str]]]:
     """file -> sorted (offset, length, crc32c, item) of every checksum piece of ``locations``
     ({MetadataIndex: ItemLocation}: a marker's storage_data, or one rank's write results)."""
@@ -157,7 +154,7 @@ def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str
     except Exception as exc:  # noqa: BLE001 - the coordinator then times out naming this rank
         log.warning("dcp_datastates: rank %d could not report its drain to %s: %s", rank, durable, exc)
     if error is None:
-        drain_pending_ranks(config.local_tier, rank, config, skip=local, root=durable.rstrip("/").rsplit("/", 1)[0])
+        drain_pending_ranks(config.local_tier, rank, config, skip=local, root=tiers.root_of(durable))
         tiers.evict_drained(config.local_tier, config.keep_local, config.storage_options)
 
 
@@ -213,10 +210,10 @@ def durable_name(name: str, tag: str | None) -> str:
     """The durable name of a local data file: the same, or tagged when the durable folder holds a commit."""
     if tag is None:
         return name
-    m = _NAME.match(name)
-    if m is None:
+    parts = data_file_parts(name)
+    if parts is None:
         raise CheckpointWriteError(f"{name}: not a data file name of this library")
-    return f"{m.group(1)}.{tag}.safetensors"
+    return data_file_name(*parts, tag)
 
 
 def drain_pending(local_tier: str, config: DataStatesConfig | None = None, *, root: str | None = None) -> list[str]:
@@ -251,7 +248,7 @@ def drain_pending(local_tier: str, config: DataStatesConfig | None = None, *, ro
 
 
 def _under(durable: str, root: str | None) -> bool:
-    return root is None or durable.rstrip("/").rsplit("/", 1)[0] == root.rstrip("/")
+    return root is None or tiers.root_of(durable) == root.rstrip("/")
 
 
 def drain_pending_quietly(local_tier: str, config: DataStatesConfig, root: str | None = None) -> None:

@@ -25,7 +25,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from . import folders, remote
+from . import remote
 from .checkpoint_format import ItemLocation, plan_file
 from .errors import CheckpointWriteError
 from .stage.pipeline import item_location
@@ -185,11 +185,8 @@ class HeldFile:
 
     def _submit(self, dest: _Destination, final, items: list):
         """(engine job, upload future or None) writing the final file at its destination."""
-        if dest.remote is not None:
-            return remote.submit_upload(self.engine, dest.remote, dest.name, final.header, final.file_size, items)
-        path = os.path.join(folders.local_path(dest.folder), dest.name)
-        folders.retire_local_file(path, _unlink_quietly)  # never write into a shared inode
-        return self.engine.submit_write(path, final.header, final.file_size, items, dest.sync), None
+        return remote.submit_data_file(self.engine, dest.folder, dest.name, final.header, final.file_size, items,
+                                       sync=dest.sync, remote_folder=dest.remote)
 
 
 def _segments(taken: list[tuple[int, int, int]], offset: int, nbytes: int) -> list[tuple[int, int]]:
@@ -201,10 +198,3 @@ def _segments(taken: list[tuple[int, int, int]], offset: int, nbytes: int) -> li
         if b > a:
             out.append((ptr + (a - coff), b - a))
     return out
-
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -27,14 +27,16 @@ bytes.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from . import folders
 from .errors import CheckpointFormatError, CheckpointWriteError, IncompleteCheckpointError
 from .folders import RemoteFolder
 
-__all__ = ["submit_upload", "read_ranges", "UPLOAD_BLOCK_SIZE", "READ_REQUEST_BYTES", "READ_CONCURRENCY"]
+__all__ = ["submit_upload", "submit_data_file", "read_ranges", "UPLOAD_BLOCK_SIZE", "READ_REQUEST_BYTES", "READ_CONCURRENCY"]
 
 #: Part size of multipart uploads (S3 needs at least 5 MiB; GCS a multiple of 256 KiB).
 UPLOAD_BLOCK_SIZE = 64 << 20
@@ -81,6 +83,26 @@ def submit_upload(
         job = engine.submit_stream(url, header, file_size, items, device, stream)
         fut = _upload_pool.submit(_upload, folder, name, url, job)
     return job, fut
+
+
+def submit_data_file(engine, folder: str, name: str, header: bytes, file_size: int, items: list, *, sync: bool,
+                     remote_folder: RemoteFolder | None = None, device: int = -1, stream: int = 0,
+                     unlink=None) -> tuple[Any, Future | None]:
+    """Hand one data file to the engine: an upload when ``remote_folder`` is given, else a file job
+    writing ``folder/name`` on a new inode (an old file there is moved aside and freed by
+    ``unlink``, default at once). Returns (engine job, upload future or None)."""
+    if remote_folder is not None:
+        return submit_upload(engine, remote_folder, name, header, file_size, items, device, stream)
+    path = os.path.join(folders.local_path(folder), name)
+    folders.retire_local_file(path, unlink or _unlink_quietly)  # never write into a shared inode
+    return engine.submit_write(path, header, file_size, items, sync, device, stream), None
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _discard(folder: RemoteFolder, path: str, f) -> None:

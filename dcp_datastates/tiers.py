@@ -62,7 +62,7 @@ import shutil
 import time
 
 from . import commit, folders, integrity
-from .checkpoint_format import PENDING_NAME, encode_metadata
+from .checkpoint_format import PENDING_NAME, data_file_parts, encode_metadata
 from .errors import CheckpointWriteError, DataStatesError
 
 log = logging.getLogger("dcp_datastates")
@@ -181,6 +181,23 @@ def _removable(local: str, local_id: str | None, committed_here: bool, storage_o
     return pending is None or pending[0].storage_meta.save_id != local_id
 
 
+def root_of(durable: str) -> str:
+    """The folder of checkpoints a durable checkpoint path is directly under."""
+    return durable.rstrip("/").rsplit("/", 1)[0]
+
+
+def _copies(local_tier: str, exclude: str | None = None) -> list[tuple[int, str, str | None, bool]]:
+    """(commit time, folder, checkpoint id, committed here) of every local copy in ``local_tier``
+    that names its durable path (``_local_state``), but ``exclude``."""
+    out = []
+    for name in _names(local_tier):
+        local = os.path.join(local_tier, name)
+        state = _local_state(local) if local != exclude else None
+        if state is not None and durable_of(local) is not None:
+            out.append((state[0], local, state[1], state[2]))
+    return out
+
+
 def durable_of(local: str) -> str | None:
     """The durable path a local copy drains to; None when it names none (or not readably)."""
     try:
@@ -233,14 +250,8 @@ def choose_copy(durable: str, config) -> str:
 def evict_drained(local_tier: str, keep: int, storage_options: dict | None = None) -> list[str]:
     """Remove the local copies beyond the ``keep`` newest that ``_removable`` allows: a copy
     committed here and not drained yet is never removed. Returns the folders removed."""
-    copies = []
-    for name in _names(local_tier):
-        local = os.path.join(local_tier, name)
-        state = _local_state(local)
-        if state is not None and durable_of(local) is not None:
-            copies.append((state[0], local, state[1], state[2]))
     removed = []
-    for _, local, local_id, committed_here in sorted(copies, reverse=True)[keep:]:
+    for _, local, local_id, committed_here in sorted(_copies(local_tier), reverse=True)[keep:]:
         if not _removable(local, local_id, committed_here, storage_options):
             continue  # not durable yet (or damaged): kept for drain_pending / the reader
         shutil.rmtree(local, ignore_errors=True)
@@ -265,14 +276,8 @@ def make_room(local_tier: str, need: int, current: str, storage_options: dict | 
     free = free_bytes(local_tier)
     if free >= need:
         return
-    copies = []
-    for name in os.listdir(local_tier):
-        local = os.path.join(local_tier, name)
-        state = _local_state(local) if local != current else None
-        if state is not None and durable_of(local) is not None:
-            copies.append((state[0], local, state[1], state[2]))
     kept = []
-    for _, local, local_id, committed_here in sorted(copies):
+    for _, local, local_id, committed_here in sorted(_copies(local_tier, exclude=current)):
         if free >= need:
             break
         if not _removable(local, local_id, committed_here, storage_options):
@@ -315,12 +320,9 @@ def newest_local(root: str, local_tier: str, step_of) -> tuple[tuple, str] | Non
 # first (from then on the checkpoint is restorable from the nodes' local copies), waits for every
 # rank that wrote files, then commits and removes both.
 
-_DATA_RANK = re.compile(r"^__(\d+)_\d+")
-
-
 def file_ranks(locations) -> set[int]:
     """The ranks that wrote the data files of ``locations`` ({index: ItemLocation})."""
-    return {int(m.group(1)) for loc in locations.values() if (m := _DATA_RANK.match(loc.file))}
+    return {parts[0] for loc in locations.values() if (parts := data_file_parts(loc.file)) is not None}
 
 
 def _folder(durable: str) -> str:

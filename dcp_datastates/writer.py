@@ -274,11 +274,6 @@ def _new_tag() -> str:
     return uuid.uuid4().hex[:12]
 
 
-def _retire_old_file(path: str) -> None:
-    """A new inode for the engine's file; freeing the old blocks happens off the training thread."""
-    folders.retire_local_file(path, lambda aside: _watchers.submit(_unlink_quietly, aside))
-
-
 # local_tier, several ranks: each rank's drain of its files (drain.drain_rank), off DCP's thread
 # so the coordinator can gather while ranks drain.
 _drainers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dcp-datastates-drain")
@@ -474,17 +469,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         folder = staged.path
         name = data_file_name(staged.rank, index, staged.tag)
         stream = _current_stream(device) if device >= 0 else 0
-        if folders.is_remote(folder):  # streamed to the object store by an uploader thread
-            job, upload = remote.submit_upload(
-                engine, self._remote(folder), name, layout.header, layout.file_size, spans, device, stream
-            )
-            return job, upload, name
-        path = os.path.join(folder, name)
         if self.durable_path is not None:  # local_tier hook: this rank's files change from here on
             tiers.forget_rank_files(folder, staged.rank)
-        _retire_old_file(path)  # a new inode: never write into a file another checkpoint links to
-        job = engine.submit_write(path, layout.header, layout.file_size, spans, self.config.sync_files, device, stream)
-        return job, None, name
+        job, upload = remote.submit_data_file(
+            engine, folder, name, layout.header, layout.file_size, spans, sync=self.config.sync_files,
+            remote_folder=self._remote(folder) if folders.is_remote(folder) else None, device=device, stream=stream,
+            unlink=lambda aside: _watchers.submit(_unlink_quietly, aside),  # old blocks freed off the training thread
+        )
+        return job, upload, name
 
     def _remote(self, folder: str) -> folders.RemoteFolder:
         """The fsspec folder of a remote checkpoint (one per URL, reused by this writer)."""
@@ -781,8 +773,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 self.local_commit.set_result(self.path)
                 drain.drain(self.path, self.durable_path, self.config)
                 # left by a killed run, under the same root (so on the store these options are for)
-                drain.drain_pending_quietly(self.config.local_tier, self.config,
-                                            root=self.durable_path.rstrip("/").rsplit("/", 1)[0])
+                drain.drain_pending_quietly(self.config.local_tier, self.config, root=tiers.root_of(self.durable_path))
                 tiers.evict_drained(self.config.local_tier, self.config.keep_local, self.config.storage_options)
         except BaseException as exc:
             if self.durable_path is not None and not self.local_commit.done():
