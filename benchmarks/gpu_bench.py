@@ -13,6 +13,15 @@ loop, checkpointing after every iteration:
               StagingOptions(pinned, no shared memory, async staging, non-blocking copies))); the
               step waits for staging_completion
   dcp-save    dcp.save(..., storage_writer=FileSystemWriter)
+  torch-checkpointing   torch_checkpointing.CheckpointManager with async save (staging thread +
+              writer process); optimizer.step() runs under manager.lock(), its documented guard
+  torchsnapshot         torchsnapshot.Snapshot.async_take(app_state={model, optim}): returns once
+              the state is staged to host memory, writes in a background thread
+
+Peers that are not installed (or fail on this torch) are reported as skipped with the reason.
+The raw bound of the same bytes is measured in the same run: the plain D2H probe below plus one
+pwrite + fsync of a host buffer of the checkpoint's size into --ckpt-dir (benchmarks/bench.py's
+measure_raw).
 
 At most one checkpoint is in flight: a save first waits for the previous one to be durable
 (reported separately as upload wait: storage speed, not staging). Every iteration ends with a
@@ -47,7 +56,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from dcp_datastates import DataStatesWriter, engine_stats, protect_optimizer, shutdown_engine, wait_staged  # noqa: E402
 from dcp_datastates.compat import default_stager_reusable  # noqa: E402
 
-MODES = ("none", "datastates", "dcp-async", "dcp-save")
+MODES = ("none", "datastates", "dcp-async", "dcp-save", "torch-checkpointing", "torchsnapshot")
 GB = 1e9
 
 
@@ -67,6 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--dcp-threads", type=int, default=2, help="FileSystemWriter thread_count (default 2, as the engine's flush threads)")
     p.add_argument("--bw-bytes", type=float, default=4.0, help="GB moved by the plain D2H bandwidth probe")
     p.add_argument("--out", required=True, help="JSON results file")
+    p.add_argument("--no-raw", action="store_true", help="skip the raw pwrite + fsync bound")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on CPU: checks the script, measures nothing")
     args = p.parse_args(argv)
     if args.dry_run:
@@ -132,6 +142,79 @@ def d2h_probe(device, nbytes: int) -> dict:
     return {"bytes": nbytes, "best_s": min(times), "gb_per_s": nbytes / min(times) / GB}
 
 
+PEERS = ("torch-checkpointing", "torchsnapshot")
+
+
+def peer_unavailable(mode: str) -> str | None:
+    """None when the peer library imports, else the reason (reported, not raised)."""
+    try:
+        if mode == "torch-checkpointing":
+            from torch_checkpointing import CheckpointManager  # noqa: F401
+        elif mode == "torchsnapshot":
+            from torchsnapshot import Snapshot  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not measurable here"
+        return f"{mode} unavailable: {type(exc).__name__}: {exc}"
+    return None
+
+
+class _Peer:
+    """A peer library's asynchronous save, driven the way its documentation says to."""
+
+    def __init__(self, mode: str, model, opt, state) -> None:
+        self.mode = mode
+        if mode == "torch-checkpointing":
+            from torch_checkpointing import CheckpointManager
+            from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+
+            cfg = CheckpointManager.Config.with_async_save()
+            cfg.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
+            self.manager = cfg.build()
+            # Its item keys name files: letters, digits, '-' and '_' only.
+            self.flat = {
+                f"{top}__{k.replace('.', '_')}": v for top in ("model",) for k, v in state["model"].items()
+            }
+            for pid, st in state["optim"]["state"].items():
+                for k, v in st.items():
+                    self.flat[f"optim__{pid}__{k}"] = v
+        else:
+            self.app_state = {"model": model, "optim": opt}
+
+    def save(self, path: str):
+        if self.mode == "torch-checkpointing":
+            return self.manager.save(path, self.flat)  # a Future
+        from torchsnapshot import Snapshot
+
+        pending = Snapshot.async_take(path=path, app_state=self.app_state)  # returns once staged
+
+        class _Done:
+            def result(self_inner):
+                return pending.wait()
+
+        return _Done()
+
+    def step_guard(self):
+        if self.mode == "torch-checkpointing":
+            return self.manager.lock()
+        import contextlib
+
+        return contextlib.nullcontext()  # async_take staged before returning
+
+    def close(self) -> None:
+        if self.mode == "torch-checkpointing":
+            self.manager.close()
+
+
+def raw_bound(ckpt_root: str, nbytes: int) -> dict:
+    """pwrite + fsync of a host buffer of the checkpoint's size, as benchmarks/bench.py does."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        import bench
+    finally:
+        sys.path.pop(0)
+    r = bench.measure_raw(os.path.join(ckpt_root, "raw"), nbytes, 3, None)
+    return {k: r[k] for k in ("bytes", "write_s", "write_gbps", "read_warm_s", "read_warm_gbps")}
+
+
 def run_mode(mode: str, args, device, ckpt_root: str) -> dict:
     model, opt = build(args, device)
     autocast = device.type == "cuda" and not args.no_autocast
@@ -156,6 +239,7 @@ def run_mode(mode: str, args, device, ckpt_root: str) -> dict:
             use_pinned_memory=cuda, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=cuda
         )
         stager = DefaultStager(stager_options)
+    peer = _Peer(mode, model, opt, state) if mode in PEERS else None
     writer_options = {"host_cache_size": args.host_cache, "sync_files": sync_files}
     result: dict = {"mode": mode, "checkpoint_bytes": ckpt_bytes}
 
@@ -178,12 +262,12 @@ def run_mode(mode: str, args, device, ckpt_root: str) -> dict:
         }
         before = engine_stats()
 
-    iters, stalls, upload_waits, saves, hooks = [], [], [], [], []
+    iters, stalls, upload_waits, saves, hooks, phases = [], [], [], [], [], []
     pending = None  # upload future of the checkpoint in flight
     previous_path = None
     for it in range(args.warmup + args.iters):
         t0 = time.perf_counter()
-        save_s = upload_wait_s = 0.0
+        save_s = upload_wait_s = housekeeping_s = 0.0
         if mode != "none":
             path = os.path.join(ckpt_root, mode, f"it-{it}")
             if pending is not None:
@@ -192,7 +276,9 @@ def run_mode(mode: str, args, device, ckpt_root: str) -> dict:
                 upload_wait_s = time.perf_counter() - tw
                 pending = None
             if previous_path is not None:
+                th = time.perf_counter()
                 shutil.rmtree(previous_path, ignore_errors=True)  # keep the disk bounded
+                housekeeping_s = time.perf_counter() - th  # the benchmark's own, not a checkpoint's
             ts = time.perf_counter()
             if mode == "datastates":
                 pending = dcp.async_save(state, storage_writer=DataStatesWriter(path, **writer_options)).upload_completion
@@ -203,24 +289,37 @@ def run_mode(mode: str, args, device, ckpt_root: str) -> dict:
                 resp = dcp.async_save(state, storage_writer=FileSystemWriter(path, sync_files=sync_files, thread_count=args.dcp_threads), async_stager=stager)
                 pending = resp.upload_completion
                 staging = resp.staging_completion
+            elif peer is not None:
+                pending = peer.save(path)
             else:
                 dcp.save(state, storage_writer=FileSystemWriter(path, sync_files=sync_files, thread_count=args.dcp_threads))
             save_s = time.perf_counter() - ts
             previous_path = path
+        tc = time.perf_counter()
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(x).float().pow(2).mean()
         loss.backward()
         tw = time.perf_counter()
+        compute_launch_s = tw - tc  # forward/backward as the host sees it (GIL contention shows here)
         if mode == "dcp-async":
             staging.result()  # DCP's contract: live tensors may change only after staging
         step_wait_s = time.perf_counter() - tw
         marks["before"] = time.perf_counter()
-        opt.step()  # datastates: the pre-hook's wait (device-side or host) happens in here
+        if peer is not None:
+            with peer.step_guard():  # torch-checkpointing: waits here until its staging is done
+                marks["before"] = time.perf_counter()
+                step_wait_s = marks["before"] - tw
+                opt.step()
+        else:
+            opt.step()  # datastates: the pre-hook's wait (device-side or host) happens in here
         hook_s = marks["after"] - marks["before"]
         opt.zero_grad(set_to_none=False)
+        ty = time.perf_counter()
         sync(device)
-        total = time.perf_counter() - t0
+        sync_s = time.perf_counter() - ty  # the rest of the GPU work (and any copy still queued)
+        total = time.perf_counter() - t0 - housekeeping_s
         if it >= args.warmup:
+            phases.append({"compute_launch_s": compute_launch_s, "sync_s": sync_s, "housekeeping_s": housekeeping_s})
             iters.append(total)
             upload_waits.append(upload_wait_s)
             saves.append(save_s)
@@ -236,6 +335,8 @@ def run_mode(mode: str, args, device, ckpt_root: str) -> dict:
         t.remove()
     if stager is not None:
         stager.close()
+    if peer is not None:
+        peer.close()
 
     result.update(
         iteration_s={"median": statistics.median(iters), "mean": statistics.fmean(iters), "all": iters},
@@ -244,6 +345,8 @@ def run_mode(mode: str, args, device, ckpt_root: str) -> dict:
         save_call_s={"median": statistics.median(saves)},
         training_thread_stall_s={"median": statistics.median(stalls), "all": stalls},
         upload_wait_s={"median": statistics.median(upload_waits), "all": upload_waits},
+        # iteration_s excludes housekeeping (deleting the previous checkpoint); reported apart
+        phases={k: {"median": statistics.median(p[k] for p in phases), "all": [p[k] for p in phases]} for k in phases[0]},
     )
     if mode == "datastates":
         after = engine_stats()
@@ -285,21 +388,44 @@ def main(argv=None) -> dict:
     try:
         for mode in args.modes:
             print(f"== {mode}", flush=True)
-            r = run_mode(mode, args, device, ckpt_root)
+            reason = peer_unavailable(mode) if mode in PEERS else None
+            if reason is None:
+                try:
+                    r = run_mode(mode, args, device, ckpt_root)
+                except Exception as exc:  # noqa: BLE001 - a peer failing on this torch is a result
+                    if mode not in PEERS:
+                        raise
+                    reason = f"{mode} failed: {type(exc).__name__}: {exc}"
+            if reason is not None:
+                print(f"   skipped: {reason}", flush=True)
+                report["modes"][mode] = {"skipped": reason}
+                continue
             report["modes"][mode] = r
             print(
                 f"   iteration {r['iteration_s']['median'] * 1e3:.1f} ms (median), training-thread stall "
                 f"{r['training_thread_stall_s']['median'] * 1e3:.1f} ms, upload wait {r['upload_wait_s']['median'] * 1e3:.1f} ms",
                 flush=True,
             )
+            ph = r["phases"]
+            print(
+                "   phases (median ms): "
+                + ", ".join(f"{k[:-2]} {v['median'] * 1e3:.1f}" for k, v in ph.items()),
+                flush=True,
+            )
             if "engine" in r:
                 print(f"   engine: {r['engine']}, idle staging {r['engine_idle_staging']['gb_per_s']:.1f} GB/s", flush=True)
+        ckpt_bytes = next((r["checkpoint_bytes"] for r in report["modes"].values() if "checkpoint_bytes" in r), 0)
+        if ckpt_bytes and not args.no_raw:
+            report["raw_write"] = raw_bound(ckpt_root, ckpt_bytes)
+            print(f"== raw bound: write+fsync {report['raw_write']['write_s']:.2f} s ({report['raw_write']['write_gbps']:.2f} GB/s)", flush=True)
     finally:
         if own_dir:
             shutil.rmtree(ckpt_root, ignore_errors=True)
     base = report["modes"].get("none", {}).get("iteration_s", {}).get("median")
     if base:
-        report["overhead_vs_none"] = {m: r["iteration_s"]["median"] / base - 1 for m, r in report["modes"].items()}
+        report["overhead_vs_none"] = {
+            m: r["iteration_s"]["median"] / base - 1 for m, r in report["modes"].items() if "iteration_s" in r
+        }
     if "datastates" in report["modes"] and isinstance(report["plain_d2h"].get("gb_per_s"), float):
         report["engine_vs_plain_d2h"] = report["modes"]["datastates"]["engine_idle_staging"]["gb_per_s"] / report["plain_d2h"]["gb_per_s"]
     with open(args.out, "w") as f:

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# One GPU session on a lent machine (PyTorch preinstalled, no package registry): build the engine
+# in place, run the GPU tests, then the GPU benchmark with the given arguments. Peers travel as
+# wheels in .whl/ (see docs/benchmarks.md, "GPU"). Logs and JSON go to $OUT (or ./gpu-out).
+#   bash benchmarks/gpu_session.sh [tests|bench|all] [gpu_bench.py arguments...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu-out}"; mkdir -p "$out"
+what="${1:-all}"; shift || true
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+python3 -c "import torch, sys; print('torch', torch.__version__, 'python', sys.version.split()[0])" | tee -a "$out/gpu.txt"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+python3 setup.py -q build_ext --inplace -j "$(nproc)" >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+rc=0
+if [[ "$what" == tests || "$what" == all ]]; then
+  python3 -m pytest -q -p no:logging -m gpu tests/test_gpu.py -ra 2>&1 | tee "$out/pytest_gpu.log" || rc=1
+fi
+if [[ "$what" == bench || "$what" == all ]]; then
+  df -h /tmp | tail -1; free -g | head -2
+  python3 benchmarks/gpu_bench.py --ckpt-dir /tmp/gpu_bench --out "$out/gpu_bench.json" "$@" 2>&1 | tee "$out/gpu_bench.log" || rc=1
+fi
+exit $rc
