@@ -324,6 +324,19 @@ PYBIND11_MODULE(_engine, m) {
           "job.next_chunk() and gives each back with job.release(file_offset) (or job.fail(message)).\n"
           "The consumer writes the header (bytes [0, len(header))) itself and zero-fills any gap between\n"
           "chunks and up to file_size. label (a URL) names the job in errors. The job keeps the engine alive.")
+      .def(
+          "snapshot",
+          [](Engine& e, int device, uint64_t stream, uint64_t dst, py::handle items, const std::string& what) {
+            if (e.is_shut_down()) throw std::runtime_error("engine is shut down");
+            std::vector<dcpds::WriteItem> parsed = parse_write_items(items);
+            for (size_t i = 0; i < parsed.size(); ++i)
+              if (!parsed[i].segments.empty()) throw py::value_error("snapshot item " + std::to_string(i) + ": one src_ptr, not segments");
+            e.snapshot(device, stream, dst, parsed, what);  // small copies: the GIL stays held
+          },
+          py::arg("device"), py::arg("stream"), py::arg("dst"), py::arg("items"), py::arg("what"),
+          "Copy items (src_ptr, nbytes, dst_offset) to dst + dst_offset now, in stream order: host memory\n"
+          "(device -1) with memcpy; CUDA memory device-to-device on `stream` (the caller's current stream\n"
+          "on `device`), so kernels queued after this call cannot change what is copied.")
       .def("device_wait", &Engine::device_wait, py::arg("job"), py::arg("stream"),
            "For a device job whose copies are all queued: make `stream` wait on the GPU for them and return\n"
            "True without blocking (True too when the job is staged). False: wait on the host instead.")

@@ -17,6 +17,7 @@ constexpr cudaError kCudaErrorNotReady = 600;
 
 constexpr int kCudaMemcpyHostToDevice = 1;
 constexpr int kCudaMemcpyDeviceToHost = 2;
+constexpr int kCudaMemcpyDeviceToDevice = 3;
 constexpr int kCudaMemcpyDefault = 4;
 constexpr unsigned kCudaHostRegisterDefault = 0;
 constexpr unsigned kCudaHostRegisterPortable = 1;  // pinned for every context, not just the current one

@@ -209,6 +209,21 @@ void DeviceStager::complete_loop(Device& d) {
   }
 }
 
+void DeviceStager::snapshot(int device, uint64_t stream, uint64_t dst, const std::vector<WriteItem>& items,
+                            const std::string& what) {
+  DeviceGuard guard(api_, device);
+  if (guard.error() != kCudaSuccess)
+    throw std::runtime_error(what + ": cudaSetDevice(" + std::to_string(device) + "): " + api_.error_text(guard.error()));
+  auto* s = reinterpret_cast<CudaStream>(static_cast<uintptr_t>(stream));
+  for (const WriteItem& it : items) {
+    if (it.nbytes == 0) continue;
+    void* to = reinterpret_cast<void*>(static_cast<uintptr_t>(dst + it.offset));
+    const void* from = reinterpret_cast<const void*>(static_cast<uintptr_t>(it.src));
+    const cudaError err = api_.MemcpyAsync(to, from, static_cast<size_t>(it.nbytes), kCudaMemcpyDeviceToDevice, s);
+    if (err != kCudaSuccess) throw std::runtime_error(what + ": cudaMemcpyAsync (snapshot on the caller's stream): " + api_.error_text(err));
+  }
+}
+
 DeviceStager::Wait DeviceStager::device_wait(WriteJob& job, uint64_t stream) {
   if (job.is_staged()) return Wait::kNotNeeded;
   if (!job.all_enqueued()) return Wait::kHost;

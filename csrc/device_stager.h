@@ -56,6 +56,13 @@ class DeviceStager {
   // staged already. kHost: not every copy is queued yet (or CUDA refused): wait on the host.
   Wait device_wait(WriteJob& job, uint64_t stream);
 
+  // On the caller's thread: queues on `stream` (the caller's current stream on `device`) one
+  // device-to-device copy per item, items[i].src -> dst + items[i].offset. Being on the caller's
+  // stream, each copy reads the bytes as of the work queued there so far, and kernels queued
+  // after it cannot change what it reads. Throws std::runtime_error naming `what` and the error.
+  void snapshot(int device, uint64_t stream, uint64_t dst, const std::vector<WriteItem>& items,
+                const std::string& what);
+
   // Drains the completion threads and joins them, then destroys the streams and events. Call
   // once no more chunks will be enqueued. Idempotent.
   void stop();

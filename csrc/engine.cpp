@@ -284,6 +284,18 @@ void Engine::device_chunk_ready(ChunkRef&& ref, bool copied) {
   push_flush(std::move(ref));
 }
 
+void Engine::snapshot(int device, uint64_t stream, uint64_t dst, const std::vector<WriteItem>& items,
+                      const std::string& what) {
+  check_copy_device(device, cuda_devices_, cuda_status_);
+  if (device != kHostDevice) {
+    stager_->snapshot(device, stream, dst, items, what);
+    return;
+  }
+  for (const WriteItem& it : items)
+    if (it.nbytes) std::memcpy(reinterpret_cast<void*>(static_cast<uintptr_t>(dst + it.offset)),
+                               reinterpret_cast<const void*>(static_cast<uintptr_t>(it.src)), static_cast<size_t>(it.nbytes));
+}
+
 bool Engine::device_wait(WriteJob& job, uint64_t stream) {
   if (!stager_ || job.device() == kHostDevice) return false;
   switch (stager_->device_wait(job, stream)) {

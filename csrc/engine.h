@@ -120,6 +120,13 @@ class Engine {
   // False otherwise (and for host jobs): the caller must wait on the host (job.wait_staged).
   bool device_wait(WriteJob& job, uint64_t stream);
 
+  // Copies each item (src, nbytes, offset) to dst + offset now, in stream order: host memory
+  // (device -1) with memcpy on the calling thread; CUDA memory device-to-device on `stream`, the
+  // caller's current stream there (see DeviceStager::snapshot). Used at the request for small
+  // tensors that forward may change before a lazy copy would read them. Throws on a bad device
+  // or a CUDA error, naming `what`.
+  void snapshot(int device, uint64_t stream, uint64_t dst, const std::vector<WriteItem>& items, const std::string& what);
+
   bool cuda_mode() const { return stager_ != nullptr; }
   const std::string& cuda_runtime_path() const { return cuda_path_; }  // "" in CPU mode
   int cuda_device_count() const { return cuda_devices_; }

@@ -163,7 +163,7 @@ ENGINE_OPTIONS = ("host_cache_size", "chunk_size", "cache_alignment", "copy_thre
 CACHE_SIZE_ENV = "DCP_DATASTATES_HOST_CACHE_SIZE"
 # Fields that hold byte sizes; host_cache_size and gpu_cache_size follow ``cache_size``'s rule.
 _GB_SIZES = {"host_cache_size", "gpu_cache_size"}
-_BYTE_SIZES = {"chunk_size"}
+_BYTE_SIZES = {"chunk_size", "copy_at_request_max_bytes"}
 
 
 @dataclass
@@ -197,6 +197,13 @@ class DataStatesConfig:
         overwrite: allow saving into a folder that already holds a committed checkpoint.
         verify: verify item checksums on load.
         cache_wait_timeout: seconds a copy may wait for cache space before the save fails.
+        copy_at_request_max_bytes: tensors of at most this many bytes are copied at the request,
+            on the training thread (memcpy, or a device-to-device copy on the current CUDA
+            stream), instead of lazily: state that the next forward changes in place without a
+            version bump (BatchNorm's running statistics and its counter, other small buffers)
+            is then saved at its request-time value. Default 64 KiB (BatchNorm up to 16,384 fp32
+            channels); 0 turns it off. Larger buffers that forward changes need ``wait_staged()``
+            before that forward (docs/how-it-works.md, "What the guard sees").
         dedup_replicated: write each replicated value (DTensor replicas, plain tensors and
             non-tensor values that every rank holds) from one rank only, chosen at ``stage()``.
             Turn off when ranks hold different plain tensors (pipeline parallelism).
@@ -225,6 +232,7 @@ class DataStatesConfig:
     overwrite: bool = True
     verify: bool = True
     cache_wait_timeout: float = 600.0
+    copy_at_request_max_bytes: int = 64 << 10
     dedup_replicated: bool = True
     hierarchical_consolidation: bool = True
     storage_options: dict = field(default_factory=dict)
@@ -244,6 +252,7 @@ class DataStatesConfig:
             _check_cache_min(self.host_cache_size, "host_cache_size")
         self.gpu_cache_size = cache_size(self.gpu_cache_size, "gpu_cache_size")
         self.chunk_size = parse_size(self.chunk_size, name="chunk_size")
+        self.copy_at_request_max_bytes = parse_size(self.copy_at_request_max_bytes, name="copy_at_request_max_bytes")
         if self.chunk_size < 4096:
             raise ValueError(f"chunk_size: must be at least 4096 bytes, got {self.chunk_size}")
         align = self.cache_alignment

@@ -9,6 +9,7 @@ output folder. ``dcp-datastates convert`` is the command-line front end.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -137,8 +138,12 @@ def to_dcp(path: str, out: str, *, force: bool = False, trusted: bool = False,
     from torch.distributed.checkpoint import FileSystemWriter
 
     path, md = _open_checkpoint(path, out)
-    state, total = _load_state(path, md, out, force, trusted, is_dir=True, progress=progress)
-    dcp.save(state, storage_writer=FileSystemWriter(out), no_dist=True)
+    # Non-tensor values are copied as the bytes the checkpoint holds: whatever planner wrote them
+    # (DCP's torch.save, Megatron's pre-packed io.BytesIO) reads them back from the stock
+    # checkpoint exactly as from this one. Unless trusted, each must pass the restricted decoder
+    # first, since a stock DCP load of the output unpickles them without restriction.
+    state, total = _load_state(path, md, out, force, trusted, is_dir=True, progress=progress, raw_values=True)
+    dcp.save(state, storage_writer=FileSystemWriter(out), planner=_VerbatimValuesSavePlanner(), no_dist=True)
     return Converted(out, len(md.state_dict_metadata), total)
 
 
@@ -225,13 +230,14 @@ def _open_checkpoint(path: str, out: str):
 
 
 def _load_state(path: str, md, out: str, force: bool, trusted: bool, *, is_dir: bool,
-                progress: Progress | None) -> tuple[dict, int]:
-    """The whole nested state and its bytes; the output is created only once loading worked."""
+                progress: Progress | None, raw_values: bool = False) -> tuple[dict, int]:
+    """The whole nested state and its bytes; the output is created only once loading worked.
+    ``raw_values``: non-tensor values come back as ``_StoredBytes`` (their stored bytes)."""
     _prepare_output(out, force, is_dir=is_dir, create=False)  # fail fast
     keys = list(md.state_dict_metadata)
     total = sum(_sizes(md, keys).values())
     with (progress or no_progress)(total, "load") as bar:
-        flat = _load_flat(path, md, keys, bar, trusted=trusted)
+        flat = _load_flat(path, md, keys, bar, trusted=trusted, raw_values=raw_values)
     _prepare_output(out, force, is_dir=is_dir)
     return _unflatten(flat, md.planner_data), total
 
@@ -265,9 +271,45 @@ def _groups(keys: list[str], sizes: dict[str, int], limit: int) -> Iterable[list
         yield group
 
 
-def _load_flat(path: str, md, keys: list[str], bar, trusted: bool = False) -> dict[str, Any]:
+class _StoredBytes(bytes):
+    """A non-tensor value's bytes as a checkpoint stores them (``to_dcp`` copies them as they are)."""
+
+
+def _verbatim_planners():
+    import torch
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    class VerbatimValuesLoadPlanner(DefaultLoadPlanner):
+        """Keeps each stored non-tensor value as its bytes (no unpickling)."""
+
+        def load_bytes(self, read_item, value) -> None:
+            # DCP's own load_bytes puts the value where it belongs (torch.load of our own wrapper
+            # of the stored bytes: the stored bytes themselves are never unpickled).
+            wrapped = io.BytesIO()
+            torch.save(_StoredBytes(value.read()), wrapped)
+            wrapped.seek(0)
+            super().load_bytes(read_item, wrapped)
+
+    class VerbatimValuesSavePlanner(DefaultSavePlanner):
+        """Writes ``_StoredBytes`` values as they are instead of pickling them."""
+
+        def transform_object(self, write_item, object):
+            if write_item.type == WriteItemType.BYTE_IO and isinstance(object, _StoredBytes):
+                return io.BytesIO(object)
+            return super().transform_object(write_item, object)
+
+    return VerbatimValuesLoadPlanner, VerbatimValuesSavePlanner
+
+
+def _VerbatimValuesSavePlanner():
+    return _verbatim_planners()[1]()
+
+
+def _load_flat(path: str, md, keys: list[str], bar, trusted: bool = False, raw_values: bool = False) -> dict[str, Any]:
     """Load ``keys`` (flat fqns) into new full-size CPU tensors; non-tensor values come back
-    decoded by the restricted unpickler (with ``trusted``: unrestricted)."""
+    decoded by the restricted unpickler (with ``trusted``: unrestricted), or with ``raw_values``
+    as their stored bytes (``_StoredBytes``, nothing decoded)."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -286,8 +328,11 @@ def _load_flat(path: str, md, keys: list[str], bar, trusted: bool = False) -> di
         part = {k: flat[k] for k in group}
         dcp.load(
             part,
+            # Raw values are kept as bytes by the planner; unless trusted, the reader still checks
+            # each with the restricted decoder (a stock DCP load of the output unpickles them).
             storage_reader=DataStatesReader(path, config=tool_config(), trusted=trusted),
-            planner=DefaultLoadPlanner(allow_partial_load=False),
+            planner=_verbatim_planners()[0](allow_partial_load=False) if raw_values
+            else DefaultLoadPlanner(allow_partial_load=False),
             no_dist=True,
         )
         flat.update(part)  # non-tensor values were set in ``part``; tensors were filled in place

@@ -18,7 +18,7 @@ import torch
 
 from .compat import global_optimizer_pre_hooks
 
-__all__ = ["wait_staged", "protect_optimizer", "StagingTracker"]
+__all__ = ["wait_staged", "protect_optimizer", "install_step_wait", "StagingTracker"]
 
 
 def _cuda_stream(device: int) -> int | None:
@@ -99,33 +99,39 @@ def wait_staged(timeout: float | None = None, *, device_side: bool = True) -> bo
 
 
 class _StepGuard:
-    """Handle returned by ``protect_optimizer``; ``remove()`` stops protecting that optimizer."""
+    """Handle returned by ``protect_optimizer``; ``remove()`` undoes what it did: nothing for a
+    ``torch.optim`` optimizer (every one of them waits while a lazy save stages, see
+    ``install_step_wait``), the wrapper of another object's ``step``."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self._ref = weakref.ref(optimizer)
+    def __init__(self, target: Any = None, original: Any = None) -> None:
+        self._target = weakref.ref(target) if target is not None else None
+        self._original = original
 
     def remove(self) -> None:
-        opt = self._ref()
-        if opt is not None:
-            _protected.discard(opt)
+        target = self._target() if self._target is not None else None
+        if target is not None and self._original is not None:
+            if target.__dict__.get("step") is not None:
+                del target.__dict__["step"]
+            self._original = None
 
 
-# Optimizers whose step waits for staging, and the one process-wide hook that does the waiting.
-_protected: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+# The one process-wide hook that makes every torch.optim optimizer's step wait for staging.
 _hook_lock = threading.Lock()
 _hook_handle: Any = None
 
 
-def _wait_before_step(optimizer, _args, _kwargs):
-    if optimizer in _protected:
+def _wait_before_step(_optimizer, _args, _kwargs):
+    if _tracker.pending():
         wait_staged()
     return None
 
 
-def _install_first_hook() -> None:
-    """Put the waiting hook first among the global step pre-hooks. Global pre-hooks run before
-    every optimizer's own, so the wait precedes any other pre-hook, whenever that one was
-    registered: later ones are appended after ours, earlier ones are moved behind it here."""
+def install_step_wait() -> None:
+    """Make the step of every ``torch.optim`` optimizer wait while a lazy save stages (called by
+    each lazy ``stage()``; cheap when installed). PyTorch runs global step pre-hooks before every
+    optimizer's own, for fused and foreach kernels alike; the wait is put first among them, so it
+    precedes any other pre-hook whenever that one was registered (an MoE expert-bias update, say).
+    With nothing staging, the hook costs one locked read of an empty set."""
     global _hook_handle
     from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: PLC0415
 
@@ -136,16 +142,37 @@ def _install_first_hook() -> None:
         hooks.move_to_end(_hook_handle.id, last=False)
 
 
-def protect_optimizer(optimizer: torch.optim.Optimizer) -> _StepGuard:
+def protect_optimizer(optimizer: Any) -> _StepGuard:
     """Make ``optimizer.step()`` wait for in-flight staging, so a checkpoint requested before the
-    step holds the pre-step values. The wait runs before every other step pre-hook (an MoE
-    expert-bias update registered earlier, say). Returns a handle with ``remove()``.
+    step holds the pre-step values. Returns a handle with ``remove()``.
 
-    Other in-place changes of checkpointed tensors outside ``optimizer.step()`` (an EMA update,
-    a manual ``p.add_()``) need ``wait_staged()`` first; forgetting it fails the save with an
-    error naming the tensor (the checkpoint is never committed torn)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"protect_optimizer: expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    _protected.add(optimizer)
-    _install_first_hook()
-    return _StepGuard(optimizer)
+    Every ``torch.optim`` optimizer (fused and foreach included) already waits while a lazy save
+    stages, without this call (``install_step_wait``); for one, this only installs that hook
+    early. For update code outside ``torch.optim`` (an object with a ``step()`` method that is
+    not a ``torch.optim.Optimizer``), this wraps that object's ``step`` with ``wait_staged()``.
+
+    Other in-place changes of checkpointed tensors (an EMA update, a manual ``p.add_()``, writes
+    through ``.data``) need ``wait_staged()`` first: see docs/how-it-works.md, "What the guard
+    sees"."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        install_step_wait()
+        return _StepGuard()
+    step = getattr(optimizer, "step", None)
+    if not callable(step):
+        raise TypeError(
+            f"protect_optimizer: expected a torch.optim.Optimizer or an object with a step() method, "
+            f"got {type(optimizer).__name__}"
+        )
+    if getattr(step, "_dcp_datastates_waits", False):
+        return _StepGuard()
+
+    def waiting_step(*args, **kwargs):
+        wait_staged()
+        return step(*args, **kwargs)
+
+    waiting_step._dcp_datastates_waits = True  # type: ignore[attr-defined]
+    try:
+        optimizer.__dict__["step"] = waiting_step
+    except (AttributeError, TypeError) as exc:
+        raise TypeError(f"protect_optimizer: cannot wrap step() of {type(optimizer).__name__}: {exc}") from exc
+    return _StepGuard(optimizer, step)

@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Stora
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from . import checkpoint_stats, commit, drain, folders, inflight, remote, tiers
 from .compat import unflatten_state_dict
@@ -41,12 +42,14 @@ from .consolidate import consolidate_results
 from .errors import CheckpointWriteError
 from .gcpause import gc_paused
 from .held_file import HeldFile
-from .checkpoint_format import data_file_name, ItemLocation
+from .checkpoint_format import data_file_name, ItemLocation, name_to_dtype
+from .planner_hooks import items_to_rewrite
 from .runtime import get_engine
 from .stage.pipeline import PlannedFile, moved, on_one_device, plan_stage, planned_file, written
+from .stage.request_copy import copy_small_at_request
 from .stage.items import ItemKey, SourceItem, flatten, item_key, source_for_resolved
 from .stage.ownership import DecisionKey, decisions
-from .staging_tracker import tracker
+from .staging_tracker import install_step_wait, tracker
 from .version_guard import VersionGuard, torn_message
 
 __all__ = ["DataStatesWriter"]
@@ -160,6 +163,8 @@ class _StagedSave:
     finished: threading.Event = field(default_factory=threading.Event)
     planner: threading.Thread | None = None  # DCP's thread planning this save
     writing: bool = False  # DCP called write_data
+    flat: dict | None = None  # the state as flattened at the request (its tensors are the sources)
+    payloads: dict = field(default_factory=dict)  # fqn -> a non-tensor value's bytes, serialized at the request
 
     def is_over(self) -> bool:
         """Finished, or given up by DCP: the thread that ran its DCP save has ended (the save
@@ -359,6 +364,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             staged.abandon(f"save abandoned: {exc}")
         with self._lock:
             self._pending.append(staged)
+        install_step_wait()  # every torch.optim step now waits for this save's copies
         tracker().add(staged)
         inflight.register(staged)
         if flat is None:
@@ -399,7 +405,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         dedup = world > 1 and self.config.dedup_replicated
         engine = get_engine(self.config)
         plan = plan_stage(flat, rank=rank, world=world, dedup=dedup, cuda=engine.cuda_devices > 0,
-                          folder_known=staged.path is not None, hold_limit=lambda: self._engine_cache_bytes() // 2)
+                          folder_known=staged.path is not None, hold_limit=lambda: self._engine_cache_bytes() // 2,
+                          copied_at_request=self.config.copy_at_request_max_bytes)
         if self.durable_path is not None and staged.path is not None:  # local_tier hook: room for this save
             need = sum(pf.layout.file_size for pf in plan.files) + sum(it.entry.nbytes for g in plan.held for it in g.items)
             tiers.make_room(self.config.local_tier, need, staged.path, self.config.storage_options)
@@ -409,6 +416,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
         staged.guard, staged.late_guard = plan.guard, plan.late_guard
         staged.decision_key, staged.learn, staged.plain_keys = plan.decision_key, plan.learn, plan.plain_keys
+        staged.flat, staged.payloads = flat, plan.payloads
         for pf in plan.files:
             staged.files.append(self._submit(engine, staged, pf))
         for group in plan.held:
@@ -455,14 +463,25 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def _hold(self, engine, items: list[SourceItem], known: bool) -> HeldFile:
         device, items = on_one_device(engine.cuda_devices > 0, items)
         stream = _current_stream(device) if device >= 0 else 0
-        return HeldFile(engine, items, device, stream, f"{self.path or 'checkpoint'} (held)",
+        spans, keep = copy_small_at_request(engine, device, stream, [(it.ptr, it.entry.nbytes, 0) for it in items],
+                                            [it.keepalive for it in items], self.config.copy_at_request_max_bytes,
+                                            f"{self.path or 'checkpoint'} (held)")
+        side_buffer = keep[-1] if len(keep) > len(items) else None
+        if side_buffer is not None:
+            items = [dataclasses.replace(it, ptr=span[0], keepalive=owner) for it, span, owner in zip(items, spans, keep)]
+        held = HeldFile(engine, items, device, stream, f"{self.path or 'checkpoint'} (held)",
                         selection=None, selection_known=known, timeout=float(self.config.cache_wait_timeout))
+        held.side_buffer = side_buffer  # what the items copied at the request point into
+        return held
 
     def _submit(self, engine, staged: _StagedSave, pf: PlannedFile) -> _FileJob:
         """Hand one planned file to the engine: the only place a ``_FileJob`` is made."""
-        job, upload, name = self._start(engine, staged, pf.index, pf.layout, pf.spans, pf.device)
+        stream = _current_stream(pf.device) if pf.device >= 0 else 0
+        spans, keepalive = copy_small_at_request(engine, pf.device, stream, pf.spans, pf.keepalive,
+                                                 self.config.copy_at_request_max_bytes, staged.path or "checkpoint")
+        job, upload, name = self._start(engine, staged, pf.index, pf.layout, spans, pf.device)
         locations = pf.locations(data_file_name(staged.rank, pf.index), job.piece_size())
-        return _FileJob(pf.index, name, job, pf.keys, locations, pf.keepalive, engine, pf.layout.file_size, upload)
+        return _FileJob(pf.index, name, job, pf.keys, locations, keepalive, engine, pf.layout.file_size, upload)
 
     def _start(self, engine, staged: _StagedSave, index: int, layout, spans: list, device: int):
         """Hand one file to the engine: (job, upload Future for remote folders, file name)."""
@@ -659,6 +678,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             raise CheckpointWriteError(f"checkpoint {staged.path} abandoned: {staged.abandoned}")
         if staged.moved_from is not None:
             locations = self._relocate(staged, locations)
+        if staged.flat is not None:  # a lazy save: a custom planner's data hooks are applied now
+            locations.update(self._rewrite_for_planner(staged, [i for i in plan.items if item_key(i.index) in staged_keys],
+                                                       planner, locations))
         if staged.decision_key is not None:
             if staged.learn:
                 decisions().learn(staged.decision_key, frozenset(k for k in given if k in staged.plain_keys))
@@ -709,14 +731,46 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             f.name = new
         return {k: moved(loc, renamed.get(loc.file, loc.file)) for k, loc in locations.items()}
 
+    def _open(self, folder: str, name: str, mode: str):
+        if folders.is_remote(folder):
+            remote_folder = self._remote(folder)
+            return remote_folder.fs.open(remote_folder.join(name), mode)
+        return open(os.path.join(folders.local_path(folder), name), mode)
+
+    def _rewrite_for_planner(self, staged: _StagedSave, items: list, planner: SavePlanner,
+                             locations: dict[ItemKey, ItemLocation]) -> dict[ItemKey, ItemLocation]:
+        """A custom planner's data hooks on this lazy save (planner_hooks.py): the items whose
+        data it changes go into one more file, durable before the commit; their new locations."""
+        def staged_bytes(fqn: str) -> bytes | None:
+            buf = staged.payloads.get(fqn)
+            return None if buf is None else buf.numpy().tobytes()
+
+        def read_back(item) -> torch.Tensor:
+            loc = locations[item_key(item.index)]
+            with self._open(staged.path, loc.file, "rb") as f:
+                f.seek(loc.offset)
+                raw = f.read(loc.length)
+            if len(raw) != loc.length:
+                raise CheckpointWriteError(f"{staged.path}/{loc.file}: short read of item {item.index.fqn!r} ({len(raw)} of {loc.length} bytes)")
+            dtype = name_to_dtype(loc.dtype)
+            if not raw:
+                return torch.empty(loc.shape, dtype=dtype)
+            return torch.frombuffer(bytearray(raw), dtype=dtype).reshape(loc.shape)
+
+        rewrite = items_to_rewrite(planner, items, staged_bytes,
+                                   lambda item: find_state_dict_object(staged.flat, item.index), read_back)
+        if not rewrite:
+            return {}
+        taken: set[str] = set()
+        engine = get_engine(self.config)
+        sources = [source_for_resolved(item, data, taken) for item, data in rewrite]
+        job = self._submit(engine, staged, _planned(engine, len(staged.files) + len(staged.held), sources))
+        staged.files.append(job)
+        return job.result()
+
     def _copy_between(self, src_folder: str, src_name: str, dst_folder: str, dst_name: str) -> None:
         """Copy a written data file to another kind of folder, then remove the original."""
-        def opener(folder: str, name: str, mode: str):
-            if folders.is_remote(folder):
-                remote_folder = self._remote(folder)
-                return remote_folder.fs.open(remote_folder.join(name), mode)
-            return open(os.path.join(folders.local_path(folder), name), mode)
-
+        opener = self._open
         with opener(src_folder, src_name, "rb") as fin, opener(dst_folder, dst_name, "wb") as fout:
             shutil.copyfileobj(fin, fout, 16 << 20)
         if folders.is_remote(src_folder):

@@ -105,7 +105,7 @@ def _save_ckpt(path):
         dcp.save({"model": {"w": torch.arange(12.0).reshape(3, 4)}, "step": 3}, storage_writer=DataStatesWriter(path))
 """
 PRELUDES = {
-    ("docs/integrations.md", "protect_optimizer(optimizer)   # optimizer.step() waits"): _SAVED + """
+    ("docs/integrations.md", "resp = dcp.async_save(state, storage_writer=DataStatesWriter(path, process_gr"): _SAVED + """
 model = torch.nn.Linear(8, 8); optimizer = torch.optim.AdamW(model.parameters())
 state = {"model": model.state_dict(), "step": 1}; path = "ckpt/plain"; ckpt_group = None
 """,

@@ -23,6 +23,7 @@ from dcp_datastates import (
     engine_stats,
     protect_optimizer,
     shutdown_engine,
+    start_engine,
     wait_staged,
 )
 from dcp_datastates import staging_tracker as staging
@@ -231,3 +232,53 @@ def test_gpu_bench_dry_run(tmp_path):
     report = gpu_bench.main(["--dry-run", "--out", str(out), "--ckpt-dir", str(tmp_path / "ck")])
     assert set(report["modes"]) == set(gpu_bench.MODES) and out.exists()
     assert report["modes"]["datastates"]["engine"]["checkpoints"] == 3
+
+
+@gpu
+@pytest.mark.parametrize("copy_at_request", [64 * 1024, 0])
+def test_batchnorm_statistics_on_the_gpu_are_saved_at_request_time(tmp_path, copy_at_request):
+    """The stream is kept busy before the save, so every lazy copy is queued behind it; the next
+    forward's BatchNorm kernels (no version bump) are queued right after the request. The small
+    buffers' request-time copy is on the current stream, before those kernels. Turned off, the
+    counter's in-place bump fails the save instead."""
+    from conftest import raises_through_dcp
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(64, 2048), torch.nn.BatchNorm1d(2048), torch.nn.ReLU()).cuda()
+    net(torch.randn(256, 64, device="cuda"))
+    state = {"model": net.state_dict()}
+    snapshot = clone_state(state)
+    start_engine(**options())  # started now: its start must not use up the sleep below
+    torch.cuda._sleep(400_000_000)
+    resp = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c", **options(copy_at_request_max_bytes=copy_at_request)))
+    for _ in range(3):
+        net(torch.randn(256, 64, device="cuda"))
+    if not copy_at_request:
+        with raises_through_dcp("num_batches_tracked' was changed in place"):
+            resp.upload_completion.result()
+        return
+    resp.upload_completion.result()
+    assert not torch.equal(net[1].running_mean, snapshot["model"]["1.running_mean"])
+    dest = cpu_zeros_like(snapshot)
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert_state_equal({k: v.cpu() for k, v in snapshot["model"].items()}, dest["model"])
+
+
+@gpu
+@pytest.mark.parametrize("fused", [True, False])
+def test_fused_and_foreach_adamw_steps_wait_without_protect_optimizer(tmp_path, fused):
+    model, _ = _model_and_optimizer(layers=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused, foreach=not fused)
+    _train(model, opt, 0)
+    state = {"model": model.state_dict()}
+    snapshot = clone_state(state)
+    _train(model, opt, 1, step=False)
+    start_engine(**options(host_cache_size=1024 * MiB))  # started now: its start must not use up the sleep
+    torch.cuda._sleep(400_000_000)  # every copy queued behind this
+    resp = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c", **options(host_cache_size=1024 * MiB)))
+    opt.step()  # no protect_optimizer: the global hook orders it after the copies
+    resp.upload_completion.result()
+    assert not torch.equal(model[0].weight, snapshot["model"]["0.weight"])
+    dest = cpu_zeros_like(snapshot)
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert_state_equal({k: v.cpu() for k, v in snapshot["model"].items()}, dest["model"])

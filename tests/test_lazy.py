@@ -84,24 +84,6 @@ def test_non_tensor_values_are_captured_at_stage_time(tmp_path):
     assert dest["extra"] == {"step": 5, "history": [1, 2, 3]}
 
 
-def test_protect_optimizer_handle_stops_the_wait(monkeypatch):
-    from dcp_datastates import staging_tracker as staging
-
-    _, opt = make_model_and_optimizer()
-    waits = []
-    monkeypatch.setattr(staging, "wait_staged", lambda *a, **k: waits.append(1) or True)
-    h = protect_optimizer(opt)
-    for p in opt.param_groups[0]["params"]:
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    assert waits == [1]
-    h.remove()
-    opt.step()
-    assert waits == [1]  # no longer waits
-    with pytest.raises(TypeError, match="torch.optim.Optimizer"):
-        protect_optimizer(object())
-
-
 def test_checkpoint_8x_larger_than_cache_and_cache_is_reused(tmp_path, small_engine):
     cache = small_engine
     state = {f"t{i}": torch.randn(64 * 1024) for i in range(32)}  # 8 MiB through a 1 MiB cache

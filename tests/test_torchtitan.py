@@ -206,6 +206,41 @@ def test_load_step_and_incomplete_checkpoint_is_skipped(tt, tmp_path):
     manager2.close()
 
 
+def test_close_waits_for_the_checkpoint_in_flight_and_is_bounded(tt, tmp_path, caplog):
+    """TorchTitan's own close() does not wait: the last asynchronous checkpoint of a run would be
+    lost at exit. Ours waits (logged), at most close_timeout seconds."""
+    import threading
+
+    from dcp_datastates.runtime import get_engine
+
+    model, optimizers, lrs, ts, manager = build(tt, tmp_path / "a", keep_latest_k=0)
+    engine = get_engine(manager.datastates_config)
+    step2 = tmp_path / "a" / "checkpoint" / "step-2"
+    engine.set_fault("stall", 0, str(step2))  # its flushes wait until released below
+    train(model, optimizers, lrs, ts, manager, steps=2)
+    release = threading.Timer(0.5, lambda: engine.set_fault("none", 0, ""))
+    release.start()
+    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+        manager.close()  # no maybe_wait_for_saving() first: the trainer just exits
+    release.join()
+    assert (step2 / ".metadata").exists()
+    assert "checkpoint in flight was committed" in caplog.text
+
+    model, optimizers, lrs, ts, manager = build(tt, tmp_path / "b", keep_latest_k=0, close_timeout=0.3)
+    step2 = tmp_path / "b" / "checkpoint" / "step-2"
+    engine.set_fault("stall", 0, str(step2))
+    train(model, optimizers, lrs, ts, manager, steps=2)
+    pending = manager.save_future
+    try:
+        with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+            manager.close()
+        assert "not committed within close_timeout=0 s" in caplog.text
+        assert not (step2 / ".metadata").exists()
+    finally:
+        engine.set_fault("none", 0, "")
+    pending.result(timeout=60)  # released: it commits after all
+
+
 def test_sync_mode_and_pinned_mode(tt, tmp_path):
     from torchtitan.components.checkpoint import AsyncMode
 

@@ -27,13 +27,16 @@ Importing this module never fails when TorchTitan is missing; using the class th
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
+import time
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..integrity import open_for_reading
 from ..config import DataStatesConfig, cache_size
@@ -154,6 +157,11 @@ if TORCHTITAN_AVAILABLE:
             checkpoints (pickled .metadata) and values outside PyTorch's restricted unpickler.
             This runs code from the checkpoint: only for checkpoints you wrote or trust."""
 
+            close_timeout: float = 600.0
+            """Seconds ``close()`` waits for the checkpoint still in flight to be committed (so a
+            run's last asynchronous checkpoint is not lost when the trainer exits); logged, and
+            on timeout the previous checkpoint stays the newest."""
+
             datastates_config: str | None = None
             """Optional YAML/JSON file with a Nanotron-style ``datastates:`` block or a
             DeepSpeed-style ``datastates_ckpt`` section; the options above override it."""
@@ -198,6 +206,7 @@ if TORCHTITAN_AVAILABLE:
         def __init__(self, config: Config, **kwargs: Any) -> None:
             super().__init__(config, **kwargs)
             self.trust_checkpoints = bool(config.trust_checkpoints)
+            self.close_timeout = float(config.close_timeout)
             if not self.enable:
                 return
             self.datastates_config = config.to_datastates_config()
@@ -260,6 +269,36 @@ if TORCHTITAN_AVAILABLE:
             # The model's state is flattened into state_dict: hand it back to the model.
             if MODEL in self.states:
                 self.states[MODEL].load_state_dict(state_dict)
+
+        def close(self) -> None:
+            """Wait (at most ``close_timeout`` seconds, logged) for the checkpoint in flight to be
+            committed, then release TorchTitan's resources. TorchTitan's own ``close()`` does
+            not wait, so the last asynchronous checkpoint of a run would be lost at exit."""
+            if getattr(self, "enable", False):
+                self._wait_in_flight_at_close()
+            super().close()
+
+        def _wait_in_flight_at_close(self) -> None:
+            future = getattr(self, "save_future", None)
+            if future is None or future.done():
+                return
+            timeout = getattr(self, "close_timeout", 600.0)
+            log.info("dcp_datastates: closing: waiting up to %.0f s for the checkpoint in flight to be committed", timeout)
+            t0 = time.monotonic()
+            try:
+                future.result(timeout=timeout)
+            except concurrent.futures.TimeoutError:
+                log.warning(
+                    "dcp_datastates: the checkpoint in flight was not committed within close_timeout=%.0f s; "
+                    "closing anyway (the previous checkpoint stays the newest)", timeout,
+                )
+                return
+            except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
+                log.error("dcp_datastates: the checkpoint in flight failed; the previous checkpoint stays the newest: %s", exc)
+                self.save_future = None
+                return
+            self.save_future = None
+            log.info("dcp_datastates: the checkpoint in flight was committed (waited %.1f s at close)", time.monotonic() - t0)
 
         def _maybe_wait_for_staging(self) -> None:
             """Called by the trainer right before ``optimizers.step()``: wait until every

@@ -62,6 +62,7 @@ class RankPlan:
     learn: bool = False  # no decision was known: learn it from this save's plan
     plain_keys: frozenset = frozenset()
     _record: Callable[[int], object] | None = field(default=None, repr=False)
+    payloads: dict = field(default_factory=dict)  # fqn -> uint8 tensor: a value's bytes as serialized now
 
     def remember(self, piece: int) -> None:
         """Cache this (missed) plan for the next checkpoints, on a checksum grid of step ``piece``."""
@@ -70,41 +71,46 @@ class RankPlan:
 
 
 def plan_stage(flat: dict, *, rank: int, world: int, dedup: bool, cuda: bool, folder_known: bool,
-               hold_limit: Callable[[], int]) -> RankPlan:
+               hold_limit: Callable[[], int], copied_at_request: int = 0) -> RankPlan:
     """This rank's plan for ``flat``. ``dedup``: replicated values are written by one rank;
     ``cuda``: the engine copies CUDA memory itself; ``folder_known``: files can be written now;
-    ``hold_limit()``: the most bytes this rank may hold for DCP's plan (else it writes them)."""
+    ``hold_limit()``: the most bytes this rank may hold for DCP's plan (else it writes them);
+    ``copied_at_request``: items up to this size are copied at the request (request_copy.py), so
+    the version guard leaves them out (their later changes cannot reach the checkpoint)."""
     scan = scan_state(flat)
     dkey = DecisionKey(rank, world, scan.plain_signature() if scan is not None else None) if dedup else None
     decision = decisions().get(dkey) if dkey is not None and dkey.plain is not None else None
     context = PlanContext(rank, world, dedup, cuda)
     cached = find_plan(context, scan, decision) if folder_known else None
     if cached is not None:
-        plan = _from_cache(cached, scan)
+        plan = _from_cache(cached, scan, copied_at_request)
     else:
-        plan = _from_items(flat, scan, context, decision, folder_known, hold_limit)
+        plan = _from_items(flat, scan, context, decision, folder_known, hold_limit, copied_at_request)
     if dedup and plan.decision_key is None and dkey is not None and dkey.plain is not None:
         plan.decision_key = dkey
     return plan
 
 
-def _from_cache(cached: StagePlan, scan: Scan) -> RankPlan:
-    # The scan read every tensor's version counter: guard the copied ones (all but the late).
+def _from_cache(cached: StagePlan, scan: Scan, copied_at_request: int) -> RankPlan:
+    # The scan read every tensor's version counter: guard the lazily copied ones (all but the
+    # late and those copied at the request).
     versions = scan.versions
-    if cached.late:
+    unguarded = cached.late + cached.small_positions(copied_at_request)
+    if unguarded:
         versions = list(versions)
-        for i in cached.late:
+        for i in unguarded:
             versions[i] = None
     late = cached.late
     return RankPlan(
         [fp.planned(scan) for fp in cached.files], [], set(cached.skipped), set(cached.elsewhere),
         VersionGuard(scan.names, scan.tensors, versions),
         VersionGuard([scan.names[i] for i in late], [scan.tensors[i] for i in late], [scan.versions[i] for i in late]),
+        payloads={scan.names[i]: it.keepalive for i, it in scan.payloads.items()},
     )
 
 
 def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: frozenset | None,
-                folder_known: bool, hold_limit: Callable[[], int]) -> RankPlan:
+                folder_known: bool, hold_limit: Callable[[], int], copied_at_request: int) -> RankPlan:
     """Lay out every file from the items themselves; the plan is cacheable when the scan
     covered the state and nothing is held."""
     rank, world, dedup = context.rank, context.world, context.dedup
@@ -117,7 +123,7 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
     if own.held and sum(it.entry.nbytes for it in own.held) > hold_limit():
         own.owned.extend(own.held)  # too big to hold: every holder writes its copy this time
         own.held = []
-    guard, late_guard = _guards(flat, own)
+    guard, late_guard = _guards(flat, own, copied_at_request)
     files: list[PlannedFile] = []
     held: list[HeldGroup] = []
     if not folder_known:  # nothing can be flushed before the folder is named
@@ -134,13 +140,15 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
     return RankPlan(
         files, held, own.skipped, own.elsewhere, guard, late_guard, decision_key, dedup and decision is None,
         frozenset(it.key for it in items if is_plain_tensor(flat.get(it.key[0]))), record,
+        payloads={it.key[0]: it.keepalive for it in items if it.entry.kind == "bytes"},
     )
 
 
-def _guards(flat: dict, own: Ownership) -> tuple[VersionGuard, VersionGuard]:
+def _guards(flat: dict, own: Ownership, copied_at_request: int) -> tuple[VersionGuard, VersionGuard]:
     """The version counters of what this rank copies lazily, and of what it may have to write
     later from live memory (plain tensors given elsewhere, skipped replicas)."""
-    lazy = [it for it in (*own.owned, *own.held) if it.entry.kind == "tensor" and not it.copied]
+    lazy = [it for it in (*own.owned, *own.held)
+            if it.entry.kind == "tensor" and not it.copied and it.entry.nbytes > copied_at_request]
     later = []
     for key in (*own.elsewhere, *own.skipped):
         obj = flat.get(key[0])
@@ -378,6 +386,15 @@ class StagePlan:
     elsewhere: frozenset  # plain tensors the decision gives to other ranks
     decision: frozenset | None  # the ownership decision this plan was built with
     late: tuple[int, ...] = ()  # flat positions of the skipped and elsewhere tensors
+    _small: dict = field(default_factory=dict, compare=False, repr=False)  # small_positions memo
+
+    def small_positions(self, max_bytes: int) -> tuple[int, ...]:
+        """Flat positions of the items of 1..``max_bytes`` bytes (copied at the request)."""
+        found = self._small.get(max_bytes)
+        if found is None:
+            found = self._small[max_bytes] = tuple(
+                i for fp in self.files for i, n, _ in fp.template if 0 < n <= max_bytes)
+        return found
 
 
 _plans: dict[PlanContext, list[StagePlan]] = {}
