@@ -3,10 +3,18 @@
 
     python benchmarks/async_call_vs_save.py
 """
-import time, statistics, shutil, warnings, torch, torch.distributed.checkpoint as dcp
+import shutil
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
-warnings.filterwarnings("ignore")
+
 from dcp_datastates import DataStatesWriter
+
+warnings.filterwarnings("ignore")
 g = torch.Generator().manual_seed(0)
 big = 48
 state = {"model": {f"big{i}": torch.randn((512 << 20) // 4 // big, generator=g) for i in range(big)}}
@@ -16,10 +24,15 @@ print(f"state: {n / 2**20:.0f} MiB in {len(state['model'])} tensors")
 save, call, durable = [], [], []
 for k in range(4):
     p = f"/tmp/issue2probe/ds{k}"
-    t = time.perf_counter(); resp = dcp.async_save(state, storage_writer=DataStatesWriter(p)); call.append(time.perf_counter() - t)
-    resp.upload_completion.result(); durable.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    resp = dcp.async_save(state, storage_writer=DataStatesWriter(p))
+    call.append(time.perf_counter() - t)
+    resp.upload_completion.result()
+    durable.append(time.perf_counter() - t)
     p = f"/tmp/issue2probe/fs{k}"
-    t = time.perf_counter(); dcp.save(state, storage_writer=FileSystemWriter(p)); save.append(time.perf_counter() - t)
+    t = time.perf_counter()
+    dcp.save(state, storage_writer=FileSystemWriter(p))
+    save.append(time.perf_counter() - t)
 c, s, d = statistics.median(call[1:]), statistics.median(save[1:]), statistics.median(durable[1:])
 print(f"async_save call {c*1e3:.1f} ms (all: {[round(x*1e3,1) for x in call]}), dcp.save {s*1e3:.0f} ms, ratio {c/s:.2%}; DataStates request->durable {d*1e3:.0f} ms")
 shutil.rmtree("/tmp/issue2probe", ignore_errors=True)

@@ -641,7 +641,6 @@ class DcpAsyncStagerMethod(DcpSaveMethod):
     def save(self, state, path):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import FileSystemWriter
-
         from torch.distributed.checkpoint.staging import DefaultStager
 
         from dcp_datastates.compat import default_stager_reusable

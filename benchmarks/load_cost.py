@@ -17,6 +17,7 @@ import time
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
+
 from bench import StateSpec, _evict, _fs_type, build_state, empty_like_state, states_equal
 
 

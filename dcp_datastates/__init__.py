@@ -9,7 +9,7 @@
 """
 
 from .checkpoint_stats import CheckpointStats, recent_checkpoints
-from .commit import check_commit, is_committed, latest_checkpoint
+from .commit import check_commit, is_committed
 from .config import DataStatesConfig, parse_size
 from .errors import (
     CheckpointFormatError,
@@ -21,11 +21,12 @@ from .errors import (
     UnsafeCheckpointError,
     checkpoint_error_cause,
 )
+from .integrity import validate_checkpoint, validate_data_file
 from .planners import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
 from .runtime import engine_stats, shutdown_engine, start_engine
 from .staging_tracker import protect_optimizer, wait_staged
-from .integrity import validate_checkpoint, validate_data_file
+from .tiers import latest_checkpoint
 from .writer import DataStatesWriter
 
 __version__ = "0.1.0"

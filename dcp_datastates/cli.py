@@ -106,10 +106,9 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
 
 # ------------------------------------------------------------------------------------ inspect
 def _cmd_inspect(args) -> int:
-    from .integrity import file_kind
+    from .checkpoint_format import FORMAT_NAME, FORMAT_VERSION
     from .convert import checkpoint_items
-    from .checkpoint_format import FORMAT_NAME
-    from .checkpoint_format import FORMAT_VERSION
+    from .integrity import file_kind
 
     path = _checkpoint_dir(args.path)
     md, files = _read_metadata(path)

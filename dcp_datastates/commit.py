@@ -28,9 +28,9 @@ import uuid
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from . import folders
+from .checkpoint_format import METADATA_NAME, STEP_NUMBER, ItemLocation, decode_metadata, encode_metadata, rank_marker_name
 from .errors import CheckpointWriteError, DataStatesError
 from .integrity import check_data_files, read_commit
-from .checkpoint_format import METADATA_NAME, STEP_NUMBER, ItemLocation, decode_metadata, encode_metadata, rank_marker_name
 
 log = logging.getLogger("dcp_datastates")
 
@@ -212,33 +212,16 @@ def is_committed(path: str | os.PathLike, *, check_files: bool = False, storage_
     return True
 
 
-def latest_checkpoint(
-    root: str | os.PathLike, *, check_files: bool = True, storage_options: dict | None = None,
-    local_tier: str | os.PathLike | None = None,
-) -> str | None:
+def latest_checkpoint(root: str | os.PathLike, *, check_files: bool = True, storage_options: dict | None = None) -> str | None:
     """The newest complete checkpoint folder directly under ``root`` (``step-100``, ``ckpt_7`` ...):
     the highest number in the name among folders holding a valid commit; None if there is none.
 
     Folders without a number in their name are ignored. Candidates are examined from the highest
     number down, so only the newest ones are read. With ``check_files`` (the default) a folder
     counts only if its marker decodes and its data files are all present with the right sizes;
-    otherwise a marker file is enough. With ``local_tier``, a folder whose complete copy is in the
-    local tier counts too (committed there, not drained yet: load it with that ``local_tier``).
+    otherwise a marker file is enough. (``dcp_datastates.latest_checkpoint`` also takes
+    ``local_tier``: ``tiers.latest_checkpoint``.)
     """
-    if local_tier is not None:  # local_tier hook (tiers.py)
-        from . import tiers
-
-        durable = latest_checkpoint(root, check_files=check_files, storage_options=storage_options)
-        step = (lambda name: int(m.group(1)) if (m := STEP_NUMBER.search(name)) else None)
-        candidates = [c for c in (
-            tiers.newest_local(folders.normalize(root), os.path.abspath(os.fspath(local_tier)), step),
-            # several ranks: committed on every node's local tier, drain interrupted (durable state
-            # only, so every rank picks the same one)
-            None if folders.is_remote(root) else tiers.newest_pending(folders.local_path(root), step),
-        ) if c is not None]
-        if durable is not None:
-            candidates.append((step(os.path.basename(durable.rstrip("/"))), durable))
-        return max(candidates, key=lambda c: c[0])[1] if candidates else None
     if folders.is_remote(root):
         folder = folders.remote_folder(os.fspath(root), storage_options)
         return _latest_remote(folder, check_files=check_files, storage_options=storage_options)

@@ -17,8 +17,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable
 
-from .integrity import read_commit
-from .integrity import check_data_files, no_progress
+from .integrity import check_data_files, no_progress, read_commit
 
 __all__ = ["CheckpointItem", "Converted", "checkpoint_items", "to_dcp", "to_hf", "to_torch"]
 

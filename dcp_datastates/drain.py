@@ -15,16 +15,15 @@ import uuid
 import torch
 
 from . import commit, folders, integrity, tiers
-from .checkpoint_format import data_file_name, data_file_parts
+from .checkpoint_format import data_file_name, data_file_parts, piece_ranges
 from .config import DataStatesConfig
-from .errors import ChecksumMismatchError, CheckpointWriteError
-from .checkpoint_format import piece_ranges
+from .errors import CheckpointWriteError, ChecksumMismatchError
 from .runtime import get_engine
 from .stage.pipeline import moved
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["drain", "drain_pending", "drain_rank", "drain_pending_ranks", "durable_name", "verify_copy"]
+__all__ = ["drain", "drain_pending", "drain_rank", "drain_pending_ranks", "durable_name"]
 
 _COPY_BLOCK = 16 << 20  # bytes outside any checksum piece (headers) are copied in blocks this big
 def _pieces_by_file(locations) -> dict[str, list[tuple[int, int, int, str]]]:
@@ -83,15 +82,6 @@ def _write_durable(src: str, durable: str, name: str, size: int, pieces: list, e
         if config.sync_files and not folders.is_remote(durable):
             out.flush()
             os.fsync(out.fileno())
-
-
-def verify_copy(local: str, config: DataStatesConfig | None = None) -> None:
-    """Raise unless every checksum piece of the committed checkpoint ``local`` matches."""
-    md, files = integrity.read_commit(local)
-    integrity.check_data_files(local, files)
-    engine = get_engine(config or DataStatesConfig())
-    for name, pieces in _pieces_by_file(md.storage_data).items():
-        _copy_file(os.path.join(local, name), None, files[name].size, pieces, engine)
 
 
 # One drain per durable path at a time in this process (a save's own drain and another save's

@@ -18,8 +18,8 @@ import posixpath
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import CheckpointFormatError, CheckpointWriteError, IncompleteCheckpointError
 from .checkpoint_format import MAX_METADATA_BYTES, METADATA_NAME
+from .errors import CheckpointFormatError, CheckpointWriteError, IncompleteCheckpointError
 
 __all__ = ["is_remote", "local_path", "normalize", "is_supported_url", "RemoteFolder", "remote_folder"]
 

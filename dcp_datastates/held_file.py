@@ -28,8 +28,8 @@ from typing import Any
 from . import remote
 from .checkpoint_format import ItemLocation, plan_file
 from .errors import CheckpointWriteError
-from .stage.pipeline import item_location
 from .stage.items import ItemKey, SourceItem
+from .stage.pipeline import item_location
 
 __all__ = ["HeldFile"]
 

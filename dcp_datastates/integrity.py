@@ -29,20 +29,20 @@ from typing import Any, Mapping
 from torch.distributed.checkpoint.metadata import Metadata
 
 from . import folders
-from .errors import ChecksumMismatchError, CheckpointFormatError, IncompleteCheckpointError
 from .checkpoint_format import (
     MAX_METADATA_BYTES,
     METADATA_NAME,
     STEP_NUMBER,
+    FileInfo,
+    ItemLocation,
     _DuplicateKey,
     _no_duplicate_keys,
     decode_metadata,
-    FileInfo,
-    ItemLocation,
     piece_ranges,
     rank_marker_name,
     safetensors_dtype,
 )
+from .errors import CheckpointFormatError, ChecksumMismatchError, IncompleteCheckpointError
 
 __all__ = [
     "read_commit",

@@ -25,17 +25,11 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from . import commit, folders, integrity, remote, safe_unpickle, tiers
-from .config import DataStatesConfig
-from .errors import (
-    ChecksumMismatchError,
-    CheckpointFormatError,
-    DataStatesError,
-    IncompleteCheckpointError,
-    record_metadata_read,
-)
-from .integrity import check_data_files, checksum_mismatch, file_size_error
-from .gcpause import gc_paused
 from .checkpoint_format import FileInfo, ItemLocation, name_to_dtype, piece_ranges, rank_marker_name
+from .config import DataStatesConfig
+from .errors import CheckpointFormatError, ChecksumMismatchError, DataStatesError, IncompleteCheckpointError, record_metadata_read
+from .gcpause import gc_paused
+from .integrity import check_data_files, checksum_mismatch, file_size_error
 from .runtime import get_engine
 
 log = logging.getLogger("dcp_datastates")

@@ -62,8 +62,9 @@ import shutil
 import time
 
 from . import commit, folders, integrity
-from .checkpoint_format import PENDING_NAME, data_file_parts, encode_metadata
+from .checkpoint_format import PENDING_NAME, STEP_NUMBER, data_file_parts, encode_metadata
 from .errors import CheckpointWriteError, DataStatesError
+from .runtime import get_engine
 
 log = logging.getLogger("dcp_datastates")
 
@@ -224,8 +225,6 @@ def checkpoint_id(path: str, storage_options: dict | None = None) -> str | None:
 def choose_copy(durable: str, config) -> str:
     """The folder to load ``durable`` from: its local copy when complete, verified and tied to
     the durable commit, else ``durable`` itself. Logs the choice and why."""
-    from .drain import verify_copy  # drain imports this module
-
     local = local_copy(config.local_tier, durable)
     local_id = checkpoint_id(local)
     if local_id is None:
@@ -238,9 +237,12 @@ def choose_copy(durable: str, config) -> str:
                     "the durable tier %s", durable, local, local_id, durable_id)
         return durable
     try:
-        verify_copy(local, config)
+        problems = integrity.verify_checkpoint(local, engine=get_engine(config)).problems
     except (DataStatesError, OSError) as exc:
-        log.warning("dcp_datastates: reading %s from the durable tier: the local copy is damaged: %s", durable, exc)
+        problems = [str(exc)]
+    if problems:
+        log.warning("dcp_datastates: reading %s from the durable tier: the local copy is damaged: %s", durable,
+                    "; ".join(problems[:3]) + (f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""))
         return durable
     log.info("dcp_datastates: reading %s from the local tier %s%s", durable, local,
              "" if durable_id is not None else " (not drained yet: the durable tier has no commit)")
@@ -452,3 +454,31 @@ def rank_record(local: str, rank: int) -> dict | None:
 def copies_with_records(local_tier: str) -> list[str]:
     """The local copies that hold several-rank records."""
     return [os.path.join(local_tier, n) for n in _names(local_tier) if _rank_records(os.path.join(local_tier, n))]
+
+
+def latest_checkpoint(
+    root: str | os.PathLike, *, check_files: bool = True, storage_options: dict | None = None,
+    local_tier: str | os.PathLike | None = None,
+) -> str | None:
+    """The newest complete checkpoint folder directly under ``root`` (``commit.latest_checkpoint``:
+    the highest number in the name among folders holding a valid commit; None if there is none).
+    With ``local_tier``, a folder whose complete copy is in the local tier counts too (committed
+    there, not drained yet: load it with that ``local_tier``), and so does one committed on every
+    node's local tier whose drain was interrupted (the durable folder's pending record)."""
+    durable = commit.latest_checkpoint(root, check_files=check_files, storage_options=storage_options)
+    if local_tier is None:
+        return durable
+
+    def step(name: str) -> int | None:
+        m = STEP_NUMBER.search(name)
+        return int(m.group(1)) if m else None
+
+    candidates = [c for c in (
+        newest_local(folders.normalize(root), os.path.abspath(os.fspath(local_tier)), step),
+        # several ranks: committed on every node's local tier, drain interrupted (durable state
+        # only, so every rank picks the same one)
+        None if folders.is_remote(root) else newest_pending(folders.local_path(root), step),
+    ) if c is not None]
+    if durable is not None:
+        candidates.append((step(os.path.basename(durable.rstrip("/"))), durable))
+    return max(candidates, key=lambda c: c[0])[1] if candidates else None

@@ -36,19 +36,19 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from . import checkpoint_stats, commit, drain, folders, inflight, remote, tiers
+from .checkpoint_format import ItemLocation, data_file_name, name_to_dtype
 from .compat import unflatten_state_dict
 from .config import DataStatesConfig
 from .consolidate import consolidate_results
 from .errors import CheckpointWriteError
 from .gcpause import gc_paused
 from .held_file import HeldFile
-from .checkpoint_format import data_file_name, ItemLocation, name_to_dtype
-from .planner_hooks import items_to_rewrite
+from .planner_hooks import items_to_rewrite, overridden_data_hooks
 from .runtime import get_engine
-from .stage.pipeline import PlannedFile, moved, on_one_device, plan_stage, planned_file, written
-from .stage.request_copy import copy_small_at_request
 from .stage.items import ItemKey, SourceItem, flatten, item_key, source_for_resolved
 from .stage.ownership import DecisionKey, decisions
+from .stage.pipeline import PlannedFile, moved, on_one_device, plan_stage, planned_file, written
+from .stage.request_copy import copy_small_at_request
 from .staging_tracker import install_step_wait, tracker
 from .version_guard import VersionGuard, torn_message
 
@@ -601,7 +601,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: every rank must be saving the same checkpoint."""
         paths: dict[str, list[int]] = {}
-        for i, p in enumerate(plans):
+        for p in plans:
             if isinstance(p.storage_data, RankReport):
                 paths.setdefault(str(p.storage_data.path), []).append(p.storage_data.rank)
         if len(paths) > 1:
@@ -678,7 +678,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             raise CheckpointWriteError(f"checkpoint {staged.path} abandoned: {staged.abandoned}")
         if staged.moved_from is not None:
             locations = self._relocate(staged, locations)
-        if staged.flat is not None:  # a lazy save: a custom planner's data hooks are applied now
+        if staged.flat is not None and overridden_data_hooks(planner):  # lazy save, custom planner: its hooks now
             locations.update(self._rewrite_for_planner(staged, [i for i in plan.items if item_key(i.index) in staged_keys],
                                                        planner, locations))
         if staged.decision_key is not None:

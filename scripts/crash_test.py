@@ -66,7 +66,7 @@ def expected_state(tag: int) -> dict:
     non-tensor values. Every byte depends on ``tag`` so a mix of two rounds is detected."""
     g = torch.Generator().manual_seed(1000 + tag)
     layers = []
-    for i in range(6):
+    for _ in range(6):
         layers.append(
             {
                 "w": torch.randn(128, 256, generator=g),

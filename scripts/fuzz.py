@@ -22,10 +22,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 sys.path.insert(0, os.path.join(HERE, ".."))
 
+import test_fuzz as props  # noqa: E402
 from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-import test_fuzz as props  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

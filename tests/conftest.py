@@ -1,7 +1,6 @@
-import os
-
 import pytest
 import torch
+
 
 @pytest.fixture(autouse=True)
 def _seed():

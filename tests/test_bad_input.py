@@ -12,11 +12,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
-from conftest import raises_through_dcp
 from dcp_datastates import (
-    ChecksumMismatchError,
     CheckpointFormatError,
     CheckpointMismatchError,
+    ChecksumMismatchError,
     DataStatesLoadPlanner,
     DataStatesReader,
     DataStatesWriter,
@@ -24,6 +23,8 @@ from dcp_datastates import (
 )
 from dcp_datastates.errors import checkpoint_error_cause
 from dcp_datastates.integrity import MAX_HEADER_BYTES, parse_header, read_header, validate_checkpoint, validate_data_file
+
+from conftest import raises_through_dcp
 
 DATA = "__0_0.safetensors"
 

@@ -115,9 +115,7 @@ def test_a_save_records_its_figures_and_the_coordinator_logs_one_line(tmp_path, 
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from dcp_datastates import DataStatesWriter, recent_checkpoints
-
-    from dcp_datastates import checkpoint_stats
+    from dcp_datastates import DataStatesWriter, checkpoint_stats, recent_checkpoints
 
     checkpoint_stats._clear()
     state = {"w": torch.randn(256 * 1024), "step": 3}

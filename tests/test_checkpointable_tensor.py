@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesSavePlanner, DataStatesWriter
+from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesSavePlanner, DataStatesWriter, compat
+
 from conftest import raises_through_dcp
-from dcp_datastates import compat
 from dist_harness import run_ranks
 
 pytestmark = pytest.mark.skipif(

@@ -14,9 +14,10 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import assert_state_equal, tensors_equal_bitwise, zeros_like_state
 from dcp_datastates import DataStatesWriter
 from dcp_datastates.cli import main
+
+from conftest import assert_state_equal, tensors_equal_bitwise, zeros_like_state
 
 
 def make_state():

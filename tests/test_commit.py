@@ -13,11 +13,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import dcp_datastates.writer as writer_mod
-from conftest import raises_through_dcp
-from dcp_datastates import DataStatesReader, DataStatesWriter, latest_checkpoint
-from dcp_datastates import commit
+from dcp_datastates import DataStatesReader, DataStatesWriter, commit, latest_checkpoint
 from dcp_datastates.errors import CheckpointFormatError, IncompleteCheckpointError
 from dcp_datastates.runtime import current_engine
+
+from conftest import raises_through_dcp
 
 CACHE, CHUNK = 1 << 20, 64 << 10
 

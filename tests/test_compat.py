@@ -113,8 +113,8 @@ def test_checkpointable_tensor_protocol_matches_dcp_write_items():
 def test_async_save_runs_on_a_thread_named_by_the_executor_prefix(tmp_path):
     """The exit-time join finds DCP's async_save threads by this name (runtime.py)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
     seen = {}
 

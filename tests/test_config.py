@@ -1,9 +1,8 @@
 import json
+import logging
 import os
 
 import pytest
-
-import logging
 
 from dcp_datastates import DataStatesConfig, DataStatesReader, DataStatesWriter, parse_size
 from dcp_datastates.config import default_cache_plan, memory_limit

@@ -11,9 +11,10 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
-from conftest import assert_state_equal, tensors_equal_bitwise, zeros_like_state
 from dcp_datastates import ChecksumMismatchError, DataStatesWriter, convert
 from dcp_datastates.integrity import read_commit
+
+from conftest import assert_state_equal, tensors_equal_bitwise, zeros_like_state
 
 
 def _state():

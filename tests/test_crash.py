@@ -13,9 +13,10 @@ import sys
 import pytest
 import torch.distributed.checkpoint as dcp
 
-from conftest import raises_through_dcp
 from dcp_datastates import DataStatesReader, latest_checkpoint
 from dcp_datastates.errors import IncompleteCheckpointError, checkpoint_error_cause
+
+from conftest import raises_through_dcp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "crash_test.py")

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import dcp_datastates._engine as E
+
 from engine_util import build_engine
 
 KiB = 1 << 10
@@ -528,7 +529,8 @@ def _float_tensors_on_fake_device(fake, monkeypatch, delay_us: int) -> int:
     """Float CPU tensors stand in for CUDA tensors on device 0 of the double: the writer submits
     their copies to the fake runtime with a fresh stream as the caller's current stream, and
     wait_staged() sees that stream. Returns the stream (destroy it after the test)."""
-    from dcp_datastates import runtime, staging_tracker as staging, writer
+    from dcp_datastates import runtime, writer
+    from dcp_datastates import staging_tracker as staging
     from dcp_datastates.stage import items as stage_items
 
     original = stage_items._tensor_source
@@ -553,9 +555,10 @@ def test_async_save_of_device_tensors_through_the_writer(tmp_path, fake, monkeyp
     per device with the caller's stream, and wait_staged() is a device-side wait."""
     import torch.distributed.checkpoint as dcp
 
-    from conftest import assert_state_equal, clone_state, zeros_like_state
     from dcp_datastates import DataStatesReader, DataStatesWriter, engine_stats, runtime, wait_staged
     from dcp_datastates import staging_tracker as staging
+
+    from conftest import assert_state_equal, clone_state, zeros_like_state
 
     s = _float_tensors_on_fake_device(fake, monkeypatch, delay_us=10_000)
     model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 64))
@@ -601,7 +604,7 @@ def test_prefault_skips_a_pinned_cache_and_runs_on_an_unpinned_one(fake, make_en
     fake.fail("cudaHostRegister", 0, 2)
     for eng in (make_engine(4 * MiB, pin=False), make_engine(4 * MiB)):
         assert eng.stats()["pinned"] == 0
-        assert until(lambda: eng.stats()["cache_prefaulted_bytes"] == 4 * MiB)
+        assert until(lambda eng=eng: eng.stats()["cache_prefaulted_bytes"] == 4 * MiB)
     assert make_engine(4 * MiB, pin=False, prefault=False).stats()["cache_prefaulted_bytes"] == 0
 
 
@@ -613,9 +616,10 @@ def test_torn_guard_seals_at_the_device_side_wait(tmp_path, fake, monkeypatch):
     import numpy as np
     import torch.distributed.checkpoint as dcp
 
-    from conftest import raises_through_dcp
     from dcp_datastates import DataStatesReader, DataStatesWriter, runtime, wait_staged
     from dcp_datastates import staging_tracker as staging
+
+    from conftest import raises_through_dcp
 
     s = _float_tensors_on_fake_device(fake, monkeypatch, delay_us=20_000)
     try:

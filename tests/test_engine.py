@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import dcp_datastates._engine as E
+
 from engine_util import build_engine
 
 KiB = 1 << 10

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import dcp_datastates._engine as E
+
 from engine_util import build_engine
 
 KiB = 1 << 10
@@ -296,7 +297,7 @@ def test_shutdown_while_a_stream_is_consumed_and_job_keeps_engine_alive():
 from test_cuda_double import fake, fake_lib, make_engine  # noqa: E402,F401,F811 - fixtures
 
 
-def test_device_stream_ordered_after_callers_stream_through_a_tiny_cache(fake, make_engine):
+def test_device_stream_ordered_after_callers_stream_through_a_tiny_cache(fake, make_engine):  # noqa: F811 - fixtures
     """Device sources: copies wait for the caller's stream (a slow "kernel" writes the data just
     before submit), chunks come through 4 slots in file order, checksums match."""
     eng = make_engine(4 * 16 * KiB, chunk_bytes=16 * KiB, copy_threads=2, flush_threads=2)
@@ -324,7 +325,7 @@ def test_device_stream_ordered_after_callers_stream_through_a_tiny_cache(fake, m
         fake.destroy(stream)
 
 
-def test_device_copy_error_mid_stream_ends_the_consumer_and_frees_the_cache(fake, make_engine):
+def test_device_copy_error_mid_stream_ends_the_consumer_and_frees_the_cache(fake, make_engine):  # noqa: F811 - fixtures
     eng = make_engine(4 * 16 * KiB, chunk_bytes=16 * KiB)
     a = np.random.default_rng(9).integers(0, 256, size=30 * 16 * KiB, dtype=np.uint8)
     fake.fail("cudaMemcpyAsync", 5, 700)

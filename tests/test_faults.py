@@ -15,14 +15,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import raises_through_dcp
-from dcp_datastates import (
-    DataStatesReader,
-    DataStatesWriter,
-    engine_stats,
-    protect_optimizer,
-)
+from dcp_datastates import DataStatesReader, DataStatesWriter, engine_stats, protect_optimizer
 from dcp_datastates.runtime import current_engine
+
+from conftest import raises_through_dcp
 
 CACHE, CHUNK = 1 << 20, 64 << 10
 

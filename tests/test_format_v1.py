@@ -4,7 +4,6 @@ restructuring) still loads, value for value, verifies, and the current code writ
 from __future__ import annotations
 
 import io
-import json
 import os
 import shutil
 import subprocess

@@ -20,20 +20,19 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
-    BytesStorageMetadata,
-    StorageMeta,
 )
 
+from dcp_datastates.checkpoint_format import FileEntry, ItemLocation, decode_metadata, encode_metadata, piece_ranges, plan_file
 from dcp_datastates.errors import CheckpointFormatError, UnsafeCheckpointError
-from dcp_datastates.safe_unpickle import decode_value
-from dcp_datastates.checkpoint_format import FileEntry, plan_file
-from dcp_datastates.checkpoint_format import ItemLocation, decode_metadata, encode_metadata, piece_ranges
 from dcp_datastates.integrity import MAX_HEADER_BYTES, parse_header
+from dcp_datastates.safe_unpickle import decode_value
 
 QUICK = settings(
     max_examples=200,

@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import assert_state_equal, clone_state, tensors_equal_bitwise
 from dcp_datastates import (
     DataStatesReader,
     DataStatesWriter,
@@ -27,6 +26,8 @@ from dcp_datastates import (
     wait_staged,
 )
 from dcp_datastates import staging_tracker as staging
+
+from conftest import assert_state_equal, clone_state, tensors_equal_bitwise
 
 MiB = 1 << 20
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import raises_through_dcp, zeros_like_state
 from dcp_datastates import DataStatesReader, DataStatesWriter, IncompleteCheckpointError
-from dcp_datastates.integrity import read_commit
 from dcp_datastates.config import tool_config
-from dcp_datastates.integrity import file_size_error, verify_checkpoint
+from dcp_datastates.integrity import file_size_error, read_commit, verify_checkpoint
 from dcp_datastates.runtime import get_engine
+
+from conftest import raises_through_dcp, zeros_like_state
 
 
 @pytest.fixture

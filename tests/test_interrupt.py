@@ -15,7 +15,6 @@ import sys
 import textwrap
 import threading
 
-
 from dcp_datastates import inflight, latest_checkpoint
 
 EXIT_TIMEOUT = 30  # generous: only a hang fails it (the stalled save would hold the exit forever)
@@ -55,7 +54,7 @@ class Child:
                 line = self.lines.get(timeout=timeout)
             except queue.Empty:
                 self.proc.kill()
-                raise AssertionError(f"{text!r} never appeared; stdout={''.join(self.out)!r} stderr={''.join(self.err)[-3000:]!r}")
+                raise AssertionError(f"{text!r} never appeared; stdout={''.join(self.out)!r} stderr={''.join(self.err)[-3000:]!r}") from None
             if text in line:
                 return line
 
@@ -67,7 +66,7 @@ class Child:
             return self.proc.wait(timeout=EXIT_TIMEOUT)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            raise AssertionError(f"the process did not exit; stderr={''.join(self.err)[-3000:]!r}")
+            raise AssertionError(f"the process did not exit; stderr={''.join(self.err)[-3000:]!r}") from None
 
 
 # A save double: a thread named like DCP's executor thread waits until the save completes (a file

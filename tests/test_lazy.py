@@ -4,14 +4,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from dcp_datastates import DataStatesReader, DataStatesWriter, engine_stats, protect_optimizer, wait_staged
+
 from conftest import assert_state_equal, clone_state, zeros_like_state
-from dcp_datastates import (
-    DataStatesReader,
-    DataStatesWriter,
-    engine_stats,
-    protect_optimizer,
-    wait_staged,
-)
 
 
 def make_model_and_optimizer():

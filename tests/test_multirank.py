@@ -11,10 +11,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
+from dcp_datastates import DataStatesReader
+
 import fsdp_workers
 import multirank_workers as W
 from dist_harness import run_ranks
-from dcp_datastates import DataStatesReader
 
 
 @pytest.fixture(scope="module")

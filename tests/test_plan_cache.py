@@ -6,10 +6,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
-from conftest import assert_state_equal, clone_state, zeros_like_state
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.checkpoint_format import data_file_name
 from dcp_datastates.stage.pipeline import plan_stats
+
+from conftest import assert_state_equal, clone_state, zeros_like_state
 
 
 def _state(seed: int = 0) -> dict:

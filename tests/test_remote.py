@@ -15,11 +15,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import assert_state_equal, raises_through_dcp, zeros_like_state
-from s3_util import CutProxy as _CutProxy, s3_options as _options
 from dcp_datastates import DataStatesReader, DataStatesWriter, commit, folders, remote
 from dcp_datastates.errors import IncompleteCheckpointError
 from dcp_datastates.runtime import engine_stats
+
+from conftest import assert_state_equal, raises_through_dcp, zeros_like_state
+from s3_util import CutProxy as _CutProxy
+from s3_util import s3_options as _options
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -288,8 +290,8 @@ def _two_rank_save_and_reshard(rank: int, world: int, url: str, options: dict) -
 
 
 def test_s3_two_rank_save_loads_resharded_and_at_one_rank(s3):
-    from dist_harness import run_ranks
     import multirank_workers as W
+    from dist_harness import run_ranks
 
     url = f"s3://{s3.bucket()}/dist"
     run_ranks(2, _two_rank_save_and_reshard, url, s3.options, timeout=120)

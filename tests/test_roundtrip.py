@@ -9,12 +9,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
+from dcp_datastates import DataStatesReader, DataStatesWriter, IncompleteCheckpointError
+
 from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
-from dcp_datastates import (
-    DataStatesReader,
-    DataStatesWriter,
-    IncompleteCheckpointError,
-)
 
 
 def every_dtype_state():

@@ -150,7 +150,7 @@ def _run_all(tmp_path) -> dict:
         t.start()
     results = {}
     deadline = time.monotonic() + TIMEOUT_S
-    for name, (p, out, err) in procs.items():
+    for name, (p, _out, _err) in procs.items():
         try:
             rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
             hung = False
@@ -160,7 +160,7 @@ def _run_all(tmp_path) -> dict:
         results[name] = {"rc": rc, "hung": hung}
     for t in pumps:
         t.join(5)
-    for name, (p, out, err) in procs.items():
+    for name, (_p, out, err) in procs.items():
         out.seek(0)
         err.seek(0)
         results[name]["stdout"] = out.read()

@@ -11,10 +11,19 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
-from dcp_datastates import DataStatesConfig, DataStatesReader, DataStatesWriter, recent_checkpoints
-from dcp_datastates import commit, drain, integrity, tiers
+from dcp_datastates import (
+    DataStatesConfig,
+    DataStatesReader,
+    DataStatesWriter,
+    commit,
+    drain,
+    integrity,
+    recent_checkpoints,
+    tiers,
+)
 from dcp_datastates.errors import CheckpointWriteError
+
+from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
 
 
 def make_state(seed=0):
@@ -233,7 +242,7 @@ def test_killed_after_local_commit_restarts_from_local_then_drains(tmp_path):
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     assert not commit.is_committed(durable)  # killed before the drain
     assert commit.latest_checkpoint(str(tmp_path)) is None
-    assert commit.latest_checkpoint(str(tmp_path), local_tier=nv) == durable
+    assert tiers.latest_checkpoint(str(tmp_path), local_tier=nv) == durable
     state = make_state(11)
     assert_state_equal(state, load(durable, nv, state))  # restart: the local copy
     assert drain.drain_pending(nv) == [durable]
@@ -241,7 +250,7 @@ def test_killed_after_local_commit_restarts_from_local_then_drains(tmp_path):
     dcp.load(out, storage_reader=DataStatesReader(durable))
     assert_state_equal(state, out)
     assert tiers.checkpoint_id(durable) == tiers.checkpoint_id(tiers.local_copy(nv, durable))
-    assert commit.latest_checkpoint(str(tmp_path), local_tier=nv) == commit.latest_checkpoint(str(tmp_path)) == durable
+    assert tiers.latest_checkpoint(str(tmp_path), local_tier=nv) == commit.latest_checkpoint(str(tmp_path)) == durable
 
 
 def test_keep_local_evicts_only_drained_copies(tmp_path):
@@ -258,7 +267,7 @@ def test_keep_local_evicts_only_drained_copies(tmp_path):
     left = sorted(os.listdir(nv))
     expected = sorted(os.path.basename(tiers.local_copy(str(nv), d)) for d in [blocked, *durables[-2:]])
     assert left == expected
-    assert commit.latest_checkpoint(str(tmp_path / "ck"), local_tier=str(nv)) == durables[-1]
+    assert tiers.latest_checkpoint(str(tmp_path / "ck"), local_tier=str(nv)) == durables[-1]
     for i, durable in enumerate(durables, start=1):  # every checkpoint still loads, evicted or not
         state = make_state(i)
         assert_state_equal(state, load(durable, nv, state))

@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
-from dist_harness import run_ranks
 from dcp_datastates import DataStatesReader, DataStatesWriter, commit, drain, integrity, tiers
 from dcp_datastates.errors import CheckpointWriteError
+
+from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
+from dist_harness import run_ranks
 
 
 def node_tier(root, rank, world):
@@ -135,10 +136,11 @@ def test_a_failing_drain_on_one_rank_fails_the_save_on_every_rank(tmp_path):
 
 
 def _fsdp2_tiers(rank, world, root):
-    import fsdp_workers
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     from dcp_datastates import DataStatesLoadPlanner, DataStatesSavePlanner
+
+    import fsdp_workers
 
     nv = os.path.join(root, "nvA")  # one node: every file this rank reads is local
     durable = os.path.join(root, "fsdp", "step-3")
@@ -229,7 +231,7 @@ def _killed_before_its_drain(rank, world, root):
     assert not commit.is_committed(second)
     dist.barrier()
     # Restart: every rank finds step-2 (committed on the local tiers) and loads it from there.
-    assert commit.latest_checkpoint(ck, local_tier=nv) == second
+    assert tiers.latest_checkpoint(ck, local_tier=nv) == second
     assert commit.latest_checkpoint(ck) == first  # without the local tier: the durable one
     out, reader = load(second, nv, states[2])
     assert_state_equal(states[2], out)
@@ -288,7 +290,7 @@ def _restart_after_the_kill(rank, world, root):
     ck = os.path.join(root, "ck")
     second, third = os.path.join(ck, "step-2"), os.path.join(ck, "step-3")
     assert not commit.is_committed(second)
-    path = commit.latest_checkpoint(ck, local_tier=nv)
+    path = tiers.latest_checkpoint(ck, local_tier=nv)
     assert path == second, path
     out, reader = load(path, nv, own_state(rank, 2))
     assert_state_equal(own_state(rank, 2), out)

@@ -7,11 +7,13 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_tiers import drain_fails_local_copy_loads
+
+from dcp_datastates import DataStatesReader, DataStatesWriter, commit, tiers
 
 from conftest import assert_state_equal, clone_state, zeros_like_state
-from dcp_datastates import DataStatesReader, DataStatesWriter, commit, tiers
-from s3_util import CutProxy as _CutProxy, s3_options as _options
-from test_tiers import drain_fails_local_copy_loads
+from s3_util import CutProxy as _CutProxy
+from s3_util import s3_options as _options
 
 MiB = 1 << 20
 

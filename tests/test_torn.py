@@ -16,9 +16,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import raises_through_dcp
 from dcp_datastates import DataStatesReader, DataStatesWriter, protect_optimizer, start_engine, wait_staged
 from dcp_datastates.runtime import current_engine
+
+from conftest import raises_through_dcp
 
 N, SIDE = 8, 2048
 # A small cache makes staging of 128 MiB take a while (flushes free the space), as it would on a

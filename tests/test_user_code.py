@@ -19,9 +19,10 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from conftest import assert_state_equal, clone_state, raises_through_dcp, tensors_equal_bitwise, zeros_like_state
 from dcp_datastates import DataStatesReader, DataStatesWriter, protect_optimizer, wait_staged
 from dcp_datastates.runtime import current_engine
+
+from conftest import assert_state_equal, clone_state, raises_through_dcp, tensors_equal_bitwise, zeros_like_state
 
 # 8 MiB cache for 64+ MiB of state: the copies wait for flushes, which the stall holds.
 OPTS = dict(host_cache_size=8 << 20, chunk_size=1 << 20, sync_files=False)

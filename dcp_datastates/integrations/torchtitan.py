@@ -38,10 +38,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..integrity import open_for_reading
+from ..checkpoint_format import METADATA_NAME
 from ..config import DataStatesConfig, cache_size
 from ..errors import CheckpointFormatError
-from ..checkpoint_format import METADATA_NAME
+from ..integrity import open_for_reading
 from ..reader import DataStatesReader
 from ..safe_unpickle import restricted_pickle_loads
 from ..staging_tracker import wait_staged

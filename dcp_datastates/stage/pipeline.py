@@ -24,8 +24,8 @@ from typing import Any, Callable
 
 import torch
 
+from ..checkpoint_format import FileEntry, FileLayout, ItemLocation, data_file_name, plan_file
 from ..compat import is_checkpointable_tensor, versions_of
-from ..checkpoint_format import data_file_name, FileEntry, FileLayout, ItemLocation, plan_file
 from ..version_guard import VersionGuard
 from .items import ItemKey, SourceItem, bytes_source, items_of_flat, serialize_object
 from .ownership import DecisionKey, Ownership, decisions, is_plain_tensor, plain_signature, split_by_owner
