@@ -1,7 +1,9 @@
 """Train a small model on CPU, checkpoint every step, and print how long training stalled.
 
 Three ways of checkpointing the same training run, each from the same seed:
-  datastates  dcp.async_save(..., storage_writer=DataStatesWriter(path)) + protect_optimizer
+  datastates  dcp.async_save(..., storage_writer=DataStatesWriter(path)); the next optimizer.step()
+              waits for the copies (every torch.optim optimizer does; protect_optimizer installs
+              that wait early)
   dcp-async   dcp.async_save(..., storage_writer=FileSystemWriter(path)) (DCP's DefaultStager)
   dcp-save    dcp.save(..., storage_writer=FileSystemWriter(path))
 

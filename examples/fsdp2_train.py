@@ -11,7 +11,8 @@ Options worth knowing:
 
 Each checkpoint is ``dcp.async_save(..., storage_writer=DataStatesWriter(...))`` on a dedicated
 gloo group (DCP's background collectives must not share a group with training collectives);
-``protect_optimizer`` makes ``optimizer.step()`` wait for staging only if it is not finished.
+``optimizer.step()`` waits for staging only if it is not finished (every torch.optim optimizer
+does while a lazy save stages; ``protect_optimizer`` below only installs that wait early).
 The stall printed per checkpoint is the time the training thread spent on it.
 """
 

@@ -238,31 +238,37 @@ def test_gpu_bench_dry_run(tmp_path):
 @gpu
 @pytest.mark.parametrize("copy_at_request", [64 * 1024, 0])
 def test_batchnorm_statistics_on_the_gpu_are_saved_at_request_time(tmp_path, copy_at_request):
-    """The stream is kept busy before the save, so every lazy copy is queued behind it; the next
+    """The stream is kept busy before each save, so every lazy copy is queued behind it; the next
     forward's BatchNorm kernels (no version bump) are queued right after the request. The small
-    buffers' request-time copy is on the current stream, before those kernels. Turned off, the
-    counter's in-place bump fails the save instead."""
+    buffers' request-time copy is on the current stream, before those kernels. Two saves: the
+    second takes the plan cache's path. Turned off, the counter's in-place bump fails the save."""
+    from dcp_datastates.stage.pipeline import plan_stats
+
     from conftest import raises_through_dcp
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 2048), torch.nn.BatchNorm1d(2048), torch.nn.ReLU()).cuda()
     net(torch.randn(256, 64, device="cuda"))
-    state = {"model": net.state_dict()}
-    snapshot = clone_state(state)
-    start_engine(**options())  # started now: its start must not use up the sleep below
-    torch.cuda._sleep(400_000_000)
-    resp = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c", **options(copy_at_request_max_bytes=copy_at_request)))
-    for _ in range(3):
-        net(torch.randn(256, 64, device="cuda"))
-    if not copy_at_request:
-        with raises_through_dcp("num_batches_tracked' was changed in place"):
-            resp.upload_completion.result()
-        return
-    resp.upload_completion.result()
-    assert not torch.equal(net[1].running_mean, snapshot["model"]["1.running_mean"])
-    dest = cpu_zeros_like(snapshot)
-    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
-    assert_state_equal({k: v.cpu() for k, v in snapshot["model"].items()}, dest["model"])
+    start_engine(**options())  # started now: its start must not use up the sleeps below
+    hits = plan_stats()["hits"]
+    for k in range(2):
+        state = {"model": net.state_dict()}
+        snapshot = clone_state(state)
+        torch.cuda._sleep(400_000_000)
+        writer = DataStatesWriter(tmp_path / f"c{k}", **options(copy_at_request_max_bytes=copy_at_request))
+        resp = dcp.async_save(state, storage_writer=writer)
+        for _ in range(3):
+            net(torch.randn(256, 64, device="cuda"))
+        if not copy_at_request:
+            with raises_through_dcp("num_batches_tracked' was changed in place"):
+                resp.upload_completion.result()
+            return
+        resp.upload_completion.result()
+        assert not torch.equal(net[1].running_mean, snapshot["model"]["1.running_mean"])
+        dest = cpu_zeros_like(snapshot)
+        dcp.load(dest, storage_reader=DataStatesReader(tmp_path / f"c{k}"))
+        assert_state_equal({key: v.cpu() for key, v in snapshot["model"].items()}, dest["model"])
+    assert plan_stats()["hits"] == hits + 1  # the second save reused the first one's plan
 
 
 @gpu
