@@ -681,6 +681,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if staged.flat is not None and overridden_data_hooks(planner):  # lazy save, custom planner: its hooks now
             locations.update(self._rewrite_for_planner(staged, [i for i in plan.items if item_key(i.index) in staged_keys],
                                                        planner, locations))
+        staged.flat, staged.payloads = None, {}  # the save holds no reference to the state from here on
         if staged.decision_key is not None:
             if staged.learn:
                 decisions().learn(staged.decision_key, frozenset(k for k in given if k in staged.plain_keys))
@@ -864,6 +865,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         """The save needs nothing more from this rank: release its folder, leave the in-flight
         list, and record its figures (the coordinator's record, with the commit, is logged)."""
         staged.finished.set()
+        staged.flat, staged.payloads = None, {}
         _release_path(staged.path, staged)
         inflight.unregister(staged)
         rank, world = _global_rank_world()
