@@ -105,3 +105,20 @@ def test_checkpoint_8x_larger_than_cache_and_cache_is_reused(tmp_path, small_eng
     assert st["backpressure_waits"] > 0
     assert st["bytes_staged"] >= 3 * 8 * (1 << 20)
     assert st["jobs_done"] >= 3 and st["jobs_failed"] == 0
+
+
+def test_a_finished_save_keeps_no_tensor_of_the_state_alive(tmp_path):
+    """The writer (kept, as trainers keep theirs) holds nothing of a committed save's state:
+    large tensors (copied lazily), small ones (copied at the request) and values."""
+    import gc
+    import weakref
+
+    writer = DataStatesWriter(tmp_path / "c")
+    big, small = torch.randn(512, 512), torch.randn(10)
+    refs = [weakref.ref(big), weakref.ref(small)]
+    state = {"model": {"w": big, "b": small}, "step": 1}
+    dcp.async_save(state, storage_writer=writer).upload_completion.result()
+    del big, small, state
+    gc.collect()
+    assert [r() is None for r in refs] == [True, True]
+    assert writer.path.endswith("c")  # the writer itself is still there
