@@ -9,6 +9,7 @@ output folder. ``dcp-datastates convert`` is the command-line front end.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
@@ -142,7 +143,7 @@ def to_dcp(path: str, out: str, *, force: bool = False, trusted: bool = False,
     # checkpoint exactly as from this one. Unless trusted, each must pass the restricted decoder
     # first, since a stock DCP load of the output unpickles them without restriction.
     state, total = _load_state(path, md, out, force, trusted, is_dir=True, progress=progress, raw_values=True)
-    dcp.save(state, storage_writer=FileSystemWriter(out), planner=_VerbatimValuesSavePlanner(), no_dist=True)
+    dcp.save(state, storage_writer=FileSystemWriter(out), planner=_verbatim_planners()[1](), no_dist=True)
     return Converted(out, len(md.state_dict_metadata), total)
 
 
@@ -274,7 +275,10 @@ class _StoredBytes(bytes):
     """A non-tensor value's bytes as a checkpoint stores them (``to_dcp`` copies them as they are)."""
 
 
+@functools.cache
 def _verbatim_planners():
+    """(load planner class, save planner class) that carry stored values as bytes (torch is
+    imported only when a conversion runs)."""
     import torch
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItemType
@@ -299,10 +303,6 @@ def _verbatim_planners():
             return super().transform_object(write_item, object)
 
     return VerbatimValuesLoadPlanner, VerbatimValuesSavePlanner
-
-
-def _VerbatimValuesSavePlanner():
-    return _verbatim_planners()[1]()
 
 
 def _load_flat(path: str, md, keys: list[str], bar, trusted: bool = False, raw_values: bool = False) -> dict[str, Any]:

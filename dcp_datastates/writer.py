@@ -418,7 +418,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         staged.decision_key, staged.learn, staged.plain_keys = plan.decision_key, plan.learn, plan.plain_keys
         staged.flat, staged.payloads = flat, plan.payloads
         for pf in plan.files:
-            staged.files.append(self._submit(engine, staged, pf))
+            staged.files.append(self._submit(engine, staged, self._copy_small_now(engine, pf, staged.path)))
         for group in plan.held:
             staged.held.append(self._hold(engine, group.items, known=group.known))
         if staged.files:
@@ -474,14 +474,19 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         held.side_buffer = side_buffer  # what the items copied at the request point into
         return held
 
-    def _submit(self, engine, staged: _StagedSave, pf: PlannedFile) -> _FileJob:
-        """Hand one planned file to the engine: the only place a ``_FileJob`` is made."""
+    def _copy_small_now(self, engine, pf: PlannedFile, path: str | None) -> PlannedFile:
+        """At the request only (``stage()``): ``pf`` with its small items copied now
+        (stage/request_copy.py). Files made later (``write_data``) need no such copy."""
         stream = _current_stream(pf.device) if pf.device >= 0 else 0
         spans, keepalive = copy_small_at_request(engine, pf.device, stream, pf.spans, pf.keepalive,
-                                                 self.config.copy_at_request_max_bytes, staged.path or "checkpoint")
-        job, upload, name = self._start(engine, staged, pf.index, pf.layout, spans, pf.device)
+                                                 self.config.copy_at_request_max_bytes, path or "checkpoint")
+        return dataclasses.replace(pf, spans=spans, keepalive=keepalive)
+
+    def _submit(self, engine, staged: _StagedSave, pf: PlannedFile) -> _FileJob:
+        """Hand one planned file to the engine: the only place a ``_FileJob`` is made."""
+        job, upload, name = self._start(engine, staged, pf.index, pf.layout, pf.spans, pf.device)
         locations = pf.locations(data_file_name(staged.rank, pf.index), job.piece_size())
-        return _FileJob(pf.index, name, job, pf.keys, locations, keepalive, engine, pf.layout.file_size, upload)
+        return _FileJob(pf.index, name, job, pf.keys, locations, pf.keepalive, engine, pf.layout.file_size, upload)
 
     def _start(self, engine, staged: _StagedSave, index: int, layout, spans: list, device: int):
         """Hand one file to the engine: (job, upload Future for remote folders, file name)."""

@@ -12,18 +12,11 @@ The engine then copies from that side buffer lazily like any other item.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 __all__ = ["copy_small_at_request"]
 
 _ALIGN = 16
-
-
-def _torch_device(owner: Any) -> torch.device:
-    """Where the memory an item's keep-alive owns lives (a tensor or an untyped storage)."""
-    return owner.device
 
 
 def copy_small_at_request(engine, device: int, stream: int, spans: list, keepalive: list, max_bytes: int,
@@ -40,7 +33,8 @@ def copy_small_at_request(engine, device: int, stream: int, spans: list, keepali
     for i in small:
         offsets.append(total)
         total += -(-spans[i][1] // _ALIGN) * _ALIGN
-    buffer = torch.empty(total, dtype=torch.uint8, device=_torch_device(keepalive[small[0]]))
+    # On the device the items' memory is on (their keep-alive: a tensor or an untyped storage).
+    buffer = torch.empty(total, dtype=torch.uint8, device=keepalive[small[0]].device)
     base = buffer.data_ptr()
     engine.snapshot(device, stream, base, [(spans[i][0], spans[i][1], off) for i, off in zip(small, offsets)], what)
     spans, keepalive = list(spans), list(keepalive)
