@@ -1023,7 +1023,7 @@ def _tree_bytes(path: str | None) -> int:
 def measure_version_guard(tensors: list, reps: int) -> dict:
     """The torn-state guard's share of a save: recording every source tensor's version counter
     at stage() and comparing them at the seal (both on the training thread at worst)."""
-    from dcp_datastates.version_guard import VersionGuard
+    from dcp_datastates.save.version_guard import VersionGuard
 
     names = [f"t{i}" for i in range(len(tensors))]
     record, check = [], []
@@ -1075,7 +1075,7 @@ def measure_stage_cost(root: str, count: int, reps: int, profile: bool, config) 
         staged.finished.set()  # no DCP save follows this stage(): release its path
         return wall, cpu
 
-    from dcp_datastates.stage.pipeline import plan_stats
+    from dcp_datastates.save.pipeline import plan_stats
 
     n = max(3, reps)
     before = plan_stats()

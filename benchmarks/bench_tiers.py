@@ -34,7 +34,8 @@ import torch.distributed.checkpoint as dcp
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-from dcp_datastates import DataStatesReader, DataStatesWriter, tiers
+from dcp_datastates import DataStatesReader, DataStatesWriter
+from dcp_datastates.tiers import local_tier as tiers
 
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 MiB = 1 << 20

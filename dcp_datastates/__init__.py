@@ -8,7 +8,6 @@
     dcp.load(state, storage_reader=DataStatesReader("ckpt/step-100"))
 """
 
-from .checkpoint_stats import CheckpointStats, recent_checkpoints
 from .commit import check_commit, is_committed
 from .config import DataStatesConfig, parse_size
 from .errors import (
@@ -21,12 +20,13 @@ from .errors import (
     UnsafeCheckpointError,
     checkpoint_error_cause,
 )
-from .integrity import validate_checkpoint, validate_data_file
+from .load.verify import validate_checkpoint, validate_data_file
 from .planners import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
 from .runtime import engine_stats, shutdown_engine, start_engine
-from .staging_tracker import protect_optimizer, wait_staged
-from .tiers import latest_checkpoint
+from .runtime.staging_wait import protect_optimizer, wait_staged
+from .save.checkpoint_stats import CheckpointStats, recent_checkpoints
+from .tiers.local_tier import latest_checkpoint
 from .writer import DataStatesWriter
 
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@
     dcp-datastates inspect PATH [--json] [--chunks]
     dcp-datastates verify PATH
     dcp-datastates convert PATH OUT --to hf|torch|dcp [--max-shard-size 5GB] [--prefix model.]
+                                   [--hf-config CONFIG.json|MODEL_FOLDER]
     dcp-datastates bench ...
 
 Exit status: 0 on success; 1 with a one-line message on a checkpoint, file or argument error
@@ -69,7 +70,7 @@ def _checkpoint_dir(path: str) -> str:
 def _read_metadata(path: str):
     """(DCP Metadata, per-file table) of a committed DataStates checkpoint; ``read_commit``
     names what else the folder is (a folder of checkpoints, a stock DCP checkpoint ...)."""
-    from .integrity import read_commit
+    from .commit import read_commit
 
     return read_commit(path)
 
@@ -106,9 +107,9 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
 
 # ------------------------------------------------------------------------------------ inspect
 def _cmd_inspect(args) -> int:
-    from .checkpoint_format import FORMAT_NAME, FORMAT_VERSION
     from .convert import checkpoint_items
-    from .integrity import file_kind
+    from .format.layout import FORMAT_NAME, FORMAT_VERSION
+    from .storage import file_kind
 
     path = _checkpoint_dir(args.path)
     md, files = _read_metadata(path)
@@ -198,7 +199,7 @@ def _cmd_inspect(args) -> int:
 # ------------------------------------------------------------------------------------- verify
 def _cmd_verify(args) -> int:
     from .config import tool_config
-    from .integrity import verify_checkpoint
+    from .load.verify import verify_checkpoint
     from .runtime import get_engine
 
     path = _checkpoint_dir(args.path)
@@ -231,16 +232,19 @@ def _cmd_convert(args) -> int:
         max_shard = parse_size(args.max_shard_size, name="--max-shard-size")
         if max_shard < 1:
             raise ValueError("--max-shard-size must be positive")
-        done = convert.to_hf(path, args.out, max_shard_size=max_shard, prefix=args.prefix, force=args.force,
-                             progress=progress)
+        done = convert.to_hf(path, args.out, max_shard_size=max_shard, prefix=args.prefix, hf_config=args.hf_config,
+                             force=args.force, progress=progress)
+        configs = "".join(f" + {name}" for name in done.config_files)
         print(f"wrote {done.out}: {done.items} tensors, {_human(done.nbytes)} in {len(done.files)} safetensors "
-              f"file(s) + model.safetensors.index.json")
+              f"file(s) + model.safetensors.index.json{configs}")
         if done.skipped:
             shown = ", ".join(done.skipped[:20]) + (f" and {len(done.skipped) - 20} more" if len(done.skipped) > 20 else "")
             print(f"skipped {len(done.skipped)} item(s) that a safetensors file cannot hold: {shown}")
         return 0
     if args.prefix:
         raise ValueError("--prefix applies to --to hf only")
+    if args.hf_config:
+        raise ValueError("--hf-config applies to --to hf only")
     if args.to == "torch":
         done = convert.to_torch(path, args.out, force=args.force, trusted=args.trust, progress=progress)
         print(f"wrote {done.out}: {done.items} items, {_human(done.nbytes)} (torch.save)")
@@ -305,6 +309,13 @@ def _parser() -> argparse.ArgumentParser:
         help="hf: largest tensor bytes per safetensors file, e.g. 5GB, 500MB, 2GiB (default 5GB; a bare number is bytes)",
     )
     s.add_argument("--prefix", default=None, help="hf: convert only items whose name starts with PREFIX, and strip it (e.g. 'model.')")
+    s.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="PATH",
+        help="hf: write config.json into OUT so that from_pretrained(OUT) loads it alone; PATH is a config.json file "
+        "or a folder holding one (a model folder: its config.json and generation_config.json are copied)",
+    )
     s.add_argument("--force", action="store_true", help="write into a non-empty output folder / over an existing file")
     s.add_argument(
         "--trust",

@@ -211,7 +211,7 @@ class DataStatesConfig:
             the background instead of every rank sending to the coordinator.
         storage_options: passed to fsspec for remote URLs.
         local_tier: a node-local folder (NVMe, tmpfs): each save is committed there first, then
-            drained in the background to the checkpoint path (``tiers.py``). None: off.
+            drained in the background to the checkpoint path (``tiers/local_tier.py``). None: off.
         keep_local: local copies kept in ``local_tier`` (newest first); older ones are removed
             once drained, never before.
         drain_timeout: with ``local_tier`` and several ranks, seconds the coordinator waits for
@@ -244,7 +244,7 @@ class DataStatesConfig:
         if self.local_tier is not None:
             if not isinstance(self.local_tier, (str, os.PathLike)) or not os.fspath(self.local_tier):
                 raise ValueError(f"local_tier: expected a local folder path, got {self.local_tier!r}")
-            if "://" in os.fspath(self.local_tier):
+            if "://" in os.fspath(self.local_tier):  # option check: the local tier is a folder of this machine
                 raise ValueError(f"local_tier: must be a node-local folder, not a URL: {os.fspath(self.local_tier)!r}")
             self.local_tier = os.path.abspath(os.fspath(self.local_tier))
         if self.host_cache_size is not None:

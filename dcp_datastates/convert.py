@@ -5,10 +5,15 @@ Every item is read back through ``dcp.load`` with ``DataStatesReader`` (DCP asse
 from all ranks' shards; the reader checks every CRC32C), into new full-size CPU tensors. Outputs
 are written under temporary names and renamed into place, never through a link planted in the
 output folder. ``dcp-datastates convert`` is the command-line front end.
+
+``to_hf(..., hf_config=...)`` also writes the model's ``config.json`` (and its
+``generation_config.json``) so that ``from_pretrained(out)`` needs nothing else; the files are
+checked as JSON objects and copied as they are (transformers is not needed here).
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import json
@@ -18,12 +23,16 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable
 
-from .integrity import check_data_files, no_progress, read_commit
+from .commit import check_data_files, read_commit
+from .load.verify import no_progress
 
-__all__ = ["CheckpointItem", "Converted", "checkpoint_items", "to_dcp", "to_hf", "to_torch"]
+__all__ = ["CheckpointItem", "Converted", "checkpoint_items", "read_hf_config", "to_dcp", "to_hf", "to_torch"]
 
 # Files of a Hugging Face safetensors folder that ``to_hf`` writes (and replaces).
 _HF_NAME = re.compile(r"^model(-\d+-of-\d+)?\.safetensors(\.index\.json)?$")
+# What ``hf_config`` copies from a folder: the model config (required) and its generation config.
+_HF_CONFIG = "config.json"
+_HF_GENERATION_CONFIG = "generation_config.json"
 # Bytes loaded per dcp.load call: bounds the progress granularity, not memory.
 _LOAD_GROUP_BYTES = 256 << 20
 
@@ -53,6 +62,7 @@ class Converted:
     nbytes: int
     files: list[str] = field(default_factory=list)  # hf: the safetensors files written
     skipped: list[str] = field(default_factory=list)  # hf: items a safetensors file cannot hold
+    config_files: list[str] = field(default_factory=list)  # hf: config.json (+ generation_config.json) written
 
 
 def _itemsize(dtype) -> int:
@@ -67,7 +77,7 @@ def checkpoint_items(md) -> list[CheckpointItem]:
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    from .checkpoint_format import dtype_to_name
+    from .format.layout import dtype_to_name
 
     by_fqn: dict[str, list] = defaultdict(list)
     for index, loc in md.storage_data.items():
@@ -148,16 +158,25 @@ def to_dcp(path: str, out: str, *, force: bool = False, trusted: bool = False,
 
 
 def to_hf(path: str, out: str, *, max_shard_size: int = 5 * 10**9, prefix: str | None = None,
-          force: bool = False, progress: Progress | None = None) -> Converted:
+          hf_config: str | os.PathLike | None = None, force: bool = False,
+          progress: Progress | None = None) -> Converted:
     """A Hugging Face safetensors folder: ``model.safetensors`` or ``model-0000k-of-0000n``
     shards of at most ``max_shard_size`` tensor bytes, and ``model.safetensors.index.json``.
-    Only tensors (under ``prefix``, which is stripped from their names); nothing is unpickled."""
+    Only tensors (under ``prefix``, which is stripped from their names); nothing is unpickled.
+
+    ``hf_config``: a ``config.json`` file (any name), or a folder holding one (a model folder
+    such as ``save_pretrained`` writes: only its ``config.json`` and, when present,
+    ``generation_config.json`` are taken), written into ``out`` as they are, so that
+    ``AutoModelForCausalLM.from_pretrained(out)`` (or the model's own class) loads the folder
+    alone. Each must be a JSON object; a missing file raises ``FileNotFoundError``, an invalid
+    one ``ValueError``, both naming the file, before the checkpoint is read."""
     from safetensors.torch import save_file
 
-    from .checkpoint_format import safetensors_dtype
+    from .format.layout import safetensors_dtype
 
     if max_shard_size < 1:
         raise ValueError("max_shard_size must be positive")
+    configs = read_hf_config(hf_config) if hf_config is not None else {}
     path, md = _open_checkpoint(path, out)
     progress = progress or no_progress
     chosen: list[tuple[str, str, int]] = []  # (fqn, output name, bytes)
@@ -214,7 +233,44 @@ def to_hf(path: str, out: str, *, max_shard_size: int = 5 * 10**9, prefix: str |
         json.dump(index, f, indent=2)
         f.write("\n")
     os.replace(index_tmp, os.path.join(out, "model.safetensors.index.json"))  # replaces a link, never follows it
-    return Converted(out, len(chosen), total, files=names, skipped=skipped)
+    for name, data in configs.items():
+        _write_new_file(out, name, data)
+    return Converted(out, len(chosen), total, files=names, skipped=skipped, config_files=list(configs))
+
+
+def read_hf_config(source: str | os.PathLike) -> dict[str, bytes]:
+    """The Hugging Face config files ``to_hf(hf_config=source)`` writes: ``{"config.json": bytes}``
+    and, when ``source`` is a folder holding one, ``"generation_config.json"``. ``source`` is a
+    config file (any name) or a folder holding ``config.json``. Each is checked to be a JSON
+    object (UTF-8); a missing one raises ``FileNotFoundError``, an invalid one ``ValueError``,
+    each naming the file."""
+    source = os.fspath(source)
+    if os.path.isdir(source):
+        wanted = {_HF_CONFIG: os.path.join(source, _HF_CONFIG)}
+        generation = os.path.join(source, _HF_GENERATION_CONFIG)
+        if os.path.lexists(generation):
+            wanted[_HF_GENERATION_CONFIG] = generation
+        missing = f"no {_HF_CONFIG} in the Hugging Face config folder"
+    else:
+        wanted = {_HF_CONFIG: source}
+        missing = "Hugging Face config not found"
+    out = {}
+    for name, file in wanted.items():
+        try:
+            with open(file, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, missing, file) from None
+        except IsADirectoryError:
+            raise ValueError(f"Hugging Face config {file} is a folder, not a JSON file") from None
+        try:
+            doc = json.loads(data.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ValueError(f"Hugging Face config {file} is not valid JSON: {exc}") from None
+        if not isinstance(doc, dict):
+            raise ValueError(f"Hugging Face config {file} is not a JSON object (found a {type(doc).__name__})")
+        out[name] = data
+    return out
 
 
 # ------------------------------------------------------------------------------------- reading
@@ -387,6 +443,20 @@ def _prepare_output(out: str, force: bool, is_dir: bool, create: bool = True) ->
     else:
         parent = os.path.dirname(os.path.abspath(out))
         os.makedirs(parent, exist_ok=True)
+
+
+def _write_new_file(folder: str, name: str, data: bytes) -> None:
+    """Write ``folder/name`` under a new, unpredictable temporary name and rename it into place
+    (replaces a link planted there, never follows it)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, os.path.join(folder, name))
+    finally:
+        if os.path.lexists(tmp):
+            os.unlink(tmp)
 
 
 def _create_new(path: str, mode: str = "wb"):

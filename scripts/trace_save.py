@@ -90,17 +90,23 @@ def main(argv=None) -> dict:
     root = tempfile.mkdtemp(prefix="trace_save_")
     for k in range(3):  # warm: engine started, plan cached
         dcp.async_save(state, storage_writer=DataStatesWriter(f"{root}/warm-{k}")).upload_completion.result()
+    with ModuleTrace() as construct_trace:  # one writer per checkpoint, as the docs show
+        writer = DataStatesWriter(f"{root}/traced")
     with ModuleTrace() as save_trace:
-        resp = dcp.async_save(state, storage_writer=DataStatesWriter(f"{root}/traced"))
+        resp = dcp.async_save(state, storage_writer=writer)
         resp.upload_completion.result()
     dest = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}, "step": None}
     dcp.load(dest, storage_reader=DataStatesReader(f"{root}/warm-0"))  # warm
     with ModuleTrace() as load_trace:
         dcp.load(dest, storage_reader=DataStatesReader(f"{root}/traced"))
-    report = {"tensors": args.tensors, "save": save_trace.summary(), "load": load_trace.summary()}
-    for what in ("save", "load"):
+    report = {"tensors": args.tensors, "construct": construct_trace.summary(), "save": save_trace.summary(),
+              "load": load_trace.summary()}
+    for s in report["save"].values():
+        s["packages"] = sorted({m.split(".")[0] for m in s["order"]})
+    for what in ("construct", "save", "load"):
         for thread, s in report[what].items():
-            print(f"{what} [{thread}]: {s['modules']} modules, {s['entries']} entries, {s['reentries']} re-entries")
+            print(f"{what} [{thread}]: {s['modules']} modules, {s['entries']} entries, {s['reentries']} re-entries"
+                  + (f"; packages: {', '.join(s['packages'])}" if "packages" in s else ""))
             print("    " + " -> ".join(s["order"]))
     if args.json:
         with open(args.json, "w") as f:

@@ -14,8 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesReader, DataStatesWriter, commit, start_engine
+from dcp_datastates import DataStatesReader, DataStatesWriter, start_engine
 from dcp_datastates.runtime import current_engine
+from dcp_datastates.storage import local as local_storage
 
 CACHE, CHUNK = 8 << 20, 256 << 10
 
@@ -61,14 +62,14 @@ class _Fault:
         elif self.kind in ("eio", "fsync_eio"):
             current_engine().set_fault(self.kind, 0, self.path)
         elif self.kind == "commit":
-            self._replace = commit.os.replace
+            self._replace = local_storage.os.replace
 
             def failing(src, dst, *a, **k):
                 if ".metadata.tmp" in str(src):
                     raise OSError(5, "Input/output error", str(src))
                 return self._replace(src, dst, *a, **k)
 
-            commit.os.replace = failing
+            local_storage.os.replace = failing
         return self
 
     def __exit__(self, *exc):
@@ -78,7 +79,7 @@ class _Fault:
         elif self.kind in ("eio", "fsync_eio"):
             current_engine().set_fault("none", 0, "")
         elif self.kind == "commit":
-            commit.os.replace = self._replace
+            local_storage.os.replace = self._replace
         return False
 
 

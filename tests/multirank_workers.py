@@ -165,7 +165,7 @@ def phase_four(rank, world, root):
 
 def phase_hierarchy(rank, world, root):
     """4 ranks as 2 simulated nodes of 2: results go rank -> node leader -> coordinator."""
-    import dcp_datastates.consolidate as C
+    import dcp_datastates.save.consolidate as C
 
     sends = []
     real_send = C.dist.send_object_list

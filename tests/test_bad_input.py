@@ -22,7 +22,8 @@ from dcp_datastates import (
     IncompleteCheckpointError,
 )
 from dcp_datastates.errors import checkpoint_error_cause
-from dcp_datastates.integrity import MAX_HEADER_BYTES, parse_header, read_header, validate_checkpoint, validate_data_file
+from dcp_datastates.format.header import MAX_HEADER_BYTES, parse_header
+from dcp_datastates.load.verify import read_header, validate_checkpoint, validate_data_file
 
 from conftest import raises_through_dcp
 

@@ -7,7 +7,7 @@ import pytest
 
 import dcp_datastates
 from dcp_datastates import CheckpointStats, recent_checkpoints
-from dcp_datastates.checkpoint_stats import HISTORY, _clear, record
+from dcp_datastates.save.checkpoint_stats import HISTORY, _clear, record
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +115,8 @@ def test_a_save_records_its_figures_and_the_coordinator_logs_one_line(tmp_path, 
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from dcp_datastates import DataStatesWriter, checkpoint_stats, recent_checkpoints
+    from dcp_datastates import DataStatesWriter, recent_checkpoints
+    from dcp_datastates.save import checkpoint_stats
 
     checkpoint_stats._clear()
     state = {"w": torch.randn(256 * 1024), "step": 3}

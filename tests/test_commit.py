@@ -12,10 +12,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import dcp_datastates.writer as writer_mod
+import dcp_datastates.save.request as request_mod
+import dcp_datastates.save.write as write_mod
 from dcp_datastates import DataStatesReader, DataStatesWriter, commit, latest_checkpoint
 from dcp_datastates.errors import CheckpointFormatError, IncompleteCheckpointError
 from dcp_datastates.runtime import current_engine
+from dcp_datastates.storage import local as local_storage
 
 from conftest import raises_through_dcp
 
@@ -76,8 +78,9 @@ def test_resave_keeps_the_old_checkpoint_until_the_new_commit(tmp_path, api, sma
     old_bytes = (folder / "__0_0.safetensors").read_bytes()
     marker = str(folder / ".metadata")
     seen: list = []
-    real_get_engine = writer_mod.get_engine
-    monkeypatch.setattr(writer_mod, "get_engine", lambda cfg: _SpyEngine(real_get_engine(cfg), marker, seen))
+    real_get_engine = request_mod.get_engine
+    for step in (request_mod, write_mod):  # the request (async_save) and the write (dcp.save) submit files
+        monkeypatch.setattr(step, "get_engine", lambda cfg: _SpyEngine(real_get_engine(cfg), marker, seen))
     save(folder, 2.0, api)
     # the new data went to a new name while the old commit (and its file) stayed in place
     assert len(seen) == 1 and seen[0][1] is True and seen[0][2] is False
@@ -117,7 +120,7 @@ def test_failed_resave_keeps_the_old_checkpoint_loadable(tmp_path, api, small_en
 def test_commit_failure_raises_with_path_and_keeps_the_old_commit(tmp_path, small_engine, monkeypatch, where, err, cause):
     folder = tmp_path / "c"
     save(folder, 1.0, "sync")
-    real = getattr(commit.os, where)
+    real = getattr(local_storage.os, where)
 
     def failing(*args, **kwargs):
         target = str(args[0]) if where == "replace" else os.readlink(f"/proc/self/fd/{args[0]}")
@@ -125,10 +128,10 @@ def test_commit_failure_raises_with_path_and_keeps_the_old_commit(tmp_path, smal
             return real(*args, **kwargs)
         raise OSError(err, os.strerror(err), target if where == "replace" else None)
 
-    monkeypatch.setattr(commit.os, where, failing)
+    monkeypatch.setattr(local_storage.os, where, failing)
     with raises_through_dcp(rf"CheckpointWriteError: committing checkpoint {folder} failed: {cause}"):
         save(folder, 2.0, "sync")
-    monkeypatch.setattr(commit.os, where, real)
+    monkeypatch.setattr(local_storage.os, where, real)
     names = sorted(os.listdir(folder))
     assert names[0] == ".metadata" and "__0_0.safetensors" in names  # the old commit, no temporary
     assert not [n for n in names if n.startswith(".metadata.tmp")]
@@ -140,11 +143,11 @@ def test_commit_failure_raises_with_path_and_keeps_the_old_commit(tmp_path, smal
 
 def test_first_commit_failure_leaves_no_marker(tmp_path, small_engine, monkeypatch):
     folder = tmp_path / "fresh"
-    real = commit.os.replace
-    monkeypatch.setattr(commit.os, "replace", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+    real = local_storage.os.replace
+    monkeypatch.setattr(local_storage.os, "replace", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
     with raises_through_dcp("committing checkpoint .* failed: Input/output error"):
         save(folder, 1.0, "sync")
-    monkeypatch.setattr(commit.os, "replace", real)
+    monkeypatch.setattr(local_storage.os, "replace", real)
     assert not [n for n in os.listdir(folder) if n.startswith(".metadata")]
     with raises_through_dcp("incomplete checkpoint"):
         load(folder)
@@ -166,14 +169,14 @@ def test_marker_is_written_atomically_and_last(tmp_path, small_engine, monkeypat
     marker bytes are complete JSON."""
     folder = tmp_path / "c"
     snapshots = []
-    real_replace = commit.os.replace
+    real_replace = local_storage.os.replace
 
     def spy_replace(src, dst, *a, **k):
         files = {n: os.path.getsize(folder / n) for n in os.listdir(folder) if n.endswith(".safetensors")}
         snapshots.append((os.path.basename(str(dst)), os.path.exists(dst), files, open(src, "rb").read()))
         return real_replace(src, dst, *a, **k)
 
-    monkeypatch.setattr(commit.os, "replace", spy_replace)
+    monkeypatch.setattr(local_storage.os, "replace", spy_replace)
     save(folder, 1.0, "async")
     assert len(snapshots) == 1
     name, existed, files, raw = snapshots[0]

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from dcp_datastates import ChecksumMismatchError, DataStatesWriter, convert
-from dcp_datastates.integrity import read_commit
+from dcp_datastates.commit import read_commit
 
 from conftest import assert_state_equal, tensors_equal_bitwise, zeros_like_state
 

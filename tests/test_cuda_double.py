@@ -529,9 +529,10 @@ def _float_tensors_on_fake_device(fake, monkeypatch, delay_us: int) -> int:
     """Float CPU tensors stand in for CUDA tensors on device 0 of the double: the writer submits
     their copies to the fake runtime with a fresh stream as the caller's current stream, and
     wait_staged() sees that stream. Returns the stream (destroy it after the test)."""
-    from dcp_datastates import runtime, writer
-    from dcp_datastates import staging_tracker as staging
-    from dcp_datastates.stage import items as stage_items
+    from dcp_datastates import runtime
+    from dcp_datastates.runtime import staging_wait as staging
+    from dcp_datastates.save import items as stage_items
+    from dcp_datastates.save import request as request_mod
 
     original = stage_items._tensor_source
 
@@ -543,7 +544,7 @@ def _float_tensors_on_fake_device(fake, monkeypatch, delay_us: int) -> int:
 
     s = fake.stream()
     monkeypatch.setattr(stage_items, "_tensor_source", on_device)
-    monkeypatch.setattr(writer, "_current_stream", lambda device: s)
+    monkeypatch.setattr(request_mod, "current_stream", lambda device: s)
     monkeypatch.setattr(staging, "_cuda_stream", lambda device: s)
     runtime.shutdown_engine()
     fake.delay("cudaMemcpyAsync", delay_us)
@@ -556,7 +557,7 @@ def test_async_save_of_device_tensors_through_the_writer(tmp_path, fake, monkeyp
     import torch.distributed.checkpoint as dcp
 
     from dcp_datastates import DataStatesReader, DataStatesWriter, engine_stats, runtime, wait_staged
-    from dcp_datastates import staging_tracker as staging
+    from dcp_datastates.runtime import staging_wait as staging
 
     from conftest import assert_state_equal, clone_state, zeros_like_state
 
@@ -571,7 +572,7 @@ def test_async_save_of_device_tensors_through_the_writer(tmp_path, fake, monkeyp
         snapshot = clone_state(state)
         resp = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "ck", host_cache_size=4 * MiB, chunk_size=64 * KiB))
         assert engine_stats()["cuda"] == 1
-        pending = staging.tracker().pending()
+        pending = staging.inflight.staging()
         assert len(pending) == 1 and [f.job.device for f in pending[0].files] == [-1, 0]  # host items first
         host, dev = pending[0].files
         assert until(lambda: host.job.is_staged() and dev.job.all_enqueued(), 10)
@@ -617,7 +618,7 @@ def test_torn_guard_seals_at_the_device_side_wait(tmp_path, fake, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
     from dcp_datastates import DataStatesReader, DataStatesWriter, runtime, wait_staged
-    from dcp_datastates import staging_tracker as staging
+    from dcp_datastates.runtime import staging_wait as staging
 
     from conftest import raises_through_dcp
 
@@ -627,7 +628,7 @@ def test_torn_guard_seals_at_the_device_side_wait(tmp_path, fake, monkeypatch):
         snapshot = {k: v.clone() for k, v in state.items()}
         opts = dict(host_cache_size=4 * MiB, chunk_size=64 * KiB)
         resp = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "ok", **opts))
-        assert until(lambda: all(f.job.all_enqueued() for f in staging.tracker().pending()[0].files), 10)
+        assert until(lambda: all(f.job.all_enqueued() for f in staging.inflight.staging()[0].files), 10)
         assert wait_staged() is True  # device-side: sealed now, nothing blocked
         for t in state.values():  # the "optimizer step": queued on the caller's stream after the wait
             fake.fill(s, t.numpy(), 0x55)

@@ -29,10 +29,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from dcp_datastates.checkpoint_format import FileEntry, ItemLocation, decode_metadata, encode_metadata, piece_ranges, plan_file
 from dcp_datastates.errors import CheckpointFormatError, UnsafeCheckpointError
-from dcp_datastates.integrity import MAX_HEADER_BYTES, parse_header
-from dcp_datastates.safe_unpickle import decode_value
+from dcp_datastates.format.header import MAX_HEADER_BYTES, parse_header
+from dcp_datastates.format.layout import FileEntry, ItemLocation, decode_metadata, encode_metadata, piece_ranges, plan_file
+from dcp_datastates.format.safe_unpickle import decode_value
 
 QUICK = settings(
     max_examples=200,

@@ -8,8 +8,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, IncompleteCheckpointError
+from dcp_datastates.commit import file_size_error, read_commit
 from dcp_datastates.config import tool_config
-from dcp_datastates.integrity import file_size_error, read_commit, verify_checkpoint
+from dcp_datastates.load.verify import verify_checkpoint
 from dcp_datastates.runtime import get_engine
 
 from conftest import raises_through_dcp, zeros_like_state

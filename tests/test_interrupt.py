@@ -15,7 +15,8 @@ import sys
 import textwrap
 import threading
 
-from dcp_datastates import inflight, latest_checkpoint
+from dcp_datastates import latest_checkpoint
+from dcp_datastates.runtime import inflight
 
 EXIT_TIMEOUT = 30  # generous: only a hang fails it (the stalled save would hold the exit forever)
 
@@ -73,7 +74,7 @@ class Child:
 # appears) or is abandoned, as DCP's background thread waits for the writer's jobs.
 DOUBLE = """
     import os, sys, threading, time
-    from dcp_datastates import inflight
+    from dcp_datastates.runtime import inflight
 
     class Save:
         path = "ckpt/step-200"
@@ -131,7 +132,8 @@ REAL = """
     import sys
     import torch
     import torch.distributed.checkpoint as dcp
-    from dcp_datastates import DataStatesWriter, inflight
+    from dcp_datastates import DataStatesWriter
+    from dcp_datastates.runtime import inflight
     from dcp_datastates.runtime import current_engine
 
     root = sys.argv[1]

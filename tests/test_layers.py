@@ -1,11 +1,19 @@
-"""The package's import graph: no module imports itself back through others (no circle), and the
-commit protocol and the checkpoint format know nothing of the tiers. Read from the source with
-``ast`` (function-level imports count too: a lazy import is still a dependency)."""
+"""The package's import graph: the layers contract (.importlinter, checked by import-linter) holds
+and says what docs/how-it-works.md's module map says; no module imports itself back through
+others (no circle, read from the source with ``ast``: function-level imports count too, a lazy
+import is still a dependency); the DCP writer stays a thin adapter."""
 
 from __future__ import annotations
 
 import ast
+import configparser
+import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "dcp_datastates"
 
@@ -81,7 +89,7 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read():
     graph = import_graph()
-    assert "dcp_datastates.writer" in graph and "dcp_datastates.commit" in graph["dcp_datastates.writer"]
+    assert "dcp_datastates.writer" in graph and "dcp_datastates.save" in graph["dcp_datastates.writer"]
     assert _circles({"a": {"b"}, "b": {"a"}, "c": {"a"}}) == [["a", "b"]]  # the check can fail
 
 
@@ -89,10 +97,54 @@ def test_no_import_circle():
     assert _circles(import_graph()) == []
 
 
-def test_commit_and_format_know_nothing_of_tiers():
+def _layers() -> list[list[str]]:
+    config = configparser.ConfigParser()
+    config.read(PKG.parent / ".importlinter")
+    lines = config["importlinter:contract:layers"]["layers"].strip().splitlines()
+    return [[m.strip() for m in line.split("|")] for line in lines if line.strip()]
+
+
+def _lint_imports(config: Path) -> subprocess.CompletedProcess:
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    if exe is None:
+        pytest.skip("import-linter is not installed (it is in the test extra)")
+    return subprocess.run([exe, "--config", str(config), "--no-cache"], cwd=PKG.parent, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_layers_contract_is_kept():
+    """import-linter checks the layers of .importlinter: each imports only the layers below it."""
+    r = _lint_imports(PKG.parent / ".importlinter")
+    assert r.returncode == 0 and "1 kept, 0 broken" in r.stdout, r.stdout + r.stderr
+
+
+def test_layers_contract_can_fail(tmp_path):
+    """The same contract with two layers swapped is reported broken (the check is live)."""
+    text = (PKG.parent / ".importlinter").read_text()
+    swapped = text.replace("    dcp_datastates.storage\n    dcp_datastates.format\n", "    dcp_datastates.format\n    dcp_datastates.storage\n")
+    assert swapped != text
+    (tmp_path / "contract.ini").write_text(swapped)
+    r = _lint_imports(tmp_path / "contract.ini")
+    assert r.returncode != 0 and "dcp_datastates.storage is not allowed to import dcp_datastates.format" in r.stdout
+
+
+def test_docs_module_map_names_the_contract_layers():
+    """docs/how-it-works.md's module map lists the layers in the contract's order."""
+    doc = (PKG.parent / "docs" / "how-it-works.md").read_text()
+    section = doc.split("## Module map", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| *(\d+) *\| *([^|]+)\|", section, flags=re.M)
+    documented = [sorted(m.strip(" `") for m in names.split(",")) for _, names in rows]
+    expected = [sorted(m.removeprefix("dcp_datastates.") for m in layer) for layer in _layers()]
+    assert documented == expected
+
+
+def test_the_writer_is_a_thin_adapter():
+    """writer.py answers DCP and delegates each callback to a step of the save: at most ~400
+    lines and 8 in-package imports."""
     graph = import_graph()
-    for low in ("dcp_datastates.commit", "dcp_datastates.checkpoint_format", "dcp_datastates.integrity"):
-        assert not graph[low] & {"dcp_datastates.tiers", "dcp_datastates.drain"}, low
+    source = (PKG / "writer.py").read_text()
+    assert len(source.splitlines()) <= 400
+    assert len(graph["dcp_datastates.writer"]) <= 8, sorted(graph["dcp_datastates.writer"])
 
 
 def test_the_save_and_load_tracer_runs(tmp_path):
@@ -107,3 +159,21 @@ def test_the_save_and_load_tracer_runs(tmp_path):
     assert main["order"][0] == "writer" and main["modules"] >= 2 and main["entries"] >= main["modules"]
     assert report["load"]["MainThread"]["order"][0] == "reader"
     assert (tmp_path / "t.json").exists()
+
+
+def test_local_or_remote_is_decided_in_the_storage_layer_only():
+    """No module outside ``storage`` asks whether a location is a URL; the few that open a
+    ``LocalStorage`` directly say why on that line (the local tier and ``verify`` read folders of
+    this machine by definition)."""
+    offenders = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).as_posix()
+        if rel.startswith("storage/"):
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if "is_remote(" in code or "ObjectStorage" in code:
+                offenders.append(f"{rel}:{n}: {line.strip()}")
+            if ("LocalStorage(" in code or '"://" in' in code) and "#" not in line:
+                offenders.append(f"{rel}:{n}: {line.strip()} (no comment saying why)")
+    assert offenders == [], "\n".join(offenders)

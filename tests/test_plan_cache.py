@@ -7,8 +7,8 @@ import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
-from dcp_datastates.checkpoint_format import data_file_name
-from dcp_datastates.stage.pipeline import plan_stats
+from dcp_datastates.format.layout import data_file_name
+from dcp_datastates.save.pipeline import plan_stats
 
 from conftest import assert_state_equal, clone_state, zeros_like_state
 

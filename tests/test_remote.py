@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesReader, DataStatesWriter, commit, folders, remote
+from dcp_datastates import DataStatesReader, DataStatesWriter, commit
 from dcp_datastates.errors import IncompleteCheckpointError
 from dcp_datastates.runtime import engine_stats
+from dcp_datastates.storage import ObjectStorage, objectstore
 
 from conftest import assert_state_equal, raises_through_dcp, zeros_like_state
 from s3_util import CutProxy as _CutProxy
@@ -76,13 +77,13 @@ def test_memory_save_and_load_round_trip(mem_url):
     state = make_state(big=3 * MiB)
     out = save_load(mem_url, state)
     assert_state_equal(state, out)
-    folder = folders.remote_folder(mem_url)
+    folder = ObjectStorage(mem_url)
     names = sorted(folder.sizes())
     assert names == [".metadata", "__0_0.safetensors"]
     # The object is a valid safetensors file.
     from safetensors.torch import load as st_load
 
-    tensors = st_load(folder.fs.cat_file(folder.join("__0_0.safetensors")))
+    tensors = st_load(folder.fs.cat_file(folder.fs_path("__0_0.safetensors")))
     assert torch.equal(tensors["w"], state["w"]) and torch.equal(tensors["nested.i"], state["nested"]["i"])
     commit.check_commit(mem_url)
     assert commit.is_committed(mem_url) and commit.is_committed(mem_url, check_files=True)
@@ -102,8 +103,8 @@ def test_memory_async_save_resave_and_overwrite_false(mem_url):
 def test_memory_missing_short_and_uncommitted(mem_url):
     state = make_state()
     save_load(mem_url, state)
-    folder = folders.remote_folder(mem_url)
-    data = folder.join("__0_0.safetensors")
+    folder = ObjectStorage(mem_url)
+    data = folder.fs_path("__0_0.safetensors")
     raw = folder.fs.cat_file(data)
     folder.fs.pipe_file(data, raw[:-10])
     with raises_through_dcp(r"__0_0\.safetensors is \d+ bytes, the metadata expects \d+ \(truncated\)"):
@@ -114,7 +115,7 @@ def test_memory_missing_short_and_uncommitted(mem_url):
     assert not commit.is_committed(mem_url, check_files=True)
     with pytest.raises(IncompleteCheckpointError, match="missing"):
         commit.check_commit(mem_url)
-    folder.fs.rm_file(folder.marker)
+    folder.fs.rm_file(folder.fs_path(".metadata"))
     folder.fs.pipe_file(data, raw)
     with raises_through_dcp("incomplete checkpoint memory://.*no .metadata commit marker"):
         dcp.load(zeros_like_state(state), storage_reader=DataStatesReader(mem_url))
@@ -125,8 +126,8 @@ def test_memory_missing_short_and_uncommitted(mem_url):
 def test_memory_checksum_mismatch_is_detected(mem_url):
     state = make_state()
     save_load(mem_url, state)
-    folder = folders.remote_folder(mem_url)
-    path = folder.join("__0_0.safetensors")
+    folder = ObjectStorage(mem_url)
+    path = folder.fs_path("__0_0.safetensors")
     raw = bytearray(folder.fs.cat_file(path))
     raw[-5] ^= 0xFF  # inside the last item's bytes
     folder.fs.pipe_file(path, bytes(raw))
@@ -138,8 +139,8 @@ def test_memory_latest_checkpoint_and_url_forms(mem_url, tmp_path):
     state = make_state()
     for step in (5, 20, 10):
         dcp.save(state, storage_writer=DataStatesWriter(f"{mem_url}/step-{step}/"))  # trailing slash
-    folder = folders.remote_folder(f"{mem_url}/step-20")
-    folder.fs.rm_file(folder.marker)
+    folder = ObjectStorage(f"{mem_url}/step-20")
+    folder.fs.rm_file(folder.fs_path(".metadata"))
     assert commit.latest_checkpoint(mem_url) == f"{mem_url}/step-10"
     # Every URL form is accepted; file:// is the local path.
     for url in ("s3://b/x", "gs://b/x", "az://c/x", "memory://x", "file:///tmp/x", "/tmp/x", "rel/x"):
@@ -178,7 +179,7 @@ def test_memory_upload_error_surfaces_from_upload_completion(mem_url, monkeypatc
     with raises_through_dcp(r"upload of memory://.*/__0_0\.[0-9a-f]{12}\.safetensors failed: OSError: .*No space left on the store"):
         resp.upload_completion.result(timeout=60)
     monkeypatch.undo()
-    folder = folders.remote_folder(mem_url)
+    folder = ObjectStorage(mem_url)
     assert sorted(folder.sizes()) == [".metadata", "__0_0.safetensors"]  # the old commit; the partial object was deleted
     assert_state_equal(state, load_only(mem_url, state))  # the previous checkpoint still loads
     st = engine_stats()
@@ -189,7 +190,7 @@ def test_memory_upload_error_surfaces_from_upload_completion(mem_url, monkeypatc
 
 def test_read_requests_split_merge_and_cover_every_range():
     ranges = [(1000, 0, 10), (2000, 10, 5), (3000, 100, 50), (40_000, 10_000, 25_000)]
-    reqs = remote._requests(ranges, request=8192, gap=64)
+    reqs = objectstore._requests(ranges, request=8192, gap=64)
     assert reqs[0][:2] == (0, 15) and reqs[1][:2] == (100, 150)  # adjacent merged; gap 85 > 64 not
     assert len(reqs) == 2 + 4  # 25,000 bytes in requests of at most 8 KiB
     got = {}
@@ -245,7 +246,7 @@ def test_s3_server_gone_mid_upload_fails_the_save_without_commit(s3, monkeypatch
     url = f"s3://{bucket}/victim"
     proxy = _CutProxy(int(s3.endpoint.rsplit(":", 1)[1]))
     options = dict(_options(proxy.endpoint), config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5})
-    monkeypatch.setattr(remote, "UPLOAD_BLOCK_SIZE", 5 * MiB)
+    monkeypatch.setattr(objectstore, "UPLOAD_BLOCK_SIZE", 5 * MiB)
     state = make_state(big=24 * MiB)
     assert_state_equal(state, save_load(url, state, storage_options=options))  # a committed checkpoint first
     assert commit.is_committed(url, storage_options=s3.options)
@@ -313,10 +314,9 @@ def test_oversized_remote_marker_is_refused_before_reading(mem_url, monkeypatch)
 
     state = make_state(big=64 * 1024)
     save_load(mem_url, state)
-    monkeypatch.setattr(folders, "MAX_METADATA_BYTES", 16)
-    folder = folders.remote_folder(mem_url)
+    monkeypatch.setattr(commit.reading, "MAX_METADATA_BYTES", 16)
     with pytest.raises(CheckpointFormatError, match=r"\.metadata: \d+ bytes, more than the 16-byte limit"):
-        folder.read_marker()
+        commit.read_commit(mem_url)
 
 
 def test_one_writer_saves_to_a_local_folder_then_to_a_store(tmp_path, mem_url):

@@ -20,11 +20,11 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesWriter
-from dcp_datastates.checkpoint_format import MAX_METADATA_BYTES
 from dcp_datastates.cli import main as cli_main
+from dcp_datastates.commit import read_commit
 from dcp_datastates.config import DataStatesConfig
 from dcp_datastates.errors import CheckpointFormatError, IncompleteCheckpointError, UnsafeCheckpointError, checkpoint_error_cause
-from dcp_datastates.integrity import read_commit
+from dcp_datastates.format.layout import MAX_METADATA_BYTES
 from dcp_datastates.runtime import get_engine
 
 from conftest import raises_through_dcp
@@ -288,13 +288,16 @@ def test_values_outside_the_allowlist_are_named(tmp_path):
 
 def test_decoding_leaves_torch_allowlist_unchanged(tmp_path):
     save(tmp_path / "ck", {"x": np.float64(1.0)})
+    before = list(torch.serialization.get_safe_globals())  # what other libraries (Megatron-core ...) added
     torch.serialization.add_safe_globals([np.dtype])
     try:
         load(tmp_path / "ck", {"x": None})
-        assert np.dtype in torch.serialization.get_safe_globals()  # theirs kept
-        assert np.ndarray not in torch.serialization.get_safe_globals()  # ours removed
+        after = torch.serialization.get_safe_globals()
+        assert np.dtype in after  # theirs kept
+        assert len(after) == len(before) + (np.dtype not in before)  # ours removed, nothing else added
     finally:
         torch.serialization.clear_safe_globals()
+        torch.serialization.add_safe_globals(before)
 
 
 # ------------------------------------------------------------------------- crafted metadata
@@ -368,7 +371,7 @@ def test_fifo_named_like_a_data_file_never_blocks(ckpt):
     buf = torch.empty(8, dtype=torch.uint8)
     with pytest.raises(OSError, match=r"a FIFO, not a regular file"):
         engine.read_into(str(ckpt / DATA), [(buf.data_ptr(), 0, 8)])
-    from dcp_datastates.integrity import read_header
+    from dcp_datastates.load.verify import read_header
 
     with pytest.raises(CheckpointFormatError, match="is a FIFO"):
         read_header(ckpt / DATA)
@@ -530,7 +533,7 @@ def test_restricted_pickle_loads_takes_a_dataloader_state_and_refuses_code(tmp_p
     restricted_pickle_loads is the drop-in that builds data only."""
     import collections
 
-    from dcp_datastates.safe_unpickle import restricted_pickle_loads
+    from dcp_datastates.format.safe_unpickle import restricted_pickle_loads
 
     gen = torch.Generator()
     gen.manual_seed(5)

@@ -11,17 +11,10 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import (
-    DataStatesConfig,
-    DataStatesReader,
-    DataStatesWriter,
-    commit,
-    drain,
-    integrity,
-    recent_checkpoints,
-    tiers,
-)
+from dcp_datastates import DataStatesConfig, DataStatesReader, DataStatesWriter, commit, recent_checkpoints
 from dcp_datastates.errors import CheckpointWriteError
+from dcp_datastates.tiers import drain
+from dcp_datastates.tiers import local_tier as tiers
 
 from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
 
@@ -34,7 +27,7 @@ def make_state(seed=0):
 
 def data_bytes(folder):
     """name -> bytes of every data file the folder's commit lists."""
-    _, files = integrity.read_commit(folder)
+    _, files = commit.read_commit(folder)
     return {n: open(os.path.join(folder, n), "rb").read() for n in sorted(files)}
 
 
@@ -55,7 +48,7 @@ def load(durable, local_tier, like):
 
 def damage_first_file(folder):
     """Flip the first data byte of the first data file the folder's commit lists."""
-    _, files = integrity.read_commit(folder)
+    _, files = commit.read_commit(folder)
     name, info = next(iter(files.items()))
     with open(os.path.join(folder, name), "r+b") as f:
         f.seek(info.data_start)
@@ -96,7 +89,7 @@ def test_save_commits_locally_then_drains_same_bytes(tmp_path, asynchronous):
     local = tiers.local_copy(str(nv), durable)
     assert w.local_commit.result(timeout=0) == local
     assert data_bytes(local) == data_bytes(durable) and data_bytes(local)
-    assert tiers.checkpoint_id(local) == tiers.checkpoint_id(durable) == w.save_id
+    assert commit.checkpoint_id(local) == commit.checkpoint_id(durable) == w.save_id
     assert tiers.durable_of(local) == durable
     if asynchronous:  # dcp.save stages nothing: its figures are not recorded per save
         stats = recent_checkpoints(1)[0]
@@ -114,7 +107,7 @@ def test_second_save_into_committed_durable_keeps_both_ids_tied(tmp_path):
     state = make_state(2)
     w = save(clone_state(state), durable, nv)
     local = tiers.local_copy(str(nv), durable)
-    assert tiers.checkpoint_id(durable) == tiers.checkpoint_id(local) == w.save_id
+    assert commit.checkpoint_id(durable) == commit.checkpoint_id(local) == w.save_id
     out = zeros_like_state(state)
     dcp.load(out, storage_reader=DataStatesReader(durable))
     assert_state_equal(state, out)
@@ -143,14 +136,14 @@ def test_failing_drain_raises_names_durable_and_keeps_local(tmp_path):
     assert not commit.is_committed(durable)
     save(make_state(4), str(tmp_path / "ro" / "step-4"), nv, keep_local=5)
     assert data_bytes(durable) == data_bytes(local)
-    assert tiers.checkpoint_id(durable) == w.save_id
+    assert commit.checkpoint_id(durable) == w.save_id
     assert drain.drain_pending(str(nv)) == []  # nothing left to drain
 
 
 def test_drain_refuses_local_file_corrupted_before_drain(tmp_path):
     durable, nv = str(tmp_path / "step-4"), tmp_path / "nvme"
     save(make_state(4), durable, nv)
-    old_id = tiers.checkpoint_id(durable)
+    old_id = commit.checkpoint_id(durable)
     state = make_state(5)
     # commit locally by hand, then corrupt a data byte before the drain
     local = tiers.local_copy(str(nv), durable)
@@ -162,7 +155,7 @@ def test_drain_refuses_local_file_corrupted_before_drain(tmp_path):
     with pytest.raises(CheckpointWriteError, match=rf"draining {local} to the durable tier {durable} failed: "
                                                    r"ChecksumMismatchError: .*checksum mismatch in item"):
         drain.drain(local, durable, DataStatesConfig())
-    assert tiers.checkpoint_id(durable) == old_id  # the durable tier kept its commit
+    assert commit.checkpoint_id(durable) == old_id  # the durable tier kept its commit
     out = zeros_like_state(state)
     dcp.load(out, storage_reader=DataStatesReader(durable))
     assert_state_equal(make_state(4), out)
@@ -212,7 +205,7 @@ def test_fsspec_durable_tier(tmp_path):
     for seed in (12, 13):  # the second drain goes into a committed folder
         state = make_state(seed)
         w = save(clone_state(state), durable, nv, asynchronous=seed == 12)
-        assert tiers.checkpoint_id(durable) == w.save_id
+        assert commit.checkpoint_id(durable) == w.save_id
         out = zeros_like_state(state)
         dcp.load(out, storage_reader=DataStatesReader(durable))
         assert_state_equal(state, out)
@@ -225,7 +218,8 @@ import os, signal, sys
 import torch, torch.distributed.checkpoint as dcp
 sys.path.insert(0, {tests!r})
 from test_tiers import make_state
-from dcp_datastates import DataStatesWriter, drain
+from dcp_datastates import DataStatesWriter
+from dcp_datastates.tiers import drain
 drain.drain = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # die right after the local commit
 dcp.save(make_state(11), storage_writer=DataStatesWriter({durable!r}, local_tier={nv!r}))
 """
@@ -249,7 +243,7 @@ def test_killed_after_local_commit_restarts_from_local_then_drains(tmp_path):
     out = zeros_like_state(state)
     dcp.load(out, storage_reader=DataStatesReader(durable))
     assert_state_equal(state, out)
-    assert tiers.checkpoint_id(durable) == tiers.checkpoint_id(tiers.local_copy(nv, durable))
+    assert commit.checkpoint_id(durable) == commit.checkpoint_id(tiers.local_copy(nv, durable))
     assert tiers.latest_checkpoint(str(tmp_path), local_tier=nv) == commit.latest_checkpoint(str(tmp_path)) == durable
 
 

@@ -13,8 +13,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesReader, DataStatesWriter, commit, drain, integrity, tiers
+from dcp_datastates import DataStatesReader, DataStatesWriter, commit
 from dcp_datastates.errors import CheckpointWriteError
+from dcp_datastates.load import verify as integrity
+from dcp_datastates.tiers import drain
+from dcp_datastates.tiers import local_tier as tiers
 
 from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
 from dist_harness import run_ranks
@@ -59,7 +62,7 @@ def _save_drain_load(rank, world, root, asynchronous):
         local = tiers.local_copy(nv, durable)
         assert w.local_commit.result(timeout=0) == local
     # Every byte on the durable tier is a verified copy of a local file of the same checkpoint.
-    md, files = integrity.read_commit(durable)
+    md, files = commit.read_commit(durable)
     mine = tiers.local_files(local, md.storage_meta.save_id)
     assert mine, f"rank {rank}: nothing of the checkpoint recorded in {local}"
     for name, path in mine.items():
@@ -101,9 +104,9 @@ def test_ranks_drain_their_files_and_load_from_the_nearest_tier(tmp_path, world,
     run_ranks(world, _save_drain_load, str(tmp_path), asynchronous)
     integrity.validate_checkpoint(str(tmp_path / "step-1"))
     # Every local copy records only files of the committed checkpoint or of none.
-    md, _ = integrity.read_commit(str(tmp_path / "step-1"))
+    md, _ = commit.read_commit(str(tmp_path / "step-1"))
     local = tiers.local_copy(str(tmp_path / "nvA"), str(tmp_path / "step-1"))
-    assert set(tiers.local_files(local, md.storage_meta.save_id)) <= set(integrity.read_commit(str(tmp_path / "step-1"))[1])
+    assert set(tiers.local_files(local, md.storage_meta.save_id)) <= set(commit.read_commit(str(tmp_path / "step-1"))[1])
 
 
 def _failing_drain_on_one_rank(rank, world, root):
@@ -187,7 +190,7 @@ def test_log_names_the_tiers(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="dcp_datastates"):
         out, reader = load(str(tmp_path / "step-5"), str(tmp_path / "nvA"), like)
     assert_state_equal(like, out)
-    n = len(integrity.read_commit(str(tmp_path / "step-5"))[1])
+    n = len(commit.read_commit(str(tmp_path / "step-5"))[1])
     assert n >= 2 and reader.tier_reads == {"local": n, "durable": 0}
     assert f"rank 0 read {n} data file(s)" in caplog.text and "and 0 from the durable tier" in caplog.text
 
@@ -272,7 +275,7 @@ def _save_then_sigkill_mid_drain(rank, world, root):
 
     def killed(local, durable, locations, renamed, config):
         deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(durable, ".pending.metadata")) and time.monotonic() < deadline:
+        while not durable.has(".pending.metadata") and time.monotonic() < deadline:
             time.sleep(0.01)
         if rank == 0:
             real(local, durable, locations, renamed, config)

@@ -9,7 +9,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_tiers import drain_fails_local_copy_loads
 
-from dcp_datastates import DataStatesReader, DataStatesWriter, commit, tiers
+from dcp_datastates import DataStatesReader, DataStatesWriter, commit
+from dcp_datastates.tiers import local_tier as tiers
 
 from conftest import assert_state_equal, clone_state, zeros_like_state
 from s3_util import CutProxy as _CutProxy
@@ -72,7 +73,7 @@ def test_both_tiers_carry_one_checkpoint_id(s3, tmp_path):
     w = DataStatesWriter(url, local_tier=nv, storage_options=s3.options)
     dcp.save(clone_state(state), storage_writer=w)
     local = tiers.local_copy(nv, url)
-    assert tiers.checkpoint_id(local) == tiers.checkpoint_id(url, s3.options) is not None
+    assert commit.checkpoint_id(local) == commit.checkpoint_id(url, s3.options) is not None
     assert_state_equal(state, load_from_store(url, state, s3.options))
 
 

@@ -174,9 +174,9 @@ def test_local_tier_option_commits_locally_drains_and_resumes_from_the_local_cop
     # keep_local=1 on the local tier: only the newest copy stays, and it is tied to step-6.
     copies = os.listdir(nv)
     assert len(copies) == 1 and copies[0].startswith("step-6-")
-    from dcp_datastates import tiers
+    from dcp_datastates import commit
 
-    assert tiers.checkpoint_id(str(nv / copies[0])) == tiers.checkpoint_id(str(root / "step-6"))
+    assert commit.checkpoint_id(str(nv / copies[0])) == commit.checkpoint_id(str(root / "step-6"))
     model2, opt2, lrs2, ts2, manager2 = build(tt, tmp_path, seed=99, local_tier=str(nv))
     with caplog.at_level(logging.INFO, logger="dcp_datastates"):
         assert manager2.load() is True

@@ -128,7 +128,7 @@ def test_protect_optimizer_wraps_the_step_of_update_code_outside_torch_optim(tmp
 
 
 def test_torch_optim_guard_handle_and_cost_when_nothing_stages(monkeypatch):
-    from dcp_datastates import staging_tracker
+    from dcp_datastates.runtime import staging_wait as staging_tracker
 
     calls = []
     monkeypatch.setattr(staging_tracker, "wait_staged", lambda *a, **k: calls.append(1) or True)
@@ -138,12 +138,13 @@ def test_torch_optim_guard_handle_and_cost_when_nothing_stages(monkeypatch):
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     assert calls == []  # nothing staging: the hook does not wait
-    staging_tracker.tracker().add(object())
+    fake_save = object()
+    staging_tracker.inflight.register(fake_save)  # the registry lists it as staging
     try:
         opt.step()
         assert calls == [1]
     finally:
-        staging_tracker.tracker()._jobs.clear()
+        staging_tracker.inflight.unregister(fake_save)
     handle.remove()  # a torch.optim optimizer stays guarded while a save stages
 
 

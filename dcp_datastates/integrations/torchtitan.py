@@ -38,13 +38,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..checkpoint_format import METADATA_NAME
 from ..config import DataStatesConfig, cache_size
-from ..errors import CheckpointFormatError
-from ..integrity import open_for_reading
+from ..format.layout import METADATA_NAME
+from ..format.safe_unpickle import restricted_pickle_loads
 from ..reader import DataStatesReader
-from ..safe_unpickle import restricted_pickle_loads
-from ..staging_tracker import wait_staged
+from ..runtime.staging_wait import wait_staged
+from ..storage import open_storage
 from ..writer import DataStatesWriter
 
 __all__ = ["DataStatesCheckpointManager", "TORCHTITAN_AVAILABLE", "is_datastates_checkpoint"]
@@ -75,16 +74,13 @@ def is_datastates_checkpoint(path: str | os.PathLike) -> bool:
     """True when ``path`` holds (or is meant to hold) a DataStates checkpoint rather than a stock
     DCP one: its ``.metadata`` is JSON (stock DCP pickles it). A folder without ``.metadata`` also
     counts, so loading it reports an incomplete checkpoint clearly."""
-    path = os.fspath(path)
-    if "://" in path and not path.startswith("file://"):
-        return False
     try:  # never through a symlink, never blocking on a FIFO planted as the marker
-        with os.fdopen(open_for_reading(os.path.join(path, METADATA_NAME)), "rb") as f:
+        with open_storage(os.fspath(path)).open_read(METADATA_NAME) as f:
             head = f.read(64)
     except FileNotFoundError:
         return True
-    except (OSError, CheckpointFormatError):
-        return True  # not a stock DCP checkpoint either: DataStatesReader says what is wrong
+    except Exception:  # noqa: BLE001 - unreadable, or the store's own error: DataStatesReader says what is wrong
+        return True
     return head.lstrip().startswith(b"{")
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointFormatError, UnsafeCheckpointError
+from ..errors import CheckpointFormatError, UnsafeCheckpointError
 
 __all__ = ["EXTRA_SAFE_GLOBALS", "decode_value", "restricted_pickle_loads", "TRUST_HINT"]
 

@@ -20,9 +20,11 @@ sizes later.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import struct
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,8 +39,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from . import _engine
-from .errors import CheckpointFormatError
+from ..errors import CheckpointFormatError
+from ..native import engine_module
+
+_engine = engine_module()  # the checksum grid is the engine's, computed once (piece_ranges)
 
 __all__ = [
     # data files
@@ -109,6 +113,12 @@ def data_file_name(rank: int, index: int = 0, tag: str | None = None) -> str:
 _DATA_FILE_NAME = re.compile(r"^__(\d+)_(\d+)(?:\.[0-9a-f]+)?\.safetensors$")
 
 
+def new_tag() -> str:
+    """The file-name tag of a save into a folder that already holds a commit (its files get new
+    names, so the old checkpoint stays whole until the new one is committed)."""
+    return uuid.uuid4().hex[:12]
+
+
 def data_file_parts(name: str) -> tuple[int, int] | None:
     """(rank, index) of a ``data_file_name``; None for any other name."""
     m = _DATA_FILE_NAME.match(name)
@@ -172,7 +182,7 @@ def plan_file(entries: list[FileEntry], file_metadata: dict[str, str] | None = N
 FORMAT_VERSION = 1
 METADATA_NAME = ".metadata"
 # Several ranks with a local tier: the metadata of a checkpoint committed on the nodes' local tiers
-# and not yet on the durable one (tiers.py); never read by DCP.
+# and not yet on the durable one (tiers/local_tier.py); never read by DCP.
 PENDING_NAME = ".pending.metadata"
 # A marker this large is not one (a million chunks encode to ~200 MB): refuse before reading it.
 MAX_METADATA_BYTES = 1 << 30
@@ -202,6 +212,11 @@ class ItemLocation:
     data_start: int  # first data byte of the file (the grid origin)
     piece_size: int  # grid step of the checksums
     file_size: int = 0  # size of the whole data file when written (0: not known, e.g. decoded)
+
+
+def moved(loc: "ItemLocation", file: str) -> "ItemLocation":
+    """The same bytes in a file renamed to ``file``."""
+    return dataclasses.replace(loc, file=file)
 
 
 @dataclass(frozen=True)

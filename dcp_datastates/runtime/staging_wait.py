@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from .compat import global_optimizer_pre_hooks
+from ..compat import global_optimizer_pre_hooks
+from . import inflight
 
-__all__ = ["wait_staged", "protect_optimizer", "install_step_wait", "StagingTracker"]
+__all__ = ["wait_staged", "protect_optimizer", "install_step_wait"]
 
 
 def _cuda_stream(device: int) -> int | None:
@@ -35,55 +36,22 @@ def _ordered_on_device(job: Any) -> bool:
     return device_wait is not None and bool(device_wait(_cuda_stream))
 
 
-class StagingTracker:
-    """The set of in-flight staging jobs (objects with ``wait_staged(timeout) -> bool`` and,
-    for copies from a GPU, ``device_wait(stream_of) -> bool``)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._jobs: set[Any] = set()
-
-    def add(self, job: Any) -> None:
-        with self._lock:
-            self._jobs.add(job)
-
-    def discard(self, job: Any) -> None:
-        with self._lock:
-            self._jobs.discard(job)
-
-    def pending(self) -> list[Any]:
-        with self._lock:
-            return list(self._jobs)
-
-    def wait(self, timeout: float | None = None, device_side: bool = True) -> bool:
-        """Wait until every job staged so far has all its bytes in the host cache, or (with
-        ``device_side``) until the current CUDA stream is ordered after its copies. Each job is
-        sealed on the way (its sources' version counters checked, see version_guard.py): what
-        the caller changes after this returns cannot reach those checkpoints."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for job in self.pending():
-            if device_side and _ordered_on_device(job):
-                _seal(job)
-                continue  # stays tracked: a wait from another stream must order that one too
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not job.wait_staged(left):
-                return False
-            _seal(job)
-            self.discard(job)
-        return True
-
-
-def _seal(job: Any) -> None:
-    seal = getattr(job, "seal", None)
-    if seal is not None:
-        seal()
-
-
-_tracker = StagingTracker()
-
-
-def tracker() -> StagingTracker:
-    return _tracker
+def _wait_all(timeout: float | None, device_side: bool) -> bool:
+    """Wait until every save still staging (the registry, ``inflight.staging()``) has all its
+    bytes in the host cache, or (with ``device_side``) until the current CUDA stream is ordered
+    after its copies. Each save is sealed on the way (its sources' version counters checked, see
+    save/version_guard.py): what the caller changes after this returns cannot reach it."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for save in inflight.staging():
+        if device_side and _ordered_on_device(save):
+            save.seal()
+            continue  # stays listed: a wait from another stream must order that one too
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not save.wait_staged(left):
+            return False
+        save.seal()
+        inflight.staged(save)
+    return True
 
 
 def wait_staged(timeout: float | None = None, *, device_side: bool = True) -> bool:
@@ -95,7 +63,7 @@ def wait_staged(timeout: float | None = None, *, device_side: bool = True) -> bo
     current CUDA stream wait for the copies instead, so work queued on that stream afterwards
     (``optimizer.step()``) cannot change them first. Pass ``device_side=False`` to block until the
     bytes are in host memory (needed before changing the tensors from another stream or the CPU)."""
-    return _tracker.wait(timeout, device_side)
+    return _wait_all(timeout, device_side)
 
 
 class _StepGuard:
@@ -121,7 +89,7 @@ _hook_handle: Any = None
 
 
 def _wait_before_step(_optimizer, _args, _kwargs):
-    if _tracker.pending():
+    if inflight.staging():
         wait_staged()
     return None
 
@@ -131,7 +99,7 @@ def install_step_wait() -> None:
     each lazy ``stage()``; cheap when installed). PyTorch runs global step pre-hooks before every
     optimizer's own, for fused and foreach kernels alike; the wait is put first among them, so it
     precedes any other pre-hook whenever that one was registered (an MoE expert-bias update, say).
-    With nothing staging, the hook costs one locked read of an empty set."""
+    With nothing staging, the hook costs one locked copy of an empty list."""
     global _hook_handle
     from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: PLC0415
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .compat import tensor_version, versions_of
+from ..compat import tensor_version, versions_of
 
 __all__ = ["VersionGuard", "torn_message"]
 

@@ -24,15 +24,15 @@ from typing import Any, Callable
 
 import torch
 
-from ..checkpoint_format import FileEntry, FileLayout, ItemLocation, data_file_name, plan_file
 from ..compat import is_checkpointable_tensor, versions_of
-from ..version_guard import VersionGuard
+from ..format.layout import FileEntry, FileLayout, ItemLocation, data_file_name, plan_file
 from .items import ItemKey, SourceItem, bytes_source, items_of_flat, serialize_object
 from .ownership import DecisionKey, Ownership, decisions, is_plain_tensor, plain_signature, split_by_owner
+from .version_guard import VersionGuard
 
 __all__ = [
     "HeldGroup", "RankPlan", "plan_stage", "on_one_device",
-    "PlanContext", "PlannedFile", "planned_file", "item_location", "with_piece", "written", "moved",
+    "PlanContext", "PlannedFile", "planned_file", "item_location", "with_piece", "written",
     "Scan", "FilePlan", "StagePlan", "scan_state", "find_plan", "build_plan", "plan_stats",
 ]
 
@@ -258,11 +258,6 @@ def with_piece(loc: ItemLocation, piece: int) -> ItemLocation:
 def written(loc: ItemLocation, file: str, crc32c: tuple[int, ...], file_size: int) -> ItemLocation:
     """The final location once the file is durable: its real name, checksums and size."""
     return dataclasses.replace(loc, file=file, crc32c=crc32c, file_size=file_size)
-
-
-def moved(loc: ItemLocation, file: str) -> ItemLocation:
-    """The same bytes in a file renamed to ``file``."""
-    return dataclasses.replace(loc, file=file)
 
 
 # ----------------------------------------------------------------------- the plan cache

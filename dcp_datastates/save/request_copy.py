@@ -2,7 +2,7 @@
 
 The lazy guarantee rests on the tensors not changing between ``stage()`` and the end of their
 copy. Parameters and optimizer state change only in ``optimizer.step()``, which waits for staging
-(the global step pre-hook, staging_tracker.py). Forward does change some state: BatchNorm updates
+(the global step pre-hook, runtime/staging_wait.py). Forward does change some state: BatchNorm updates
 ``running_mean`` / ``running_var`` inside its kernel (no version bump, so the guard cannot see
 it) and ``num_batches_tracked`` in place. Such state is small, so it is copied right here, on the
 training thread: host memory with one memcpy per item, CUDA memory device-to-device on the

@@ -1,7 +1,7 @@
 """A data file staged now and written once DCP's planning says where and what.
 
 Two things can be unknown at ``stage()``: which rank writes a plain tensor (DCP's planner decides,
-see ``stage/ownership.py``) and, when the user names the folder only through ``checkpoint_id``, where
+see ``save/ownership.py``) and, when the user names the folder only through ``checkpoint_id``, where
 the file goes (DCP passes it to ``reset()`` after staging). Such items are copied into the host
 cache at once, like any other (an engine streaming job: copies and checksums on the engine's
 threads), but nothing is flushed until ``set_destination`` and ``set_selection`` have both been
@@ -19,27 +19,22 @@ when ``abort`` is called.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
 
-from . import remote
-from .checkpoint_format import ItemLocation, plan_file
-from .errors import CheckpointWriteError
-from .stage.items import ItemKey, SourceItem
-from .stage.pipeline import item_location
+from ..errors import CheckpointWriteError
+from ..format.layout import ItemLocation, plan_file
+from ..storage import Storage
+from .items import ItemKey, SourceItem
+from .pipeline import item_location
 
 __all__ = ["HeldFile"]
 
 
 class _Destination:
-    def __init__(self, folder: str, name: str, sync: bool, remote: Any) -> None:
-        self.folder, self.name, self.sync, self.remote = folder, name, sync, remote
-
-    def url(self) -> str:
-        return self.remote.url_of(self.name) if self.remote is not None else os.path.join(self.folder, self.name)
+    def __init__(self, storage: Storage, name: str, sync: bool) -> None:
+        self.storage, self.name, self.sync = storage, name, sync
 
 
 class HeldFile:
@@ -68,9 +63,9 @@ class HeldFile:
         threading.Thread(target=self._run, name="dcp-datastates-held", daemon=True).start()
 
     # ------------------------------------------------------------------------------ decisions
-    def set_destination(self, folder: str, name: str, *, sync: bool, remote: Any = None) -> None:
+    def set_destination(self, storage: Storage, name: str, *, sync: bool) -> None:
         with self._ready:
-            self._dest = _Destination(folder, name, sync, remote)
+            self._dest = _Destination(storage, name, sync)
             self.name = name
             self._ready.notify_all()
 
@@ -185,8 +180,8 @@ class HeldFile:
 
     def _submit(self, dest: _Destination, final, items: list):
         """(engine job, upload future or None) writing the final file at its destination."""
-        return remote.submit_data_file(self.engine, dest.folder, dest.name, final.header, final.file_size, items,
-                                       sync=dest.sync, remote_folder=dest.remote)
+        return dest.storage.write_data_file(self.engine, dest.name, final.header, final.file_size, items,
+                                            sync=dest.sync, device=-1, stream=0)
 
 
 def _segments(taken: list[tuple[int, int, int]], offset: int, nbytes: int) -> list[tuple[int, int]]:

@@ -19,8 +19,8 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.utils import find_tensor_shard
 
-from ..checkpoint_format import FileEntry, dtype_to_name
 from ..compat import create_write_items, dcp_compat_mode, flatten_state_dict, is_checkpointable_tensor
+from ..format.layout import FileEntry, dtype_to_name
 
 __all__ = ["ItemKey", "SourceItem", "bytes_source", "flatten", "items_of_flat", "item_key", "source_for_resolved"]
 

@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 
-from .errors import CheckpointWriteError
+from ..errors import CheckpointWriteError
 
 __all__ = ["overridden_data_hooks", "items_to_rewrite"]
 

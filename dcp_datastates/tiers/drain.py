@@ -2,7 +2,7 @@
 
 Every byte is copied; each checksum piece the local marker records is verified while it is in
 memory, so the durable tier never receives (or commits) a local file damaged after its commit.
-See ``tiers.py`` for the design.
+See ``local_tier.py`` for the design.
 """
 
 from __future__ import annotations
@@ -10,16 +10,17 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import uuid
 
 import torch
 
-from . import commit, folders, integrity, tiers
-from .checkpoint_format import data_file_name, data_file_parts, piece_ranges
-from .config import DataStatesConfig
-from .errors import CheckpointWriteError, ChecksumMismatchError
-from .runtime import get_engine
-from .stage.pipeline import moved
+from ..commit import check_data_files, checkpoint_id, prepare_folder, read_commit, write_commit
+from ..config import DataStatesConfig
+from ..errors import CheckpointWriteError, ChecksumMismatchError
+from ..format.layout import data_file_name, data_file_parts, moved, new_tag, piece_ranges
+from ..format.pieces import bad_pieces
+from ..runtime import get_engine
+from ..storage import LocalStorage, Storage, open_storage
+from . import local_tier as tiers
 
 log = logging.getLogger("dcp_datastates")
 
@@ -39,49 +40,35 @@ def _pieces_by_file(locations) -> dict[str, list[tuple[int, int, int, str]]]:
 
 
 def _copy_file(src: str, out, size: int, pieces: list, engine) -> None:
-    """Copy ``src`` into the binary file object ``out`` (None: only verify), in order, checking
-    every piece's CRC32C on the way."""
-    fin = integrity.open_for_reading(src)
-    try:
-        spans, pos = [], 0
-        for off, length, crc, item in pieces:
-            spans.extend((p, min(_COPY_BLOCK, off - p), None, None) for p in range(pos, off, _COPY_BLOCK))
-            spans.append((off, length, crc, item))
-            pos = off + length
-        spans.extend((p, min(_COPY_BLOCK, size - p), None, None) for p in range(pos, size, _COPY_BLOCK))
+    """Copy the local file ``src`` into the binary file object ``out`` (None: only verify), in
+    order, checking every piece's CRC32C on the way (``format.pieces``)."""
+    spans, pos = [], 0
+    for off, length, crc, item in pieces:
+        spans.extend((p, min(_COPY_BLOCK, off - p), None, None) for p in range(pos, off, _COPY_BLOCK))
+        spans.append((off, length, crc, item))
+        pos = off + length
+    spans.extend((p, min(_COPY_BLOCK, size - p), None, None) for p in range(pos, size, _COPY_BLOCK))
+    with LocalStorage(os.path.dirname(src)).open_read(os.path.basename(src)) as fin:  # the local tier: a local folder
         for off, length, crc, item in spans:
             buf = torch.empty(length, dtype=torch.uint8)
-            got = os.preadv(fin, [buf.numpy()], off) if length else 0
+            got = fin.readinto(memoryview(buf.numpy())) if length else 0
             if got != length:
                 raise CheckpointWriteError(f"{src}: {got} bytes at offset {off}, expected {length} (truncated)")
             if crc is not None:
-                actual = engine.crc32c(buf.data_ptr(), length)
-                if actual != crc:
+                bad = bad_pieces(engine, [(buf.data_ptr(), off, length)], [(0, off, length, crc)])
+                if bad:
                     raise ChecksumMismatchError(
                         f"{src}: checksum mismatch in item {item!r}, bytes [{off}, {off + length}): "
-                        f"stored crc32c {crc:#010x}, read {actual:#010x}"
+                        f"stored crc32c {crc:#010x}, read {bad[0][4]:#010x}"
                     )
             if out is not None:
                 out.write(memoryview(buf.numpy()))
-    finally:
-        os.close(fin)
 
 
-def _open_durable(durable: str, name: str, config: DataStatesConfig):
-    """A binary file object writing data file ``name`` of the durable folder (local or fsspec)."""
-    if folders.is_remote(durable):
-        folder = folders.remote_folder(durable, config.storage_options)
-        return folder.fs.open(folder.join(name), "wb")
-    return open(os.path.join(folders.local_path(durable), name), "wb")
-
-
-def _write_durable(src: str, durable: str, name: str, size: int, pieces: list, engine, config) -> None:
+def _write_durable(src: str, durable: Storage, name: str, size: int, pieces: list, engine, config) -> None:
     """Copy the local data file ``src`` to ``name`` in the durable folder, verifying it."""
-    with _open_durable(durable, name, config) as out:
+    with durable.create(name, sync=config.sync_files) as out:
         _copy_file(src, out, size, pieces, engine)
-        if config.sync_files and not folders.is_remote(durable):
-            out.flush()
-            os.fsync(out.fileno())
 
 
 # One drain per durable path at a time in this process (a save's own drain and another save's
@@ -97,27 +84,27 @@ def drain(local: str, durable: str, config: DataStatesConfig) -> None:
     with _drain_locks_lock:
         lock = _drain_locks.setdefault(durable, threading.Lock())
     with lock:
-        local_id = tiers.checkpoint_id(local)
-        if local_id is not None and tiers.checkpoint_id(durable, config.storage_options) == local_id:
+        local_id = checkpoint_id(local)
+        if local_id is not None and checkpoint_id(durable, config.storage_options) == local_id:
             return
         _drain_unlocked(local, durable, config)
 
 
 def _drain_unlocked(local: str, durable: str, config: DataStatesConfig) -> None:
     try:
-        md, files = integrity.read_commit(local)
-        integrity.check_data_files(local, files)
-        options = config.storage_options
+        md, files = read_commit(local)
+        check_data_files(local, files)
+        store = open_storage(durable, config.storage_options)
         # A durable folder holding a commit keeps it until the new one is committed: new names.
-        tag = uuid.uuid4().hex[:12] if commit.prepare_folder(durable, overwrite=True, storage_options=options) else None
+        tag = new_tag() if prepare_folder(store, overwrite=True) else None
         renamed = {name: durable_name(name, tag) for name in files}
         engine = get_engine(config)
         pieces = _pieces_by_file(md.storage_data)
         for name, info in files.items():
             src = os.path.join(local, name)
-            _write_durable(src, durable, renamed[name], info.size, pieces.get(name, []), engine, config)
+            _write_durable(src, store, renamed[name], info.size, pieces.get(name, []), engine, config)
         locations = {index: moved(loc, renamed[loc.file]) for index, loc in md.storage_data.items()}
-        commit.write_commit(durable, md, locations, sync=config.sync_files, storage_options=options)
+        write_commit(store, md, locations, sync=config.sync_files)
     except CheckpointWriteError as exc:
         if str(exc).startswith(f"draining {local}"):
             raise
@@ -135,12 +122,13 @@ def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str
     coordinator commits once every rank reported success, and fails the save on every rank at
     the first error. Then drains this rank's share of checkpoints an earlier run left pending."""
     error = None
+    store = open_storage(durable, config.storage_options)
     try:
-        _copy_files(local, durable, locations, renamed, config)
+        _copy_files(local, store, locations, renamed, config)
     except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which raises it on every rank
         error = str(_drain_failed(local, durable, exc, "the durable tier keeps its previous commit"))
     try:
-        tiers.report_drained(durable, rank, save_id, error, config.storage_options)
+        tiers.report_drained(store, rank, save_id, error)
     except Exception as exc:  # noqa: BLE001 - the coordinator then times out naming this rank
         log.warning("dcp_datastates: rank %d could not report its drain to %s: %s", rank, durable, exc)
     if error is None:
@@ -148,7 +136,7 @@ def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str
         tiers.evict_drained(config.local_tier, config.keep_local, config.storage_options)
 
 
-def _copy_files(local: str, durable: str, locations: dict, renamed: dict[str, str], config: DataStatesConfig) -> None:
+def _copy_files(local: str, durable: Storage, locations: dict, renamed: dict[str, str], config: DataStatesConfig) -> None:
     engine = get_engine(config)
     for name, pieces in _pieces_by_file(locations).items():
         src = os.path.join(local, name)
@@ -168,22 +156,23 @@ def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, sk
         durable = record.get("durable")
         if not isinstance(durable, str) or not _under(durable, root):
             continue  # another store's copy: its own options drain it
-        pending = tiers.read_pending(durable, config.storage_options)
+        store = open_storage(durable, config.storage_options)
+        pending = tiers.read_pending(store)
         if pending is None or pending[0].storage_meta.save_id != record["save_id"]:
             continue
         md, _ = pending
-        save_id, options = record["save_id"], config.storage_options
+        save_id = record["save_id"]
         try:
-            if not tiers.drained_ok(durable, rank, save_id, options):  # never rewrite a drained file
+            if not tiers.drained_ok(store, rank, save_id):  # never rewrite a drained file
                 renamed = {n: d for d, n in record["files"].items()}
                 mine = {i: loc for i, loc in md.storage_data.items() if loc.file in record["files"]}
                 local_names = {i: moved(loc, record["files"][loc.file]) for i, loc in mine.items()}
-                _copy_files(local, durable, local_names, renamed, config)
-                tiers.report_drained(durable, rank, save_id, None, options)
+                _copy_files(local, store, local_names, renamed, config)
+                tiers.report_drained(store, rank, save_id, None)
             ranks = tiers.file_ranks(md.storage_data)
-            if tiers.all_drained(durable, save_id, ranks, options):
-                commit.write_commit(durable, md, dict(md.storage_data), sync=config.sync_files, storage_options=options)
-                tiers.clear_pending(durable, ranks, options)
+            if tiers.all_drained(store, save_id, ranks):
+                write_commit(store, md, dict(md.storage_data), sync=config.sync_files)
+                tiers.clear_pending(store, ranks)
                 log.info("dcp_datastates: committed %s on the durable tier (its drain was interrupted)", durable)
         except Exception as exc:  # noqa: BLE001 - retried by the next save
             log.warning("dcp_datastates: rank %d: the pending checkpoint %s is still not durable: %s", rank, durable, exc)
@@ -223,8 +212,8 @@ def drain_pending(local_tier: str, config: DataStatesConfig | None = None, *, ro
         durable = tiers.durable_of(local)
         if durable is None or not _under(durable, root):
             continue
-        local_id = tiers.checkpoint_id(local)
-        if local_id is None or tiers.checkpoint_id(durable, config.storage_options) == local_id:
+        local_id = checkpoint_id(local)
+        if local_id is None or checkpoint_id(durable, config.storage_options) == local_id:
             continue
         try:
             drain(local, durable, config)

@@ -61,14 +61,17 @@ import re
 import shutil
 import time
 
-from . import commit, folders, integrity
-from .checkpoint_format import PENDING_NAME, STEP_NUMBER, data_file_parts, encode_metadata
-from .errors import CheckpointWriteError, DataStatesError
-from .runtime import get_engine
+from ..commit import checkpoint_id, read_commit
+from ..commit import latest_checkpoint as latest_committed
+from ..errors import CheckpointWriteError, DataStatesError
+from ..format.layout import METADATA_NAME, PENDING_NAME, STEP_NUMBER, data_file_parts, encode_metadata
+from ..load.verify import verify_checkpoint
+from ..runtime import get_engine
+from ..storage import Storage, normalize, open_storage
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["local_copy", "durable_of", "checkpoint_id", "choose_copy", "evict_drained", "newest_local", "local_files",
+__all__ = ["local_copy", "durable_of", "choose_copy", "evict_drained", "newest_local", "local_files",
            "record_rank_files", "TIER_FILE"]
 
 TIER_FILE = ".tier.json"
@@ -158,7 +161,7 @@ def _local_state(local: str) -> tuple[int, str | None, bool] | None:
     process: a checkpoint in its own right), else its ranks' records (several ranks: files of a
     checkpoint whose only commit is the durable one); None when it holds neither."""
     try:
-        committed = os.stat(os.path.join(local, commit.METADATA_NAME)).st_mtime_ns
+        committed = os.stat(os.path.join(local, METADATA_NAME)).st_mtime_ns
         return committed, checkpoint_id(local), True
     except OSError:
         pass
@@ -209,19 +212,6 @@ def durable_of(local: str) -> str | None:
     return durable if isinstance(durable, str) else None
 
 
-def checkpoint_id(path: str, storage_options: dict | None = None) -> str | None:
-    """The id in the commit marker of ``path``; None when it holds no complete checkpoint."""
-    try:
-        md, files = integrity.read_commit(path, storage_options=storage_options)
-        integrity.check_data_files(path, files, storage_options=storage_options)
-    except (DataStatesError, OSError):
-        return None
-    except Exception as exc:  # noqa: BLE001 - an unreachable store (botocore, aiohttp ...): no copy known there
-        log.debug("dcp_datastates: cannot read the commit of %s: %s", path, exc)
-        return None
-    return md.storage_meta.save_id if md.storage_meta is not None else None
-
-
 def choose_copy(durable: str, config) -> str:
     """The folder to load ``durable`` from: its local copy when complete, verified and tied to
     the durable commit, else ``durable`` itself. Logs the choice and why."""
@@ -237,7 +227,7 @@ def choose_copy(durable: str, config) -> str:
                     "the durable tier %s", durable, local, local_id, durable_id)
         return durable
     try:
-        problems = integrity.verify_checkpoint(local, engine=get_engine(config)).problems
+        problems = verify_checkpoint(local, engine=get_engine(config)).problems
     except (DataStatesError, OSError) as exc:
         problems = [str(exc)]
     if problems:
@@ -327,53 +317,43 @@ def file_ranks(locations) -> set[int]:
     return {parts[0] for loc in locations.values() if (parts := data_file_parts(loc.file)) is not None}
 
 
-def _folder(durable: str) -> str:
-    return durable if folders.is_remote(durable) else folders.local_path(durable)
-
-
-def _read_small(durable: str, name: str, storage_options: dict | None) -> bytes | None:
+def _read_small(durable: Storage, name: str) -> bytes | None:
     try:
-        if folders.is_remote(durable):
-            return folders.remote_folder(durable, storage_options).read_marker(name)
-        fd = integrity.open_for_reading(os.path.join(folders.local_path(durable), name))  # no link, no FIFO
-        try:
-            return os.read(fd, 1 << 20)
-        finally:
-            os.close(fd)
+        return durable.read_small(name, limit=1 << 20, what="a drain record")
     except Exception:  # noqa: BLE001 - absent, unreadable or the store is down: not reported
         return None
 
 
-def write_pending(durable: str, md, locations, *, sync: bool, storage_options: dict | None) -> None:
+def write_pending(durable: Storage, md, locations, *, sync: bool) -> None:
     """The coordinator: the checkpoint is committed on every node's local tier (DCP gathered every
     rank's results); record its metadata in the durable folder before the drains end."""
-    commit.put_file(_folder(durable), PENDING_NAME, encode_metadata(md, locations), sync=sync,
-                    storage_options=storage_options)
+    durable.put(PENDING_NAME, encode_metadata(md, locations), sync=sync)
 
 
-def read_pending(durable: str, storage_options: dict | None = None, *, uncommitted_only: bool = False):
+def read_pending(durable: "str | Storage", storage_options: dict | None = None, *, uncommitted_only: bool = False):
     """(Metadata, files) of the checkpoint pending in ``durable`` when it is not the committed
     one (a save interrupted or failed between the local commits and the durable one); else None.
     ``uncommitted_only``: only when ``durable`` holds no commit at all (what a load may read: a
     folder that holds a commit is that checkpoint until a new one is committed there)."""
+    durable = open_storage(durable, storage_options)
     try:
-        md, files = integrity.read_commit(durable, storage_options=storage_options, name=PENDING_NAME)
+        md, files = read_commit(durable, name=PENDING_NAME)
     except Exception:  # noqa: BLE001 - none, damaged, or the store is down: nothing pending known
         return None
     pending_id = md.storage_meta.save_id if md.storage_meta is not None else None
-    committed_id = checkpoint_id(durable, storage_options)
+    committed_id = checkpoint_id(durable)
     if pending_id is None or pending_id == committed_id or (uncommitted_only and committed_id is not None):
         return None
     return md, files
 
 
-def report_drained(durable: str, rank: int, save_id: str, error: str | None, storage_options: dict | None) -> None:
+def report_drained(durable: Storage, rank: int, save_id: str, error: str | None) -> None:
     data = json.dumps({"save_id": save_id, "error": error}).encode()
-    commit.put_file(_folder(durable), f".drain-{rank}.json", data, sync=False, storage_options=storage_options)
+    durable.put(f".drain-{rank}.json", data, sync=False)
 
 
-def _drain_report(durable: str, rank: int, save_id: str, storage_options: dict | None) -> dict | None:
-    raw = _read_small(durable, f".drain-{rank}.json", storage_options)
+def _drain_report(durable: Storage, rank: int, save_id: str) -> dict | None:
+    raw = _read_small(durable, f".drain-{rank}.json")
     try:
         record = json.loads(raw) if raw else None
     except ValueError:
@@ -381,18 +361,18 @@ def _drain_report(durable: str, rank: int, save_id: str, storage_options: dict |
     return record if isinstance(record, dict) and record.get("save_id") == save_id else None
 
 
-def drained_ok(durable: str, rank: int, save_id: str, storage_options: dict | None) -> bool:
+def drained_ok(durable: Storage, rank: int, save_id: str) -> bool:
     """True when ``rank`` reported its drain of ``save_id`` without error."""
-    report = _drain_report(durable, rank, save_id, storage_options)
+    report = _drain_report(durable, rank, save_id)
     return report is not None and not report.get("error")
 
 
-def all_drained(durable: str, save_id: str, ranks: set[int], storage_options: dict | None) -> bool:
+def all_drained(durable: Storage, save_id: str, ranks: set[int]) -> bool:
     """True when every rank of ``ranks`` reported its drain of ``save_id`` without error."""
-    return all(drained_ok(durable, r, save_id, storage_options) for r in ranks)
+    return all(drained_ok(durable, r, save_id) for r in ranks)
 
 
-def wait_drained(durable: str, save_id: str, ranks: set[int], timeout: float, storage_options: dict | None) -> None:
+def wait_drained(durable: Storage, save_id: str, ranks: set[int], timeout: float) -> None:
     """The coordinator: wait, bounded by ``timeout``, until every rank of ``ranks`` reported its
     drain of ``save_id``; raise CheckpointWriteError at the first error, or naming the ranks that
     did not report."""
@@ -400,7 +380,7 @@ def wait_drained(durable: str, save_id: str, ranks: set[int], timeout: float, st
     deadline = time.monotonic() + timeout
     while left:
         for r in sorted(left):
-            report = _drain_report(durable, r, save_id, storage_options)
+            report = _drain_report(durable, r, save_id)
             if report is None:
                 continue
             if report.get("error"):
@@ -410,36 +390,30 @@ def wait_drained(durable: str, save_id: str, ranks: set[int], timeout: float, st
             return
         if time.monotonic() > deadline:
             raise CheckpointWriteError(
-                f"draining to the durable tier {durable}: rank(s) {sorted(left)} did not report within "
+                f"draining to the durable tier {durable.location}: rank(s) {sorted(left)} did not report within "
                 f"{timeout:g} s (drain_timeout); nothing was committed there, the checkpoint stays on the local tiers"
             )
         time.sleep(delay)
         delay = min(0.5, delay * 2)
 
 
-def clear_pending(durable: str, ranks: set[int], storage_options: dict | None) -> None:
+def clear_pending(durable: Storage, ranks: set[int]) -> None:
     """After the durable commit: the pending metadata and the ranks' reports go (best effort)."""
-    names = [PENDING_NAME] + [f".drain-{r}.json" for r in sorted(ranks)]
-    for name in names:
-        try:
-            if folders.is_remote(durable):
-                folders.remote_folder(durable, storage_options).remove(name)
-            else:
-                os.unlink(os.path.join(folders.local_path(durable), name))
-        except Exception:  # noqa: BLE001 - already gone, or the store hiccups: harmless leftovers
-            pass
+    for name in [PENDING_NAME] + [f".drain-{r}.json" for r in sorted(ranks)]:
+        durable.remove_quietly(name)
 
 
-def newest_pending(root: str, step_of) -> tuple[tuple, str] | None:
-    """(step key, path) of the newest folder directly under the local ``root`` holding a checkpoint
+def newest_pending(root: Storage, step_of) -> tuple[tuple, str] | None:
+    """(step key, location) of the newest folder directly under ``root`` holding a checkpoint
     committed on the local tiers and not yet durably (several ranks); None when there is none."""
     found = []
-    for name in _names(root):
+    for name in root.subfolders():
         key = step_of(name)
-        path = os.path.join(root, name)
-        if key is not None and os.path.isfile(os.path.join(path, PENDING_NAME)) \
-                and read_pending(path, uncommitted_only=True) is not None:
-            found.append((key, path))
+        if key is None:
+            continue
+        folder = root.child(name)
+        if folder.has(PENDING_NAME) and read_pending(folder, uncommitted_only=True) is not None:
+            found.append((key, folder.location))
     return max(found) if found else None
 
 
@@ -465,7 +439,8 @@ def latest_checkpoint(
     With ``local_tier``, a folder whose complete copy is in the local tier counts too (committed
     there, not drained yet: load it with that ``local_tier``), and so does one committed on every
     node's local tier whose drain was interrupted (the durable folder's pending record)."""
-    durable = commit.latest_checkpoint(root, check_files=check_files, storage_options=storage_options)
+    root_storage = open_storage(root, storage_options)
+    durable = latest_committed(root_storage, check_files=check_files)
     if local_tier is None:
         return durable
 
@@ -474,10 +449,10 @@ def latest_checkpoint(
         return int(m.group(1)) if m else None
 
     candidates = [c for c in (
-        newest_local(folders.normalize(root), os.path.abspath(os.fspath(local_tier)), step),
+        newest_local(normalize(root), os.path.abspath(os.fspath(local_tier)), step),
         # several ranks: committed on every node's local tier, drain interrupted (durable state
         # only, so every rank picks the same one)
-        None if folders.is_remote(root) else newest_pending(folders.local_path(root), step),
+        newest_pending(root_storage, step),
     ) if c is not None]
     if durable is not None:
         candidates.append((step(os.path.basename(durable.rstrip("/"))), durable))

@@ -10,9 +10,10 @@ import atexit
 import logging
 import threading
 
+from ..compat import ASYNC_EXECUTOR_THREAD_PREFIX, register_before_thread_join
+from ..config import ENGINE_OPTIONS, DataStatesConfig, check_cache_fits, memory_limit
+from ..native import engine_module
 from . import inflight
-from .compat import ASYNC_EXECUTOR_THREAD_PREFIX, register_before_thread_join
-from .config import ENGINE_OPTIONS, DataStatesConfig, check_cache_fits, memory_limit
 
 __all__ = ["get_engine", "start_engine", "engine_stats", "shutdown_engine"]
 
@@ -27,14 +28,7 @@ _warned: set = set()  # (option, asked, in force) already reported for this engi
 
 
 def _load_extension():
-    try:
-        from . import _engine  # noqa: PLC0415 - the compiled extension
-    except ImportError as exc:  # pragma: no cover - only when the package was not built
-        raise ImportError(
-            "dcp_datastates' C++ engine (dcp_datastates._engine) is not built; "
-            "install the package with `pip install .` (or `pip install -e .`)"
-        ) from exc
-    return _engine
+    return engine_module()
 
 
 # Defaults of the engine options other than the cache size (fixed for the life of the process).

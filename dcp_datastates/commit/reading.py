@@ -1,0 +1,170 @@
+"""What a committed checkpoint is, checked the same way by every reader of checkpoints (the
+load, ``verify``, ``convert``, the tiers, the commit itself before it writes a marker)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from ..errors import CheckpointFormatError, DataStatesError, IncompleteCheckpointError
+from ..format.layout import MAX_METADATA_BYTES, METADATA_NAME, STEP_NUMBER, FileInfo, decode_metadata, rank_marker_name
+from ..storage import Storage, open_storage
+
+log = logging.getLogger("dcp_datastates")
+
+__all__ = ["read_commit", "check_data_files", "file_size_error", "check_commit", "is_committed", "latest_checkpoint",
+           "checkpoint_id"]
+
+Location = "str | os.PathLike | Storage"
+
+
+def _looks_like_stock_dcp(raw: bytes) -> bool:
+    """DCP's FileSystemWriter pickles its Metadata (protocol 2+ starts with 0x80); never unpickled."""
+    return raw[:1] == b"\x80"
+
+
+def _stock_dcp_error(location: str, marker: str) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"{marker}: {location} is a stock DCP checkpoint (pickled .metadata, .distcp data files), not one written by "
+        f"DataStatesWriter; load it with torch.distributed.checkpoint.FileSystemReader, or convert it with "
+        f"torch.distributed.checkpoint.format_utils.dcp_to_torch_save (both unpickle it: only for checkpoints "
+        f"you trust); nothing of it was unpickled here"
+    )
+
+
+def _committed_subfolders(storage: Storage) -> list[str]:
+    """Names of the folders directly under ``storage`` that hold a commit marker, by step number."""
+    found = [n for n in storage.subfolders() if storage.child(n).has(METADATA_NAME)]
+
+    def step(name: str) -> tuple:
+        m = STEP_NUMBER.search(name)
+        return (0, int(m.group(1))) if m else (1, 0)
+
+    return sorted(found, key=step)
+
+
+def _missing_marker_error(storage: Storage, name: str) -> IncompleteCheckpointError:
+    runs = _committed_subfolders(storage) if name == METADATA_NAME else []
+    path = storage.location
+    if runs:
+        shown = ", ".join(runs[-5:]) + (f" (and {len(runs) - 5} older)" if len(runs) > 5 else "")
+        return IncompleteCheckpointError(
+            f"incomplete checkpoint {path}: this is a folder of checkpoints, not a checkpoint: it holds the "
+            f"committed checkpoint folder(s) {shown}; load one of them, e.g. the newest with "
+            f"dcp_datastates.latest_checkpoint({path!r})"
+        )
+    return IncompleteCheckpointError(
+        f"incomplete checkpoint {path}: there is no {name} commit marker "
+        f"(the save did not finish or is still running)"
+    )
+
+
+def read_commit(location: Location, *, storage_options: Mapping[str, Any] | None = None,
+                rank: int | None = None, name: str | None = None) -> tuple[Metadata, dict[str, FileInfo]]:
+    """Read and decode the commit marker of a checkpoint folder (``rank``: that rank's
+    rank-local marker; ``name``: another file of the same format, e.g. ``PENDING_NAME``): the
+    one place that maps "no folder", "no marker", "a folder of checkpoints", "a stock DCP
+    checkpoint" and "marker is not a regular file" to clear errors. Returns DCP's ``Metadata``
+    and the per-file table."""
+    storage = open_storage(location, storage_options)
+    name = name or (METADATA_NAME if rank is None else rank_marker_name(rank))
+    try:
+        raw = storage.read_small(name, limit=MAX_METADATA_BYTES, what="the commit marker")
+    except (FileNotFoundError, NotADirectoryError):
+        storage.check_folder()  # no folder at all: says so
+        raise _missing_marker_error(storage, name) from None
+    where = storage.where(name)
+    if _looks_like_stock_dcp(raw):
+        raise _stock_dcp_error(storage.location, where)
+    return decode_metadata(raw, where)
+
+
+def file_size_error(where: str, name: str, size: int | None, expected: int, *,
+                    location: str | None = None) -> IncompleteCheckpointError | None:
+    """The error for data file ``name`` of checkpoint ``where`` found with ``size`` bytes (None:
+    missing) where the metadata records ``expected``; None when they agree."""
+    if size is None:
+        seen = f"{location}; " if location else ""
+        return IncompleteCheckpointError(
+            f"incomplete checkpoint {where}: data file {name} is missing ({seen}the metadata lists it)"
+        )
+    if size != expected:
+        return IncompleteCheckpointError(f"incomplete checkpoint {where}: data file {name} {size_text(size, expected)}")
+    return None
+
+
+def size_text(size: int, expected: int) -> str:
+    return f"is {size} bytes, the metadata expects {expected} ({'truncated' if size < expected else 'replaced or appended to'})"
+
+
+def check_data_files(location: Location, files: dict[str, FileInfo], *,
+                     storage_options: Mapping[str, Any] | None = None) -> None:
+    """Every data file in ``files`` exists as a regular file inside the folder (not a symlink,
+    FIFO or device) with the recorded size."""
+    storage = open_storage(location, storage_options)
+    sizes = storage.sizes(files)
+    for name, info in files.items():
+        error = file_size_error(storage.location, name, sizes.get(name), info.size)
+        if error is not None:
+            raise error
+
+
+def check_commit(location: Location, *, storage_options: Mapping[str, Any] | None = None) -> None:
+    """Raise unless the folder holds a complete checkpoint: the marker decodes and every data
+    file it lists exists with the recorded size. IncompleteCheckpointError when something is
+    missing or short, CheckpointFormatError when the marker is damaged. Reads no tensor data."""
+    storage = open_storage(location, storage_options)
+    _, files = read_commit(storage)
+    check_data_files(storage, files)
+
+
+def is_committed(location: Location, *, check_files: bool = False,
+                 storage_options: Mapping[str, Any] | None = None) -> bool:
+    """True when the folder holds a commit marker; with ``check_files``, only when
+    ``check_commit`` also passes (marker decodes, data files present with the right sizes)."""
+    storage = open_storage(location, storage_options)
+    if not check_files:
+        return storage.has(METADATA_NAME)
+    try:
+        check_commit(storage)
+    except (DataStatesError, OSError):
+        return False
+    return True
+
+
+def checkpoint_id(location: Location, storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """The id (``storage_meta.save_id``) in the commit marker of a folder; None when it holds no
+    complete checkpoint (or the store cannot be reached)."""
+    storage = open_storage(location, storage_options)
+    try:
+        md, files = read_commit(storage)
+        check_data_files(storage, files)
+    except (DataStatesError, OSError):
+        return None
+    except Exception as exc:  # noqa: BLE001 - an unreachable store (botocore, aiohttp ...): no copy known there
+        log.debug("dcp_datastates: cannot read the commit of %s: %s", storage.location, exc)
+        return None
+    return md.storage_meta.save_id if md.storage_meta is not None else None
+
+
+def latest_checkpoint(root: Location, *, check_files: bool = True,
+                      storage_options: Mapping[str, Any] | None = None) -> str | None:
+    """The newest complete checkpoint folder directly under ``root`` (``step-100``, ``ckpt_7`` ...):
+    the highest number in the name among folders holding a valid commit; None if there is none.
+
+    Folders without a number in their name are ignored. Candidates are examined from the highest
+    number down, so only the newest ones are read. With ``check_files`` (the default) a folder
+    counts only if its marker decodes and its data files are all present with the right sizes;
+    otherwise a marker file is enough. (``dcp_datastates.latest_checkpoint`` also takes
+    ``local_tier``: ``tiers.latest_checkpoint``.)
+    """
+    storage = open_storage(root, storage_options)
+    candidates = [(int(m.group(1)), name) for name in storage.subfolders() if (m := STEP_NUMBER.search(name))]
+    for _, name in sorted(candidates, reverse=True):
+        folder = storage.child(name)
+        if is_committed(folder, check_files=check_files):
+            return folder.location
+    return None

@@ -1,0 +1,26 @@
+"""The save, as named steps, in the order a save runs them (each module tells its step):
+
+1. ``request``: on the training thread, ``stage()``: flatten and scan the state once
+   (``items``, ``ownership``, ``pipeline``), copy small items now (``request_copy``), submit each
+   planned file to the storage's engine job, hold what cannot be written yet (``held_file``),
+   register the save (``runtime.inflight``); a watcher seals the version guard
+   (``version_guard``) and resolves DCP's Future;
+2. ``request.name_folder`` / ``request.sync_save``: DCP names the folder;
+3. ``write``: on DCP's thread, ``write_data``: every file durable, late items, the planner's
+   data hooks (``planner_hooks``), the items' locations; ``consolidate``: results rank -> node
+   leader -> coordinator;
+4. the commit (``commit.write_commit``, through the tier's hook), then ``finish.close_save``:
+   the save leaves the registry and records its figures (``checkpoint_stats``).
+
+The DCP adapter (``writer.py``) calls only what this package exports.
+"""
+
+from ..runtime.inflight import names_in_use  # the files of saves still running: a commit keeps them
+from .consolidate import consolidate_results
+from .finish import close_save
+from .request import global_rank_world, name_folder, request_save, sync_save
+from .state import StagedSave
+from .write import check_rank_local, skip_replicas, write_rank
+
+__all__ = ["request_save", "name_folder", "sync_save", "write_rank", "check_rank_local", "skip_replicas",
+           "consolidate_results", "close_save", "global_rank_world", "StagedSave", "names_in_use"]

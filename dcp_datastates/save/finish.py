@@ -1,0 +1,38 @@
+"""The end of a save on this rank: it leaves the registry of saves in flight, drops its
+references to the state, and records its figures (``checkpoint_stats``). The commit itself is
+the commit protocol's (``commit.write_commit``), called by the coordinator through its tier."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from ..runtime import inflight
+from . import checkpoint_stats
+from .request import global_rank_world
+from .state import StagedSave
+
+__all__ = ["close_save"]
+
+log = logging.getLogger("dcp_datastates")
+
+
+def close_save(staged: StagedSave, *, path: str | None, coordinator: bool, error: BaseException | None = None,
+               total_bytes: int | None = None, committed: bool = False) -> None:
+    """The save needs nothing more from this rank: release its folder, leave the registry, and
+    record its figures (the coordinator's record, with the commit, is logged)."""
+    staged.finished.set()
+    staged.flat, staged.payloads = None, {}
+    inflight.unregister(staged)
+    rank, world = global_rank_world()
+    try:
+        checkpoint_stats.record(checkpoint_stats.CheckpointStats(
+            path=str(path or staged.path), rank=rank, world_size=world,
+            bytes=total_bytes if total_bytes is not None else staged.nbytes(),
+            stall_s=staged.stall_s, staged_s=staged.staged_s,
+            durable_s=time.monotonic() - staged.requested if committed else None,
+            coordinator=coordinator, local_s=staged.local_s,
+            error=None if error is None else str(error).splitlines()[0][:500],
+        ))
+    except Exception as exc:  # noqa: BLE001 - figures must never fail a save
+        log.debug("dcp_datastates: could not record checkpoint figures: %s", exc)

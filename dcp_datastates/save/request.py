@@ -1,0 +1,229 @@
+"""The request: what ``stage()`` does on the training thread, and the watcher that resolves
+DCP's staging Future once every byte is in the host cache.
+
+1. flatten the state dict (``items.flatten``) and claim the folder in the registry of saves in
+   flight (a second save to the same folder is refused while the first runs);
+2. plan this rank's data files from the local state alone (``pipeline.plan_stage``: owners,
+   layout, the version guard), let the tier make room, prepare the folder (a new file-name tag
+   when it holds a commit);
+3. copy the small items now (``request_copy``), hand each planned file to the storage's engine
+   job (``submit_file``), hold the items whose writer or folder is not known yet (``hold``);
+4. register the save and return; a watcher thread waits for the copies, seals the version
+   guard and resolves the Future with the staged state dict.
+
+An error here never fails the Future: it is kept on the save and raised from
+``prepare_local_plan``, inside DCP's planning collective, so every rank learns of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from ..commit import prepare_folder
+from ..compat import unflatten_state_dict
+from ..errors import CheckpointWriteError
+from ..format.layout import data_file_name, new_tag
+from ..gcpause import gc_paused
+from ..runtime import get_engine, inflight
+from ..runtime.staging_wait import install_step_wait
+from ..storage import Storage
+from .held_file import HeldFile
+from .items import SourceItem, flatten
+from .pipeline import PlannedFile, on_one_device, plan_stage, planned_file
+from .request_copy import copy_small_at_request
+from .state import FileJob, StagedSave
+
+__all__ = ["request_save", "name_folder", "sync_save", "submit_file", "hold", "claim_folder", "current_stream",
+           "global_rank_world", "finish_staging", "planned"]
+
+log = logging.getLogger("dcp_datastates")
+
+# Waits for staging and resolves the Futures handed to DCP; frees replaced files; never runs
+# Python on engine threads. (runtime.engine joins threads of this name at exit.)
+_watchers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dcp-datastates-staging")
+
+
+def current_stream(device: int) -> int:
+    """Handle of this thread's current CUDA stream on ``device``: the engine's copies of a job
+    run after the work queued on it when the job is submitted (the kernels producing the state)."""
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def global_rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def claim_folder(path: str, staged: StagedSave) -> None:
+    try:
+        inflight.claim(path, staged)
+    except inflight.FolderBusyError:
+        raise CheckpointWriteError(
+            f"a save to {path} is still running; wait for its upload_completion before saving to the same path again"
+        ) from None
+
+
+def request_save(state_dict: dict, *, path: str | None, storage: Storage | None, config, tier, requested: float,
+                 check_launch) -> tuple[StagedSave, Future]:
+    """Start the save of ``state_dict`` into ``path`` (None: named later by DCP): the save and
+    the Future DCP waits on before planning."""
+    with gc_paused():  # thousands of small objects per checkpoint: no collection mid-request
+        return _request(state_dict, path, storage, config, tier, requested, check_launch)
+
+
+def _request(state_dict: dict, path: str | None, storage: Storage | None, config, tier, requested: float,
+             check_launch) -> tuple[StagedSave, Future]:
+    future: Future = Future()
+    staged = StagedSave(path=path, storage=storage, requested=requested)
+    flat, mappings = None, None
+    try:
+        check_launch()
+        flat, mappings = flatten(state_dict)
+        if path is not None:
+            claim_folder(path, staged)
+        _stage_into(staged, flat, config, tier)
+    except Exception as exc:  # noqa: BLE001 - raised from prepare_local_plan, on every rank
+        staged.fail(exc)
+    install_step_wait()  # every torch.optim step now waits for this save's copies
+    inflight.register(staged)
+    if flat is None:
+        future.set_result(state_dict)
+        return staged, future
+    if staged.path is None and sum(h.job.nbytes for h in staged.held) > _cache_bytes(config) // 2:
+        # The folder is named after staging (reset()); until then nothing can be flushed, so a
+        # save larger than half the cache cannot be staged whole first: hand DCP the state now
+        # (the version guard still fails the save if a source changes too early).
+        log.warning(
+            "dcp_datastates: a save larger than half the host cache whose folder is given only as "
+            "checkpoint_id: staging_completion resolves before the copies end. Pass the path to "
+            "DataStatesWriter(path) to keep the lazy guarantee; protect_optimizer still waits."
+        )
+        future.set_result(unflatten_state_dict(flat, mappings))
+        _watchers.submit(finish_staging, staged, None)
+        return staged, future
+    _watchers.submit(finish_staging, staged, (future, flat, mappings))
+    return staged, future
+
+
+def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
+    rank, world = global_rank_world()
+    staged.rank = rank
+    dedup = world > 1 and config.dedup_replicated
+    engine = get_engine(config)
+    plan = plan_stage(flat, rank=rank, world=world, dedup=dedup, cuda=engine.cuda_devices > 0,
+                      folder_known=staged.path is not None, hold_limit=lambda: _cache_bytes(config) // 2,
+                      copied_at_request=config.copy_at_request_max_bytes)
+    if staged.path is not None:
+        need = sum(pf.layout.file_size for pf in plan.files) + sum(it.entry.nbytes for g in plan.held for it in g.items)
+        tier.reserve(staged.path, need)
+        staged.tag = new_tag() if prepare_folder(staged.storage, overwrite=config.overwrite) else None
+    staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
+    staged.guard, staged.late_guard = plan.guard, plan.late_guard
+    staged.decision_key, staged.learn, staged.plain_keys = plan.decision_key, plan.learn, plan.plain_keys
+    staged.flat, staged.payloads = flat, plan.payloads
+    for pf in plan.files:
+        staged.files.append(submit_file(engine, staged, _copy_small_now(engine, pf, staged.path, config), config, tier))
+    for group in plan.held:
+        staged.held.append(hold(engine, group.items, known=group.known, config=config, label=staged.path))
+    if staged.files:
+        plan.remember(staged.files[0].job.piece_size())
+
+
+def _cache_bytes(config) -> int:
+    return int(get_engine(config).stats()["cache_bytes"])
+
+
+def name_folder(staged: StagedSave, path: str, storage: Storage, config, tier) -> None:
+    """DCP named the folder (``set_up_storage_writer``): files staged into another one move here
+    once written (``write.write_rank``), held files are written here."""
+    if staged.path is not None and staged.path != path:
+        staged.moved_from = staged.storage  # staged into the writer's previous folder
+        inflight.release(staged.path, staged)
+        staged.path = None
+    if staged.path is None:
+        claim_folder(path, staged)
+        staged.path, staged.storage = path, storage
+        staged.tag = new_tag() if prepare_folder(storage, overwrite=config.overwrite) else None
+    if staged.held:
+        tier.files_changing(staged.path, staged.rank)
+    for k, h in enumerate(staged.held, start=len(staged.files)):
+        if h.name is None:
+            h.set_destination(storage, data_file_name(staged.rank, k, staged.tag), sync=config.sync_files)
+
+
+def sync_save(path: str, storage: Storage, rank: int, config) -> StagedSave:
+    """``dcp.save`` (nothing staged): the folder prepared at planning time; the save that
+    ``write_data`` then writes from live memory."""
+    tag = new_tag() if prepare_folder(storage, overwrite=config.overwrite) else None
+    return StagedSave(path=path, storage=storage, rank=rank, tag=tag)
+
+
+def planned(engine, index: int, items: list[SourceItem]) -> PlannedFile:
+    """File ``index`` of ``items``, laid out, with its memory on one device."""
+    device, items = on_one_device(engine.cuda_devices > 0, items)
+    return planned_file(index, device, items)
+
+
+def _copy_small_now(engine, pf: PlannedFile, path: str | None, config) -> PlannedFile:
+    """At the request only: ``pf`` with its small items copied now (request_copy.py). Files made
+    later (``write_data``) need no such copy."""
+    stream = current_stream(pf.device) if pf.device >= 0 else 0
+    spans, keepalive = copy_small_at_request(engine, pf.device, stream, pf.spans, pf.keepalive,
+                                             config.copy_at_request_max_bytes, path or "checkpoint")
+    return dataclasses.replace(pf, spans=spans, keepalive=keepalive)
+
+
+def submit_file(engine, staged: StagedSave, pf: PlannedFile, config, tier) -> FileJob:
+    """Hand one planned file to the storage's engine job: the only place a ``FileJob`` is made."""
+    name = data_file_name(staged.rank, pf.index, staged.tag)
+    stream = current_stream(pf.device) if pf.device >= 0 else 0
+    tier.files_changing(staged.path, staged.rank)
+    job, upload = staged.storage.write_data_file(
+        engine, name, pf.layout.header, pf.layout.file_size, pf.spans, sync=config.sync_files, device=pf.device,
+        stream=stream, defer=_watchers.submit,  # old blocks freed off the training thread
+    )
+    locations = pf.locations(data_file_name(staged.rank, pf.index), job.piece_size())
+    return FileJob(pf.index, name, job, pf.keys, locations, pf.keepalive, engine, pf.layout.file_size, upload)
+
+
+def hold(engine, items: list[SourceItem], *, known: bool, config, label: str | None) -> HeldFile:
+    """Copy ``items`` into the host cache now and write them once the plan says where (held_file.py)."""
+    device, items = on_one_device(engine.cuda_devices > 0, items)
+    stream = current_stream(device) if device >= 0 else 0
+    label = f"{label or 'checkpoint'} (held)"
+    spans, keep = copy_small_at_request(engine, device, stream, [(it.ptr, it.entry.nbytes, 0) for it in items],
+                                        [it.keepalive for it in items], config.copy_at_request_max_bytes, label)
+    side_buffer = keep[-1] if len(keep) > len(items) else None
+    if side_buffer is not None:
+        items = [dataclasses.replace(it, ptr=span[0], keepalive=owner) for it, span, owner in zip(items, spans, keep)]
+    held = HeldFile(engine, items, device, stream, label, selection=None, selection_known=known,
+                    timeout=float(config.cache_wait_timeout))
+    held.side_buffer = side_buffer  # what the items copied at the request point into
+    return held
+
+
+def finish_staging(staged: StagedSave, resolve: tuple | None) -> None:
+    """On a watcher thread: wait for every copy, seal the guard, resolve DCP's Future."""
+    try:
+        staged.wait_staged(None)
+        staged.staged_s = time.monotonic() - staged.requested
+        staged.seal()
+    finally:
+        for f in staged.files:
+            f.keepalive = None  # the engine copied them: release the source tensors
+        inflight.staged(staged)
+    if resolve is not None:
+        # The staged dict: the structure as of stage() (our own flat copy of it), live tensors
+        # (the engine owns their bytes now). Built here, off the training thread. It is returned
+        # even when staging failed: the error is raised inside DCP's planning, so every rank
+        # learns of it (a failed Future would fail this rank alone, before any collective, and
+        # leave the others waiting in one).
+        future, flat, mappings = resolve
+        future.set_result(unflatten_state_dict(flat, mappings))

@@ -1,0 +1,181 @@
+"""A save in flight on this rank: the files the engine writes for it (``FileJob``) and what the
+request started (``StagedSave``, the handle the registry of saves in flight keeps)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CheckpointWriteError
+from ..format.layout import ItemLocation
+from ..storage import Storage
+from .held_file import HeldFile
+from .items import ItemKey
+from .ownership import DecisionKey
+from .pipeline import written
+from .version_guard import VersionGuard, torn_message
+
+__all__ = ["FileJob", "StagedSave"]
+
+
+@dataclass(eq=False)
+class FileJob:
+    """One data file written by the engine (a local file, or streamed to an object store)."""
+
+    index: int  # k in __<rank>_<k>
+    name: str
+    job: Any
+    keys: Sequence[ItemKey]
+    locations: Mapping[ItemKey, ItemLocation]  # shared with a cached stage plan: never mutated
+    keepalive: list[Any] | None
+    engine: Any
+    file_size: int
+    upload: Future | None = None  # object stores: resolves once the object is complete in the store
+
+    @property
+    def device(self) -> int:
+        return self.job.device
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        return self.job.wait_staged(timeout)
+
+    def is_staged(self) -> bool:
+        return self.job.is_staged()
+
+    def is_done(self) -> bool:
+        return self.job.is_done() and (self.upload is None or self.upload.done())
+
+    def device_wait(self, stream_of) -> bool:
+        if self.job.device < 0:
+            return self.job.is_staged()
+        stream = stream_of(self.job.device)
+        return stream is not None and self.engine.device_wait(self.job, stream)
+
+    def abort(self, reason: str) -> None:
+        try:
+            self.job.fail(reason)
+        except Exception:  # noqa: BLE001 - a job that cannot be failed finishes on its own
+            pass
+
+    def result(self) -> dict[ItemKey, ItemLocation]:
+        """Wait until the file is durable; its items' final locations (checksums included)."""
+        error = None
+        if self.upload is not None:
+            exc = self.upload.exception()
+            if exc is not None:
+                error = str(exc)
+        self.job.wait_done(None)
+        self.keepalive = None
+        error = error or self.job.error()
+        if error:
+            raise CheckpointWriteError(error)
+        crcs = self.job.checksums()
+        size = self.file_size
+        return {k: written(self.locations[k], self.name, tuple(c), size) for k, c in zip(self.keys, crcs)}
+
+
+@dataclass(eq=False)
+class StagedSave:
+    """Everything ``stage()`` started for one checkpoint on this rank."""
+
+    path: str | None  # None: the folder is named later (checkpoint_id given to DCP only)
+    storage: Storage | None = None  # the folder ``path`` names
+    rank: int = 0
+    tag: str | None = None  # file-name tag when the folder already holds a committed checkpoint
+    files: list[FileJob] = field(default_factory=list)
+    held: list[HeldFile] = field(default_factory=list)
+    skipped: set = field(default_factory=set)  # DTensor replicas another rank writes
+    elsewhere: set = field(default_factory=set)  # plain tensors the decision gives to other ranks
+    decision_key: DecisionKey | None = None
+    learn: bool = False  # no decision was known: learn it from this save's plan
+    plain_keys: frozenset = frozenset()
+    moved_from: Storage | None = None  # staged into this folder, then DCP named another (reset)
+    guard: VersionGuard | None = None  # the sources this rank copies
+    late_guard: VersionGuard | None = None  # tensors it may have to write from live memory
+    error: BaseException | None = None  # raised from prepare_local_plan
+    abandoned: str | None = None  # why the save was abandoned (Ctrl-C at exit, an error): never commit
+    requested: float = field(default_factory=time.monotonic)
+    stall_s: float = 0.0  # the training thread's time in stage()
+    staged_s: float | None = None  # request -> every byte in the host cache
+    local_s: float | None = None  # local_tier: request -> the local copy committed
+    tier_plan: Any = None  # what the tier's global-plan hook told this rank (None: nothing)
+    _sealed: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    finished: threading.Event = field(default_factory=threading.Event)
+    planner: threading.Thread | None = None  # DCP's thread planning this save
+    writing: bool = False  # DCP called write_data
+    flat: dict | None = None  # the state as flattened at the request (its tensors are the sources)
+    payloads: dict = field(default_factory=dict)  # fqn -> a non-tensor value's bytes, serialized at the request
+
+    def is_over(self) -> bool:
+        """Finished, or given up by DCP: the thread that ran its DCP save has ended (the save
+        failed on some rank; DCP calls nothing more here)."""
+        if self.finished.is_set():
+            return True
+        t = self.planner
+        return t is not None and not t.is_alive()
+
+    def jobs(self) -> list:
+        return [*self.files, *self.held]
+
+    def all_written(self) -> bool:
+        return all(j.is_done() for j in self.jobs())
+
+    def file_names(self) -> frozenset:
+        return frozenset(f.name for f in self.files) | frozenset(h.name for h in self.held if h.name)
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for j in self.jobs():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not j.wait_staged(left):
+                return False
+        return True
+
+    def device_wait(self, stream_of) -> bool:
+        """True when no host wait is needed: some file copies from a GPU, and each file is staged
+        or (GPU files) has the caller's stream now waiting for all its copies."""
+        files = self.jobs()
+        if not any(f.device >= 0 for f in files):
+            return False
+        return all(f.device_wait(stream_of) if isinstance(f, FileJob) else f.is_staged() for f in files)
+
+    def seal(self) -> None:
+        """From now on the caller may change the sources: check none changed before (once)."""
+        with self._lock:
+            if self._sealed:
+                return
+            self._sealed = True
+            guard, self.guard = self.guard, None
+        changed = guard.first_changed() if guard is not None else None
+        if changed is not None and self.error is None:
+            self.error = CheckpointWriteError(torn_message(self.path or "(unnamed)", *changed))
+
+    def fail(self, exc: BaseException) -> None:
+        """An error before DCP's planning: kept to be raised from prepare_local_plan (inside the
+        planning collective, so every rank learns of it); nothing of this save gets written."""
+        if self.error is None:
+            self.error = exc
+        self.abandon(f"save abandoned: {exc}")
+
+    # The registry's save handle (runtime/inflight.py): what Ctrl-C at exit names and abandons.
+    def abandon(self, reason: str) -> None:
+        """Fail every job at once: nothing of this save gets written or committed."""
+        if self.abandoned is None:
+            self.abandoned = reason
+        for j in self.jobs():
+            j.abort(reason)
+
+    def progress(self) -> tuple[int, int]:
+        jobs = [j.job for j in self.jobs()]
+        return sum(int(getattr(j, "bytes_done", 0)) for j in jobs), sum(int(j.nbytes) for j in jobs)
+
+    def done(self) -> bool:
+        return self.is_over()
+
+    def nbytes(self) -> int:
+        return sum(int(j.job.nbytes) for j in self.jobs())

@@ -1,0 +1,138 @@
+"""The one storage interface: everything the save, the load, the commit protocol and the tiers
+do to a checkpoint folder. Two implementations: ``LocalStorage`` (a folder of this machine:
+the engine's ``pwrite``/``pread``, fsync and atomic rename) and ``ObjectStorage`` (any fsspec
+file system: streamed multipart uploads, one-PUT markers, parallel ranged reads).
+
+Where the two truly differ, the method says what each does; callers never ask which one they
+hold.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from concurrent.futures import Future
+from contextlib import AbstractContextManager
+from typing import IO, Any
+
+__all__ = ["Storage", "DataFileJob"]
+
+#: (engine job, upload Future or None): what ``write_data_file`` returns. The Future, for object
+#: stores, resolves when the object is complete in the store (or raises CheckpointWriteError).
+DataFileJob = tuple[Any, "Future | None"]
+
+
+class Storage(ABC):
+    """A checkpoint folder. ``location`` is the folder as the user wrote it (every message names
+    it); ``where(name)`` names one file in it the same way."""
+
+    location: str
+
+    # ------------------------------------------------------------------------------ names
+    @abstractmethod
+    def where(self, name: str) -> str:
+        """File ``name`` of the folder, as messages show it (a path or a URL)."""
+
+    @abstractmethod
+    def child(self, name: str) -> "Storage":
+        """The folder ``name`` directly inside this one."""
+
+    @abstractmethod
+    def subfolders(self) -> list[str]:
+        """Names of the folders directly inside this one ([] when it does not exist)."""
+
+    def same_place(self, other: "Storage") -> bool:
+        return type(self) is type(other) and self.location == other.location
+
+    # ------------------------------------------------------------------------------ state
+    @abstractmethod
+    def check_folder(self) -> None:
+        """Raise FileNotFoundError (or NotADirectoryError) naming the location when nothing is
+        there to read a checkpoint from; return when the folder exists."""
+
+    @abstractmethod
+    def has(self, name: str) -> bool:
+        """True when file ``name`` exists (a regular file; object stores: an object)."""
+
+    @abstractmethod
+    def sizes(self, names: Iterable[str] | None = None) -> dict[str, int]:
+        """name -> size of the regular files directly in the folder (of ``names`` only, when
+        given; missing ones are left out). A name that is a symlink, FIFO or device raises
+        CheckpointFormatError: checkpoint files are read from inside the folder only."""
+
+    @abstractmethod
+    def size(self, name: str) -> int | None:
+        """Size of one file, None when it does not exist."""
+
+    # ------------------------------------------------------------------------------ small files
+    @abstractmethod
+    def read_small(self, name: str, *, limit: int, what: str) -> bytes:
+        """The bytes of the small file ``name`` (``what`` names it in messages), at most
+        ``limit`` bytes (CheckpointFormatError beyond). FileNotFoundError when it is absent."""
+
+    @abstractmethod
+    def put(self, name: str, data: bytes, *, sync: bool) -> None:
+        """Write small file ``name`` atomically: a reader sees the old bytes or the new ones.
+        Local: a temporary name, fsync (with ``sync``), rename, folder fsync. Object stores:
+        one PUT. Raises OSError or the store's error; leaves no temporary behind."""
+
+    def remove_stale_temporaries(self, prefix: str) -> None:  # noqa: B027 - a no-op where a PUT leaves none
+        """Temporaries of ``put`` left by a process killed before its rename (local folders; a
+        PUT leaves none)."""
+        return None
+
+    # ------------------------------------------------------------------------------ files
+    @abstractmethod
+    def prepare(self, *, overwrite: bool, marker: str) -> bool:
+        """Before a save writes here: create the folder where that means something; True when
+        file ``marker`` (the commit marker) is there, which ``overwrite=False`` refuses with
+        CheckpointWriteError."""
+
+    @abstractmethod
+    def names(self) -> list[str]:
+        """Names of the files directly in the folder."""
+
+    @abstractmethod
+    def remove(self, name: str) -> None:
+        """Delete file ``name`` (raises when that fails)."""
+
+    def remove_quietly(self, name: str) -> None:
+        try:
+            self.remove(name)
+        except Exception:  # noqa: BLE001 - already gone, or the store hiccups: a harmless leftover
+            pass
+
+    @abstractmethod
+    def open_read(self, name: str) -> IO[bytes]:
+        """A binary file object reading ``name`` (local: no symlink followed, no FIFO)."""
+
+    @abstractmethod
+    def create(self, name: str, *, sync: bool) -> AbstractContextManager[IO[bytes]]:
+        """A binary file object writing ``name`` (replacing it); durable when the ``with``
+        block ends without error (local: fsynced with ``sync``; object stores: the object
+        appears at close). On error nothing is left under ``name``'s new content."""
+
+    def move(self, name: str, dst: "Storage", new_name: str) -> None:
+        """Move file ``name`` to ``dst`` as ``new_name``: a rename where the two share a file
+        system, else a copy then a removal."""
+        with self.open_read(name) as fin, dst.create(new_name, sync=False) as fout:
+            while block := fin.read(16 << 20):
+                fout.write(block)
+        self.remove(name)
+
+    # ------------------------------------------------------------------------------ data files
+    @abstractmethod
+    def write_data_file(self, engine, name: str, header: bytes, file_size: int, spans: list, *, sync: bool,
+                        device: int, stream: int, defer=None) -> DataFileJob:
+        """Hand one data file to the engine. Local: an engine file job writing a new inode (an
+        old file there is moved aside and freed through ``defer(fn, *args)``, which runs cleanup
+        off the caller's thread; default: at once). Object
+        stores: an engine streaming job whose bytes an uploader thread appends to one object."""
+
+    @abstractmethod
+    def read_into(self, engine, name: str, ranges: list, checks: list | None, threads: int) -> tuple | None:
+        """Fill every (dst_ptr, file_offset, nbytes) range from ``name``; with ``checks``
+        ((range index, file offset, length, crc32c) pieces), verify each piece and return the
+        first bad one as (range index, offset, length, expected, got); None when all match.
+        Local: the engine's parallel preads, checking each piece while it is hot. Object
+        stores: parallel ranged GETs, then the same check on the bytes in memory."""

@@ -1,0 +1,271 @@
+"""A checkpoint folder on this machine: the engine's ``pwrite``/``pread`` on data files, and the
+commit protocol's atomic small files (temporary name, fsync, rename, folder fsync).
+
+Every read opens a regular file inside the folder only: never through a symlink, never blocking
+on a FIFO (``open_for_reading``); a data file is always written on a new inode, so a hard link
+or symlink shared with another checkpoint is never truncated in place.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+import uuid
+from collections.abc import Iterable
+from contextlib import contextmanager
+
+from ..errors import CheckpointFormatError, CheckpointWriteError
+from .base import DataFileJob, Storage
+
+__all__ = ["LocalStorage", "open_for_reading", "file_kind", "not_regular_error"]
+
+# Reads of checkpoint files: never through a symlink, never blocking on a FIFO.
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, for messages ("a symbolic link", "a FIFO" ...)."""
+    for test, name in (
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def not_regular_error(where: str, what: str, full: str, mode: int) -> CheckpointFormatError:
+    detail = ""
+    if stat.S_ISLNK(mode):
+        try:
+            detail = f" to {os.readlink(full)!r}"
+        except OSError:
+            pass
+        detail += "; checkpoint files are read only from inside the folder, never through a link (copy it with `cp -L`)"
+    return CheckpointFormatError(f"checkpoint {where}: {what} is {file_kind(mode)}{detail}, not a regular file")
+
+
+def open_for_reading(full: str, what: str | None = None) -> int:
+    """A descriptor of the regular file ``full``, opened without following a symlink or
+    blocking on a FIFO. Raises CheckpointFormatError for anything that is not a regular file."""
+    folder, name = os.path.dirname(full), os.path.basename(full)
+    try:
+        fd = os.open(full, _READ_FLAGS)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+            raise not_regular_error(folder, what or name, full, os.lstat(full).st_mode) from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise not_regular_error(folder, what or name, full, st.st_mode)
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        # Some file systems (FUSE, network mounts) cannot sync a directory: nothing to do there.
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class LocalStorage(Storage):
+    def __init__(self, path: str) -> None:
+        self.location = path
+
+    def __repr__(self) -> str:
+        return f"LocalStorage({self.location!r})"
+
+    # ------------------------------------------------------------------------------ names
+    def where(self, name: str) -> str:
+        return os.path.join(self.location, name)
+
+    def child(self, name: str) -> "LocalStorage":
+        return LocalStorage(self.where(name))
+
+    def subfolders(self) -> list[str]:
+        try:
+            names = os.listdir(self.location)
+        except OSError:
+            return []
+        return [n for n in names if os.path.isdir(self.where(n))]
+
+    # ------------------------------------------------------------------------------ state
+    def check_folder(self) -> None:
+        if not os.path.exists(self.location):
+            raise FileNotFoundError(f"no checkpoint at {self.location}: the folder does not exist")
+        if not os.path.isdir(self.location):
+            raise NotADirectoryError(f"no checkpoint at {self.location}: it is a file, not a checkpoint folder")
+
+    def has(self, name: str) -> bool:
+        return os.path.isfile(self.where(name))
+
+    def sizes(self, names: Iterable[str] | None = None) -> dict[str, int]:
+        if names is None:
+            names = self.names()
+        out = {}
+        for name in names:
+            full = self.where(name)
+            try:
+                st = os.lstat(full)  # lstat: a symlink is refused, not followed
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                raise not_regular_error(self.location, f"data file {name}", full, st.st_mode)
+            out[name] = st.st_size
+        return out
+
+    def size(self, name: str) -> int | None:
+        return self.sizes([name]).get(name)
+
+    # ------------------------------------------------------------------------------ small files
+    def read_small(self, name: str, *, limit: int, what: str) -> bytes:
+        full = self.where(name)
+        try:
+            fd = open_for_reading(full, f"{what} {name}")
+        except IsADirectoryError:
+            raise CheckpointFormatError(f"{full}: {what} is a folder, not a metadata file") from None
+        except CheckpointFormatError as exc:
+            if "is a folder" in str(exc):
+                raise CheckpointFormatError(f"{full}: {what} is a folder, not a metadata file") from None
+            raise
+        try:
+            size = os.fstat(fd).st_size
+            if size > limit:
+                raise CheckpointFormatError(
+                    f"{full}: {size} bytes, more than the {limit}-byte limit of a metadata file "
+                    f"(not a dcp_datastates checkpoint, or damaged)"
+                )
+            chunks, left = [], size + 1  # one byte more: notices a file that grew meanwhile
+            while left > 0:
+                chunk = os.read(fd, min(left, 64 << 20))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                left -= len(chunk)
+            raw = b"".join(chunks)
+            if len(raw) > size:
+                raise CheckpointFormatError(f"{full}: {what} changed while it was read (a save is running?)")
+            return raw
+        finally:
+            os.close(fd)
+
+    def put(self, name: str, data: bytes, *, sync: bool) -> None:
+        folder = self.location
+        tmp = os.path.join(folder, f"{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0), 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    written = os.write(fd, view)
+                    view = view[written:]
+                if sync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, os.path.join(folder, name))
+            if sync:
+                _fsync_dir(folder)
+                _fsync_dir(os.path.dirname(os.path.abspath(folder)))
+        except OSError:
+            _unlink_quietly(tmp)
+            raise
+
+    def remove_stale_temporaries(self, prefix: str) -> None:
+        try:
+            names = os.listdir(self.location)
+        except OSError:
+            return
+        for name in names:
+            if name.startswith(prefix):
+                _unlink_quietly(self.where(name))
+
+    # ------------------------------------------------------------------------------ files
+    def prepare(self, *, overwrite: bool, marker: str) -> bool:
+        path = self.location
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointWriteError(f"cannot create checkpoint folder {path}: {exc.strerror or exc}") from exc
+        if not os.path.isdir(path):  # makedirs(exist_ok=True) accepts nothing else, but be explicit
+            raise CheckpointWriteError(f"cannot create checkpoint folder {path}: a file is in the way")
+        committed = os.path.lexists(self.where(marker))
+        if committed and not overwrite:
+            raise CheckpointWriteError(f"{path} already holds a committed checkpoint and overwrite=False")
+        return committed
+
+    def names(self) -> list[str]:
+        try:
+            return [n for n in os.listdir(self.location) if not os.path.isdir(self.where(n))]
+        except OSError:
+            return []
+
+    def remove(self, name: str) -> None:
+        os.unlink(self.where(name))
+
+    def open_read(self, name: str):
+        return os.fdopen(open_for_reading(self.where(name)), "rb")
+
+    @contextmanager
+    def create(self, name: str, *, sync: bool):
+        full = self.where(name)
+        with open(full, "wb") as f:
+            yield f
+            if sync:
+                f.flush()
+                os.fsync(f.fileno())
+
+    def move(self, name: str, dst: Storage, new_name: str) -> None:
+        if isinstance(dst, LocalStorage):
+            src, target = self.where(name), dst.where(new_name)
+            try:
+                os.rename(src, target)
+            except OSError:  # another file system: copy, then drop the original
+                shutil.copyfile(src, target)
+                os.unlink(src)
+            return
+        super().move(name, dst, new_name)
+
+    # ------------------------------------------------------------------------------ data files
+    def write_data_file(self, engine, name: str, header: bytes, file_size: int, spans: list, *, sync: bool,
+                        device: int, stream: int, defer=None) -> DataFileJob:
+        path = self.where(name)
+        _retire(path, defer)  # never write into a shared inode
+        return engine.submit_write(path, header, file_size, spans, sync, device, stream), None
+
+    def read_into(self, engine, name: str, ranges: list, checks: list | None, threads: int) -> tuple | None:
+        return engine.read_into(self.where(name), ranges, checks, threads)
+
+
+def _retire(path: str, defer) -> None:
+    """Move an existing file at ``path`` out of the way so the next create makes a new inode;
+    it is freed through ``defer`` (the writer's background thread) or at once."""
+    aside = f"{path}.old-{uuid.uuid4().hex}"
+    try:
+        os.rename(path, aside)
+    except OSError:
+        return  # no old file (or nothing we may move): the create reports real errors
+    if defer is None:
+        _unlink_quietly(aside)
+    else:
+        defer(_unlink_quietly, aside)

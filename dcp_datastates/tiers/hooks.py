@@ -1,0 +1,226 @@
+"""The tiers as seen by the writer and the reader: one object each, with fixed hooks called at
+fixed points of every save and load. ``NoTier`` (no ``local_tier``) does nothing at each hook;
+``LocalTier`` puts the node-local tier in front of the durable path (see ``local_tier.py`` for the
+protocol). The writer and the reader never ask which one they hold.
+
+Save hooks, in call order: ``folder`` (which folder this rank writes), ``reserve`` (room for the
+staged bytes), ``files_changing`` (before a rank rewrites its files), ``check_local_plan``,
+``global_plan`` (coordinator), ``rank_written`` (a rank's files are durable where it wrote them),
+``commit`` (coordinator: the checkpoint is committed where the tier wants it), ``failed``.
+Load hooks: ``choose`` (which copy to read), ``local_file`` (this node's copy of a data file).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+from ..commit import prepare_folder, write_commit
+from ..errors import CheckpointWriteError
+from ..format.layout import moved, new_tag
+from ..storage import Storage, open_storage
+from . import drain
+from . import local_tier as tiers
+
+log = logging.getLogger("dcp_datastates")
+
+__all__ = ["NoTier", "LocalTier", "save_tier", "RankDrain", "ReadPlan"]
+
+# Several ranks: each rank's drain of its files (drain.drain_rank), off DCP's thread so the
+# coordinator can gather while ranks drain.
+_drainers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dcp-datastates-drain")
+
+
+@dataclass(frozen=True)
+class RankDrain:
+    """local_tier with several ranks: what the coordinator's global plan tells each rank (its
+    plan's ``storage_data``): the checkpoint id, and the tag of the durable file names (None
+    when the durable folder holds no commit)."""
+
+    save_id: str
+    tag: str | None
+
+
+@dataclass
+class ReadPlan:
+    """What a load reads: the folder (``path``); for a checkpoint committed only on the nodes'
+    local tiers, its pending (Metadata, files); and the local copy (``local``) whose recorded
+    data files this node may read instead of the durable ones (several-rank saves)."""
+
+    path: str
+    pending: tuple | None = None
+    pending_id: str | None = None
+    local: str | None = None
+
+
+class NoTier:
+    """The plain save and load: every checkpoint is written and read where its path says."""
+
+    durable_path: str | None = None
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.local_commit: Future = Future()  # resolves when the local copy is committed (LocalTier only)
+
+    # ---------------------------------------------------------------------------------- save
+    def folder(self, path: str | None) -> str | None:
+        return path
+
+    def reported(self, path: str | None) -> str | None:
+        """The checkpoint path ranks report and the metadata records (the durable one)."""
+        return path
+
+    def new_save(self) -> None:
+        if self.local_commit.done():
+            self.local_commit = Future()
+
+    def reserve(self, folder: str, need: int) -> None:
+        pass
+
+    def files_changing(self, folder: str, rank: int) -> None:
+        pass
+
+    def check_local_plan(self, folder: str, use_collectives: bool) -> None:
+        pass
+
+    def global_plan(self, plans: list, save_id: str) -> list:
+        return plans
+
+    def rank_written(self, staged, results: list) -> list:
+        return results
+
+    def commit(self, storage: Storage, metadata, locations, staged, *, rank_local: int | None,
+               in_use: frozenset) -> None:
+        write_commit(storage, metadata, locations, sync=self.config.sync_files, rank_local=rank_local, in_use=in_use)
+
+    def failed(self, exc: BaseException) -> None:
+        pass
+
+    # ---------------------------------------------------------------------------------- load
+    def choose(self, path: str) -> ReadPlan:
+        return ReadPlan(path)
+
+    def local_files(self, plan: ReadPlan, save_id: str | None) -> dict[str, str]:
+        """{durable data-file name: this node's local copy of it} for checkpoint ``save_id``."""
+        return {}
+
+
+class LocalTier(NoTier):
+    """``local_tier=DIR``: each rank writes and commits into its node's local copy of the
+    checkpoint, which is then drained to the durable path (local_tier.py)."""
+
+    def folder(self, path: str | None) -> str | None:
+        if path is None:
+            return None
+        self.durable_path = path
+        return tiers.local_copy(self.config.local_tier, path)
+
+    def reported(self, path: str | None) -> str | None:
+        return self.durable_path or path
+
+    def reserve(self, folder: str, need: int) -> None:
+        tiers.make_room(self.config.local_tier, need, folder, self.config.storage_options)
+
+    def files_changing(self, folder: str, rank: int) -> None:
+        tiers.forget_rank_files(folder, rank)  # a record must never name files being rewritten
+
+    def check_local_plan(self, folder: str, use_collectives: bool) -> None:
+        """Raised inside DCP's planning, so every rank gets it."""
+        if not use_collectives:
+            raise CheckpointWriteError(
+                f"local_tier: rank-local saves (use_collectives=False) are not supported (saving "
+                f"{self.durable_path}); save without local_tier, or with collectives"
+            )
+        tiers.record_durable(folder, self.durable_path)
+
+    def global_plan(self, plans: list, save_id: str) -> list:
+        """Several ranks: each rank drains its own files; the coordinator names them."""
+        if len(plans) <= 1:
+            return plans
+        durable = open_storage(self.durable_path, self.config.storage_options)
+        committed = prepare_folder(durable, overwrite=self.config.overwrite)
+        # New names next to a commit, or next to a pending checkpoint whose drained files a
+        # restart may still read.
+        pending = tiers.read_pending(durable) is not None
+        plan = RankDrain(save_id, new_tag() if committed or pending else None)
+        return [dataclasses.replace(p, storage_data=plan) for p in plans]
+
+    def rank_written(self, staged, results: list) -> list:
+        """Several ranks: this rank's files are durable on the local tier. Record them in the
+        local copy, then drain them on a drain thread (it reports to the coordinator, which
+        commits once every rank did); the results name the durable files."""
+        plan = staged.tier_plan
+        if not isinstance(plan, RankDrain):
+            return results
+        # The rank in the data file names (global: the coordinator waits for the writers of the
+        # files it commits, local_tier.file_ranks), not the rank in DCP's process group.
+        locations = {r.index: r.storage_data for r in results}
+        renamed = {loc.file: drain.durable_name(loc.file, plan.tag) for loc in locations.values()}
+        tiers.record_rank_files(staged.path, staged.rank, self.durable_path, plan.save_id, renamed)
+        staged.local_s = time.monotonic() - staged.requested
+        if not self.local_commit.done():
+            self.local_commit.set_result(staged.path)
+        _drainers.submit(drain.drain_rank, staged.path, self.durable_path, locations, renamed, plan.save_id,
+                         staged.rank, self.config)
+        return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed[r.storage_data.file])) for r in results]
+
+    def commit(self, storage: Storage, metadata, locations, staged, *, rank_local: int | None,
+               in_use: frozenset) -> None:
+        config = self.config
+        if staged is not None and isinstance(staged.tier_plan, RankDrain):
+            self._commit_drained(metadata, locations, staged.tier_plan)
+            return
+        super().commit(storage, metadata, locations, staged, rank_local=rank_local, in_use=in_use)
+        if staged is not None:
+            staged.local_s = time.monotonic() - staged.requested
+        self.local_commit.set_result(storage.location)
+        drain.drain(storage.location, self.durable_path, config)
+        # left by a killed run, under the same root (so on the store these options are for)
+        drain.drain_pending_quietly(config.local_tier, config, root=tiers.root_of(self.durable_path))
+        tiers.evict_drained(config.local_tier, config.keep_local, config.storage_options)
+
+    def _commit_drained(self, metadata, locations: dict, plan: RankDrain) -> None:
+        """Several ranks: every rank's files are on its node's local tier. Record the
+        checkpoint's metadata in the durable folder (restorable from the local copies from here
+        on), wait for every rank's drain report, then commit the durable folder."""
+        durable = open_storage(self.durable_path, self.config.storage_options)
+        tiers.write_pending(durable, metadata, locations, sync=self.config.sync_files)
+        ranks = tiers.file_ranks(locations)
+        tiers.wait_drained(durable, plan.save_id, ranks, self.config.drain_timeout)
+        write_commit(durable, metadata, locations, sync=self.config.sync_files)
+        tiers.clear_pending(durable, ranks)
+
+    def failed(self, exc: BaseException) -> None:
+        if not self.local_commit.done():
+            self.local_commit.set_exception(exc)
+
+    # ---------------------------------------------------------------------------------- load
+    def choose(self, path: str) -> ReadPlan:
+        """The nearest good copy: this node's local copy when complete, verified and tied to
+        the durable commit; a checkpoint committed only on the local tiers (several ranks,
+        drain interrupted) through its pending metadata; else the durable folder, whose data
+        files this node may still hold (several ranks)."""
+        config = self.config
+        self.durable_path = path
+        chosen = tiers.choose_copy(path, config)
+        local = tiers.local_copy(config.local_tier, path)
+        if chosen != path:
+            return ReadPlan(chosen)
+        pending = tiers.read_pending(path, config.storage_options, uncommitted_only=True)
+        if pending is not None:
+            md, _ = pending
+            log.info("dcp_datastates: %s is committed on the nodes' local tiers and not yet on the durable "
+                     "tier: reading checkpoint %s from the local copies", path, md.storage_meta.save_id)
+            return ReadPlan(path, pending, md.storage_meta.save_id, local)
+        return ReadPlan(path, local=local)
+
+    def local_files(self, plan: ReadPlan, save_id: str | None) -> dict[str, str]:
+        return tiers.local_files(plan.local, save_id) if plan.local is not None else {}
+
+
+def save_tier(config) -> NoTier:
+    """The tier object of a writer or reader with this configuration."""
+    return NoTier(config) if config.local_tier is None else LocalTier(config)
