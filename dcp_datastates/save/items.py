@@ -40,13 +40,20 @@ class SourceItem:
     keepalive: Any
     device: int = -1  # CUDA device index ``ptr`` points into; -1 for host memory
     copied: bool = False  # the bytes were copied at stage() already (views, other devices)
+    # What the value is, decided once (``items_of_flat``): "plain" (a tensor every rank may hold),
+    # "dtensor" (a DTensor's local shard), "shard" (ShardedTensor, CheckpointableTensor: each
+    # rank's own) or "value" (a non-tensor value, serialized). Ownership and planning read this.
+    kind: str = "plain"
+
+
+PLAIN, DTENSOR, SHARD, VALUE = "plain", "dtensor", "shard", "value"
 
 
 def item_key(index) -> ItemKey:
     return (index.fqn, None if index.offset is None else tuple(index.offset))
 
 
-def _tensor_source(key: ItemKey, name: str, tensor: torch.Tensor) -> SourceItem:
+def _tensor_source(key: ItemKey, name: str, tensor: torch.Tensor, kind: str = PLAIN) -> SourceItem:
     t = tensor.detach()
     device = -1
     original = t
@@ -61,13 +68,13 @@ def _tensor_source(key: ItemKey, name: str, tensor: torch.Tensor) -> SourceItem:
     nbytes = t.numel() * t.element_size()
     entry = FileEntry(name=name, kind="tensor", dtype=dtype_to_name(t.dtype), shape=tuple(t.shape), nbytes=nbytes)
     return SourceItem(key=key, entry=entry, ptr=t.data_ptr() if nbytes else 0, keepalive=t, device=device,
-                      copied=t is not original)
+                      copied=t is not original, kind=kind)
 
 
 def bytes_source(key: ItemKey, name: str, data: bytes) -> SourceItem:
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
     entry = FileEntry(name=name, kind="bytes", dtype="uint8", shape=(len(data),), nbytes=len(data))
-    return SourceItem(key=key, entry=entry, ptr=buf.data_ptr() if data else 0, keepalive=buf)
+    return SourceItem(key=key, entry=entry, ptr=buf.data_ptr() if data else 0, keepalive=buf, kind=VALUE)
 
 
 def serialize_object(obj: Any) -> bytes:
@@ -129,22 +136,43 @@ def flatten(state_dict: dict) -> tuple[dict, dict]:
     return _flatten(state_dict)
 
 
-def items_of_flat(flat: dict, serialized: dict[int, SourceItem] | None = None) -> list[SourceItem]:
-    """The items of a flat state dict, in its order. Plain tensors take a fast path; DTensor and
-    ShardedTensor (and CheckpointableTensor shards, torch 2.14+) go through DCP's own
-    ``_create_write_items`` so their chunk offsets are exactly DCP's. ``serialized``: non-tensor values already serialized in this stage(), by position."""
+def _whole(obj: Any) -> bool:
+    """A dense tensor (or a Parameter of one): one item, no DCP write items needed."""
+    return type(obj) is torch.Tensor or (isinstance(obj, torch.nn.Parameter) and type(obj.data) is torch.Tensor)
+
+
+def classify(obj: Any) -> str:
+    """What a state-dict value is (``SourceItem.kind``): the one place that asks."""
+    if _whole(obj):
+        return SHARD if is_checkpointable_tensor(obj) else PLAIN  # (2.14+: shards of a global tensor)
+    if not isinstance(obj, torch.Tensor):
+        return VALUE
+    if hasattr(obj, "placements") and hasattr(obj, "device_mesh"):
+        return DTENSOR
+    if type(obj).__name__ == "ShardedTensor" or is_checkpointable_tensor(obj):
+        return SHARD
+    return PLAIN  # another tensor subclass: DCP's own write items, replicated like a plain tensor
+
+
+def items_of_flat(flat: dict, serialized: dict[int, SourceItem] | None = None,
+                  kinds: list[str] | None = None) -> list[SourceItem]:
+    """The items of a flat state dict, in its order, each with its ``kind``. Plain tensors take a
+    fast path; DTensor and ShardedTensor (and CheckpointableTensor shards, torch 2.14+) go through
+    DCP's own ``_create_write_items`` so their chunk offsets are exactly DCP's. ``serialized``:
+    non-tensor values already serialized in this stage(), by position; ``kinds``: each value's
+    kind when the scan classified them already."""
     items: list[SourceItem] = []
     taken: set[str] = set()
     for pos, (fqn, obj) in enumerate(flat.items()):
-        whole = type(obj) is torch.Tensor or (isinstance(obj, torch.nn.Parameter) and type(obj.data) is torch.Tensor)
-        if whole and not is_checkpointable_tensor(obj):  # (2.14+: shards of a global tensor)
+        kind = kinds[pos] if kinds is not None else classify(obj)
+        if kind == PLAIN and _whole(obj):
             key = (fqn, (0,) * obj.dim())
             items.append(_tensor_source(key, _unique_name(fqn, None, taken), obj))
-        elif isinstance(obj, torch.Tensor):
+        elif kind != VALUE:
             for wi in create_write_items(fqn, obj):
                 key = item_key(wi.index)
                 local = find_tensor_shard(obj, wi.index)
-                items.append(_tensor_source(key, _unique_name(fqn, key[1], taken), local))
+                items.append(_tensor_source(key, _unique_name(fqn, key[1], taken), local, kind))
         else:
             key = (fqn, None)
             name = _unique_name(fqn, None, taken)
@@ -155,7 +183,8 @@ def items_of_flat(flat: dict, serialized: dict[int, SourceItem] | None = None) -
 
 def _renamed(item: SourceItem, key: ItemKey, name: str) -> SourceItem:
     """An already serialized value under its final key and file name."""
-    return SourceItem(key=key, entry=dataclasses.replace(item.entry, name=name), ptr=item.ptr, keepalive=item.keepalive)
+    return SourceItem(key=key, entry=dataclasses.replace(item.entry, name=name), ptr=item.ptr, keepalive=item.keepalive,
+                      kind=VALUE)
 
 
 def source_for_resolved(item: WriteItem, data: Any, taken: set[str]) -> SourceItem:

@@ -26,10 +26,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import torch
-
-from ..compat import is_checkpointable_tensor
-from .items import ItemKey, SourceItem
+from .items import DTENSOR, PLAIN, SHARD, VALUE, ItemKey, SourceItem
 
 __all__ = ["Ownership", "DecisionKey", "Decisions", "decisions", "split_by_owner", "plain_signature"]
 
@@ -51,19 +48,9 @@ def _dtensor_owned(obj, key: ItemKey) -> bool:
     return zlib.crc32(name) % replicas == index
 
 
-def _is_dtensor(obj) -> bool:
-    return isinstance(obj, torch.Tensor) and hasattr(obj, "placements") and hasattr(obj, "device_mesh")
-
-
-def is_plain_tensor(obj) -> bool:
-    """A tensor DCP treats as replicated on every rank (not a DTensor, not a ShardedTensor)."""
-    return (isinstance(obj, torch.Tensor) and not _is_dtensor(obj) and type(obj).__name__ != "ShardedTensor"
-            and not is_checkpointable_tensor(obj))
-
-
-def plain_signature(items: list[SourceItem], flat: dict) -> tuple:
+def plain_signature(items: list[SourceItem]) -> tuple:
     """The plain tensors' names, dtypes and shapes: what a learned decision depends on locally."""
-    return tuple((it.key, it.entry.dtype, it.entry.shape) for it in items if is_plain_tensor(flat.get(it.key[0])))
+    return tuple((it.key, it.entry.dtype, it.entry.shape) for it in items if it.kind == PLAIN)
 
 
 @dataclass
@@ -85,15 +72,14 @@ def split_by_owner(items: list[SourceItem], flat: dict, rank: int, world: int, d
         out.owned = list(items)
         return out
     for it in items:
-        obj = flat.get(it.key[0])
-        if it.entry.kind == "bytes" or not isinstance(obj, torch.Tensor):
+        if it.kind == VALUE:
             out.owned.append(it)
-        elif _is_dtensor(obj):
-            if _dtensor_owned(obj, it.key):
+        elif it.kind == DTENSOR:
+            if _dtensor_owned(flat[it.key[0]], it.key):
                 out.owned.append(it)
             else:
                 out.skipped.add(it.key)
-        elif type(obj).__name__ == "ShardedTensor" or is_checkpointable_tensor(obj):
+        elif it.kind == SHARD:
             # Shards (ShardedTensor, CheckpointableTensor): each rank writes its own; DCP's
             # planner dedups any shard two ranks hold.
             out.owned.append(it)

@@ -26,8 +26,8 @@ import torch
 
 from ..compat import is_checkpointable_tensor, versions_of
 from ..format.layout import FileEntry, FileLayout, ItemLocation, data_file_name, plan_file
-from .items import ItemKey, SourceItem, bytes_source, items_of_flat, serialize_object
-from .ownership import DecisionKey, Ownership, decisions, is_plain_tensor, plain_signature, split_by_owner
+from .items import DTENSOR, PLAIN, VALUE, ItemKey, SourceItem, bytes_source, items_of_flat, serialize_object
+from .ownership import DecisionKey, Ownership, decisions, plain_signature, split_by_owner
 from .version_guard import VersionGuard
 
 __all__ = [
@@ -114,10 +114,10 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
     """Lay out every file from the items themselves; the plan is cacheable when the scan
     covered the state and nothing is held."""
     rank, world, dedup = context.rank, context.world, context.dedup
-    items = items_of_flat(flat, scan.payloads if scan is not None else None)
+    items = items_of_flat(flat, scan.payloads if scan is not None else None, scan.kinds if scan is not None else None)
     decision_key = None
     if dedup and scan is None:  # states the scan does not cover: key decisions on the items
-        decision_key = DecisionKey(rank, world, plain_signature(items, flat))
+        decision_key = DecisionKey(rank, world, plain_signature(items))
         decision = decisions().get(decision_key)
     own = split_by_owner(items, flat, rank, world, decision, dedup)
     if own.held and sum(it.entry.nbytes for it in own.held) > hold_limit():
@@ -139,7 +139,7 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
             return build_plan(context, scan, flat, files, own.skipped, own.elsewhere, decision, piece)
     return RankPlan(
         files, held, own.skipped, own.elsewhere, guard, late_guard, decision_key, dedup and decision is None,
-        frozenset(it.key for it in items if is_plain_tensor(flat.get(it.key[0]))), record,
+        frozenset(it.key for it in items if it.kind == PLAIN), record,
         payloads={it.key[0]: it.keepalive for it in items if it.entry.kind == "bytes"},
     )
 
@@ -284,6 +284,7 @@ class Scan:
     names: list[str]  # flat keys, in order
     tensors: list  # per value: the tensor the bytes come from (a DTensor's local shard); None for values
     versions: list  # per value: that tensor's version counter now (version_guard.py); None for values
+    kinds: list  # per value: what it is (items.classify's answer, decided here once)
 
     def plain_signature(self) -> tuple:
         """Names, dtypes, shapes and devices of the plain tensors (what ownership decisions key on)."""
@@ -318,17 +319,20 @@ def scan_state(flat: dict) -> Scan | None:
     devices: list[int] = []
     payloads: dict[int, SourceItem] = {}
     tensors: list = []
+    kinds: list[str] = []
     for i, (name, v) in enumerate(flat.items()):
         tp = type(v)
         if tp is _Tensor or (tp is _Parameter and type(v.data) is _Tensor):
             if is_checkpointable_tensor(v):
                 return None  # shards of a global tensor (torch 2.14+): DCP's write items
             t, extra = v, None
+            kinds.append(PLAIN)
         elif DTensor is not None and tp is DTensor:
             entry = _dtensor_entry(v)
             if entry is None:
                 return None
             t, extra = entry
+            kinds.append(DTENSOR)
         elif isinstance(v, _Tensor):
             return None  # ShardedTensor, subclasses: DCP's own write items, every time
         else:
@@ -339,6 +343,7 @@ def scan_state(flat: dict) -> Scan | None:
             keeps.append(item.keepalive)
             devices.append(-1)
             tensors.append(None)
+            kinds.append(VALUE)
             continue
         dev = _host_or_cuda(t)
         if dev is None or not t.is_contiguous():
@@ -348,7 +353,7 @@ def scan_state(flat: dict) -> Scan | None:
         keeps.append(t.untyped_storage())  # the memory itself, even if the tensor's .data is swapped
         devices.append(dev)
         tensors.append(t)
-    return Scan(sig, ptrs, keeps, devices, payloads, list(flat), tensors, versions_of(tensors))
+    return Scan(sig, ptrs, keeps, devices, payloads, list(flat), tensors, versions_of(tensors), kinds)
 
 
 @dataclass(frozen=True)
