@@ -1,8 +1,14 @@
-"""Builds the C++ engine (dcp_datastates._engine). No PyTorch headers, no CUDA toolkit."""
+"""Builds the C++ engine (dcp_datastates._engine). No PyTorch headers, no CUDA toolkit.
+
+``python -m build`` makes the sdist (the package and csrc/, headers included: MANIFEST.in) and a
+wheel built from it, which holds the compiled engine and installs without a compiler."""
 import glob
 
-from pybind11.setup_helpers import Pybind11Extension, build_ext
+from pybind11.setup_helpers import ParallelCompile, Pybind11Extension, build_ext
 from setuptools import setup
+
+# The .cpp files compile in parallel, one job per CPU (NPY_NUM_BUILD_JOBS=N to choose).
+ParallelCompile("NPY_NUM_BUILD_JOBS").install()
 
 engine = Pybind11Extension(
     "dcp_datastates._engine",

@@ -7,10 +7,15 @@ way (medians of ``--reps`` repetitions):
   before the next optimizer step after a stand-in compute phase (a matmul loop on the training
   thread, ``--compute-ms``). At most one checkpoint is in flight: the wait for the previous one to
   be durable, at the next request, is reported beside it (``upload wait``).
+* training-thread time per checkpoint (``train``): the call + the wait before the next step + the
+  wait at the next request, every moment the training thread gives to one checkpoint.
 * durable: from the request until the checkpoint is durable and committed (``upload_completion``
   for the DCP methods; the call itself for the synchronous ones), measured with nothing else
-  running.
-* load: into preallocated tensors of the same structure; warm (right after the save: the page
+  running. Durable means fsync'ed for every method: where a peer does not fsync
+  (torch_checkpointing, torchsnapshot), the bench fsyncs its files and folders once the peer says
+  the checkpoint is complete, and counts that pass in its durable time.
+* load: into preallocated tensors of the same structure, every first load compared bitwise with
+  the saved state; warm (right after the save: the page
   cache holds the files) and cold (the checkpoint's files evicted with posix_fadvise, or the
   whole page cache dropped with ``--cold drop_caches``; not on tmpfs, which is the page cache).
 * memory: resident set size sampled in a thread over ``--mem-ckpts`` back-to-back checkpoints.
@@ -26,8 +31,9 @@ busy other processes kept the machine (it may be shared: busy neighbours skew ev
 Methods: ``datastates`` (DataStatesWriter / DataStatesReader), ``dcp-save`` (``dcp.save`` with
 FileSystemWriter), ``dcp-async`` (``dcp.async_save`` with FileSystemWriter, DCP's default
 blocking staging), ``dcp-async-stager`` (the same with DCP's ``DefaultStager`` staging in a
-background thread), ``torch-save`` (``torch.save`` + fsync / ``torch.load``), and
-``torch-checkpointing`` (its ``CheckpointManager`` with asynchronous save) when installed.
+background thread), ``torch-save`` (``torch.save`` + fsync / ``torch.load``),
+``torch-checkpointing`` (its ``CheckpointManager`` with asynchronous save) and ``torchsnapshot``
+(``Snapshot.async_take`` / ``Snapshot.restore``) when installed (``pip install .[bench]``).
 
     python -m dcp_datastates bench [--size 1GiB] [--dir /tmp/dcpds-bench] [--json out.json] [--png chart.png]
     python -m dcp_datastates bench --from-json out.json [--png chart.png]   # print a saved run again
@@ -58,7 +64,9 @@ __all__ = ["main"]
 GiB = 1 << 30
 MiB = 1 << 20
 
-METHODS = ("datastates", "dcp-save", "dcp-async", "dcp-async-stager", "torch-save", "torch-checkpointing")
+METHODS = ("datastates", "dcp-save", "dcp-async", "dcp-async-stager", "torch-save", "torch-checkpointing", "torchsnapshot")
+# Peer libraries: measured when importable, else reported as not available (with the reason).
+PEERS = ("torch-checkpointing", "torchsnapshot")
 # What each method is, for the table legend and the JSON.
 METHOD_HELP = {
     "datastates": "dcp.async_save + DataStatesWriter (lazy staging, engine copy/flush threads); dcp.load + DataStatesReader",
@@ -66,7 +74,13 @@ METHOD_HELP = {
     "dcp-async": "dcp.async_save + FileSystemWriter, DCP's default staging (blocking copy in the call); dcp.load + FileSystemReader",
     "dcp-async-stager": "dcp.async_save + FileSystemWriter + DefaultStager(StagingOptions(async staging)); dcp.load + FileSystemReader",
     "torch-save": "torch.save to one file + flush + fsync; torch.load, then copy into the targets",
-    "torch-checkpointing": "torch_checkpointing.CheckpointManager (async save: staging thread + writer process); manager.load(into=...)",
+    "torch-checkpointing": "torch_checkpointing.CheckpointManager (async save: staging thread + writer process; `with manager.lock()` "
+    "before the step); manager.load(into=...). It does not fsync: the bench fsyncs its files once the save's future resolves, "
+    "counted in durable",
+    "torchsnapshot": "torchsnapshot.Snapshot.async_take(path, app_state={'state': StateDict(state)}) (stages in the call, writes in a "
+    "background thread), then .wait(); Snapshot(path).restore(app_state). It does not fsync: the bench fsyncs its files once "
+    ".wait() returns, counted in durable. CPU tensors it does not batch (>= its 128 MiB slab threshold) are written from the "
+    "live tensors after the call, so then the step waits for .wait()",
 }
 _DTYPES = {
     "fp32": "float32",
@@ -402,6 +416,21 @@ def empty_like_state(state: dict) -> dict:
     return out
 
 
+def scrub_state(state: dict) -> None:
+    """Overwrite load targets before a load: every tensor byte 0xA5, every other value the
+    placeholder ``empty_like_state`` gives, so only what the load itself wrote can match."""
+    import torch
+
+    for k, v in state.items():
+        if isinstance(v, dict):
+            scrub_state(v)
+        elif isinstance(v, torch.Tensor):
+            if v.numel():
+                v.view(-1).view(torch.uint8).fill_(0xA5)
+        else:
+            state[k] = type(v)() if isinstance(v, (int, float, str)) else None
+
+
 def states_equal(a: dict, b: dict, skip: tuple[str, ...] = ("extra.step",)) -> bool:
     """Bitwise comparison of every tensor (NaN-safe: compares bytes) and every other value but
     ``skip`` (the step counter moves on between a synchronous method's last save and the load)."""
@@ -513,6 +542,48 @@ class _Pending:
     def durable_s(self) -> float:
         assert self.durable_at is not None
         return self.durable_at - self.t_request
+
+
+def fsync_tree(path: str) -> float:
+    """fsync every file under ``path``, then every folder (deepest first, ``path`` included, and
+    its parent: the entry naming it), for peers that never fsync. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    dirs = []
+    for dirpath, _dirs, files in os.walk(path):
+        dirs.append(dirpath)
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    dirs.append(os.path.dirname(os.path.abspath(path)))
+    for d in sorted(dirs[:-1], key=lambda x: x.count(os.sep), reverse=True) + dirs[-1:]:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
+def _durable_after(complete: Callable[[], Any], path: str, fsync_times: list[float]) -> Future:
+    """A future that resolves once ``complete()`` (the peer's own wait) has returned and the
+    files under ``path`` have been fsync'ed (``fsync_tree``), in a thread of its own: the peer says
+    when it is done, the bench makes it durable. The fsync pass's seconds go to ``fsync_times``."""
+    fut: Future = Future()
+
+    def run() -> None:
+        try:
+            complete()
+            fsync_times.append(fsync_tree(path))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+            fut.set_exception(exc)
+        else:
+            fut.set_result(None)
+
+    threading.Thread(target=run, name="bench-fsync", daemon=True).start()
+    return fut
 
 
 class Method:
@@ -704,6 +775,10 @@ class TorchCheckpointingMethod(Method):
         # buffered file object); buffered I/O is what works on both file systems.
         cfg.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
         self.manager = cfg.build()
+        self.fsync_times: list[float] = []
+
+    def extra_results(self) -> dict:
+        return {"fsync_pass_s": _median(self.fsync_times), "fsync_by": "bench (the library does not fsync)"}
 
     @staticmethod
     def _key(dotted: str) -> str:
@@ -719,7 +794,8 @@ class TorchCheckpointingMethod(Method):
             with self.manager.lock():  # what guards optimizer.step() with this library
                 pass
 
-        return _Pending(t0, fut, staged)
+        # It never fsyncs: durable = its future resolved + the bench's fsync pass over its files.
+        return _Pending(t0, _durable_after(fut.result, path, self.fsync_times), staged)
 
     def load(self, targets, path):
         flat = flatten(targets)
@@ -746,16 +822,98 @@ def _assign_flat(state: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def _torch_checkpointing_available() -> str | None:
-    """None when importable, else the reason."""
+class TorchSnapshotMethod(Method):
+    """torchsnapshot 0.1.0 as its documentation runs it: ``Snapshot.async_take(path, app_state)``,
+    ``.wait()`` before the next snapshot, ``Snapshot(path).restore(app_state)``, with
+    ``StateDict`` wrapping a plain state dict, ``replicated`` and the storage options at their
+    defaults. Its ``FSStoragePlugin`` writes through aiofiles and never fsyncs; the bench fsyncs
+    the snapshot's files and folders once ``.wait()`` returned, counted in the durable time.
+
+    ``async_take`` returns once every write request is staged; it copies the CPU tensors it
+    batches into slabs (those under its 128 MiB slab threshold), but ``TensorBufferStager.
+    _should_copy_cpu_tensor`` compares the entry's serializer (a str) with an Enum member, so a
+    CPU tensor it does not batch is never copied: it is written from the live tensor after the
+    call returns, and an optimizer step before ``.wait()`` would tear the snapshot. With such
+    tensors in the state the step waits for ``.wait()`` (the only guard the library offers),
+    counted in the training thread's time; without them, nothing waits before the step."""
+
+    name = "torchsnapshot"
+
+    def setup(self, state, root):
+        super().setup(state, root)
+        import torch
+        from torchsnapshot.knobs import get_slab_size_threshold_bytes
+
+        threshold = get_slab_size_threshold_bytes()
+        self.live = [
+            k
+            for k, v in flatten(state).items()
+            if isinstance(v, torch.Tensor) and not v.is_cuda and v.numel() * v.element_size() >= threshold
+        ]
+        self.slab_threshold = threshold
+        self.fsync_times: list[float] = []
+
+    def extra_results(self) -> dict:
+        return {
+            "fsync_pass_s": _median(self.fsync_times),
+            "fsync_by": "bench (the library does not fsync)",
+            "slab_threshold_bytes": self.slab_threshold,
+            "tensors_written_live": len(self.live),
+            "step_guard": (
+                f"PendingSnapshot.wait(): {len(self.live)} CPU tensors >= the {_human(self.slab_threshold)} slab threshold "
+                "are written from the live tensors after async_take returns"
+                if self.live
+                else "none: async_take copied every tensor before returning"
+            ),
+        }
+
+    def save(self, state, path):
+        from torchsnapshot import Snapshot, StateDict
+
+        t0 = time.perf_counter()
+        pending = Snapshot.async_take(path, app_state={"state": StateDict(state)})
+        return _Pending(t0, _durable_after(pending.wait, path, self.fsync_times), pending.wait if self.live else None)
+
+    def load(self, targets, path):
+        from torchsnapshot import Snapshot, StateDict
+
+        app = StateDict(targets)  # a copy of the top level: its load_state_dict() updates the copy
+        Snapshot(path).restore({"state": app})
+        _copy_back(targets, app.data)
+
+
+def _copy_back(dst: dict, src: dict) -> None:
+    """Put what a load produced into ``dst``: tensors restored in place (the same objects) are
+    left alone, other tensors copied into ``dst``'s, every other value assigned."""
+    import torch
+
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            if v is not dst[k]:
+                _copy_back(dst[k], v)
+        elif isinstance(v, torch.Tensor) and isinstance(dst.get(k), torch.Tensor):
+            if v is not dst[k]:
+                dst[k].copy_(v)
+        else:
+            dst[k] = v
+
+
+def _peer_unavailable(name: str) -> str | None:
+    """None when the peer library ``name`` imports, else the reason (reported, not raised)."""
     try:
-        import torch_checkpointing  # noqa: F401
-        from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        return (
-            f"torch_checkpointing is not installed ({type(exc).__name__}: {exc}); "
-            f"`pip install --no-deps torch_checkpointing` adds it"
-        )
+        if name == "torch-checkpointing":
+            import torch_checkpointing  # noqa: F401
+            from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig  # noqa: F401
+        elif name == "torchsnapshot":
+            from torchsnapshot import Snapshot, StateDict  # noqa: F401
+            from torchsnapshot.knobs import get_slab_size_threshold_bytes  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not measurable here"
+        how = {
+            "torch-checkpointing": "`pip install --no-deps torch-checkpointing==0.1.1` adds it",
+            "torchsnapshot": "`pip install torchsnapshot==0.1.0` adds it",
+        }[name]
+        state = "is not installed" if isinstance(exc, ModuleNotFoundError) else "does not import"
+        return f"{name.replace('-', '_')} {state} ({type(exc).__name__}: {exc}); {how} (or `pip install .[bench]`)"
     return None
 
 
@@ -767,6 +925,7 @@ def make_method(name: str, host_cache: int) -> Method:
         "dcp-async-stager": DcpAsyncStagerMethod,
         "torch-save": TorchSaveMethod,
         "torch-checkpointing": TorchCheckpointingMethod,
+        "torchsnapshot": TorchSnapshotMethod,
     }[name]()
 
 
@@ -961,21 +1120,34 @@ def run_method(
     res["durable_s"] = _median(durables)
     res["durable_samples"] = durables
 
-    # ---- load: warm (right after the save), then cold (the checkpoint's pages evicted).
+    # ---- load: warm (right after the save), then cold (the checkpoint's pages evicted). Every
+    # load goes into targets scrubbed beforehand (nothing left from an earlier load can pass for
+    # it) and is compared bitwise with the saved state afterwards, both outside the timing.
+    checks: list[bool] = []
+
+    def checked_load(pause_gc: bool = False) -> float:
+        scrub_state(targets)
+        was = gc.isenabled()
+        if pause_gc:
+            gc.disable()
+        try:
+            t0 = time.perf_counter()
+            method.load(targets, last_path)
+            elapsed = time.perf_counter() - t0
+        finally:
+            if pause_gc and was:
+                gc.enable()
+        checks.append(states_equal(state, targets))
+        return elapsed
+
     warm, colds = [], []
-    for r in range(max(1, load_reps)):
-        t0 = time.perf_counter()
-        method.load(targets, last_path)
-        warm.append(time.perf_counter() - t0)
-        if r == 0:
-            res["load_verified"] = states_equal(state, targets)
+    for _ in range(max(1, load_reps)):
+        warm.append(checked_load())
     if cold and not shared_load:
         for _ in range(load_reps):
             if not cold(last_path):
                 break
-            t0 = time.perf_counter()
-            method.load(targets, last_path)
-            colds.append(time.perf_counter() - t0)
+            colds.append(checked_load())
     if method.gc_probe and not shared_load:
         # The same loads with Python's cyclic GC paused around them: what a collection triggered
         # by the load's own allocations (metadata, read items) costs. Evidence, not a method.
@@ -986,16 +1158,11 @@ def run_method(
             for _ in range(max(1, load_reps)):
                 if make_cold and not cold(last_path):
                     break
-                was = gc.isenabled()
-                gc.disable()
-                try:
-                    t0 = time.perf_counter()
-                    method.load(targets, last_path)
-                    samples.append(time.perf_counter() - t0)
-                finally:
-                    if was:
-                        gc.enable()
+                samples.append(checked_load(pause_gc=True))
             res[key] = _median(samples)
+    res["load_verified"] = bool(checks) and all(checks)
+    res["load_checks"] = len(checks)
+    res["load_checks_failed"] = checks.count(False)
     res["load_warm_s"] = _median(warm)
     res["load_cold_s"] = _median(colds) if colds else None
     res["load_warm_samples"] = warm
@@ -1234,7 +1401,7 @@ def format_run(run: dict) -> str:
             f"(load average {run['loadavg_start'][0]:.1f} -> {run['loadavg_end'][0]:.1f}){warn}"
         )
     head = (
-        f"{'method':<20} {'stall ms':>9} {'vs save':>8} {'upl.wait':>8} {'slowdn':>7} "
+        f"{'method':<20} {'call ms':>8} {'stall ms':>9} {'vs save':>8} {'upl.wait':>8} {'train ms':>9} {'slowdn':>7} "
         f"{'durable s':>9} {'vs raw':>7} {'vs save':>7} {'load s':>7} {'vs raw':>7} {'vs load':>7} "
         f"{'cold s':>7} {'vs raw':>7} {'vs load':>7} {'peak-base':>10} {'flat':>5}"
     )
@@ -1247,8 +1414,9 @@ def format_run(run: dict) -> str:
         mem = m["memory"]
         flat = mem.get("flat_from_second")
         lines.append(
-            f"{name:<20} {_fmt(m['stall_s'], 1e3, 1):>9} {_fmt_ratio(m.get('stall_vs_dcp_save')):>8} "
-            f"{_fmt(m['upload_wait_s'], 1e3, 0):>8} {_fmt_ratio(m.get('compute_slowdown')):>7} "
+            f"{name:<20} {_fmt(m.get('call_s'), 1e3, 1):>8} {_fmt(m['stall_s'], 1e3, 1):>9} {_fmt_ratio(m.get('stall_vs_dcp_save')):>8} "
+            f"{_fmt(m['upload_wait_s'], 1e3, 0):>8} {_fmt(m.get('stall_with_upload_wait_s'), 1e3, 1):>9} "
+            f"{_fmt_ratio(m.get('compute_slowdown')):>7} "
             f"{_fmt(m['durable_s'], digits=3):>9} {_fmt_ratio(m.get('durable_vs_raw')):>7} {_fmt_ratio(m.get('durable_vs_dcp_save')):>7} "
             f"{_fmt(m['load_warm_s'], digits=3):>7} {_fmt_ratio(m.get('load_warm_vs_raw')):>7} {_fmt_ratio(m.get('load_warm_vs_dcp_save')):>7} "
             f"{_fmt(m['load_cold_s'], digits=3):>7} {_fmt_ratio(m.get('load_cold_vs_raw')):>7} {_fmt_ratio(m.get('load_cold_vs_dcp_save')):>7} "
@@ -1266,17 +1434,26 @@ def format_run(run: dict) -> str:
             continue
         mem = m["memory"]
         extra = f", writer process peak {_human(mem['children_rss_peak'])}" if mem.get("children_rss_peak") else ""
+        checks = m.get("load_checks")
+        checked = f" ({checks - m.get('load_checks_failed', 0)} of {checks} loads)" if checks else ""
         lines.append(
             f"  {name:<20} model {_human(mem['model_bytes'])}, cache {_human(mem['host_cache_bytes'])}, "
             f"baseline {_human(mem['rss_baseline'])}, peak {_human(mem['rss_peak'])} (+{_human(mem['rss_overhead'])}), "
             f"growth after 2nd {_human(mem.get('growth_after_second', 0))}{extra}; first stall {m['first_stall_s'] * 1e3:.0f} ms; "
-            f"load bitwise equal: {m.get('load_verified')}"
+            f"load bitwise equal: {m.get('load_verified')}{checked}"
         )
         if m.get("load_warm_gc_paused_s") is not None:
             cold_part = (
                 f", cold {m['load_cold_gc_paused_s']:.3f} s" if m.get("load_cold_gc_paused_s") is not None else ""
             )
             lines.append(f"  {'':<20} loads with the cyclic GC paused: warm {m['load_warm_gc_paused_s']:.3f} s{cold_part}")
+        if m.get("fsync_by"):
+            lines.append(
+                f"  {'':<20} no fsync of its own: durable includes the bench's fsync pass over its files "
+                f"({_fmt(m.get('fsync_pass_s'), digits=3)} s median)"
+            )
+        if m.get("step_guard"):
+            lines.append(f"  {'':<20} wait before the step: {m['step_guard']}")
         if m.get("checksum_share") is not None:
             lines.append(
                 f"  {'':<20} CRC32C: {m['checksum_s']:.3f} s of the flush workers' {m['flush_s']:.3f} s over all saves "
@@ -1311,9 +1488,11 @@ def format_report(report: dict) -> str:
         if sc.get("profile"):
             out.append(sc["profile"])
     out.append(
-        "stall = time in the save call + wait before the next optimizer step; 'vs save' columns divide by dcp.save; "
+        "call = time in the save call; stall = call + wait before the next optimizer step; 'vs save' columns divide by dcp.save; "
         "'vs raw' by one pwrite+fsync / one preadv of the same bytes; upl.wait = wait for the previous checkpoint "
-        "at the next request (one compute phase apart); slowdn = idle matmul rate / the rate during the compute phase; peak-base = peak RSS "
+        "at the next request (one compute phase apart); train = the training thread's time per checkpoint: call + wait before "
+        "the step + wait at the next request (medians of the sums); durable = fsync'ed (the bench fsyncs for peers that do not); "
+        "slowdn = idle matmul rate / the rate during the compute phase; peak-base = peak RSS "
         "minus RSS before the first checkpoint; flat = no growth from the 2nd checkpoint on."
     )
     out.append(f"page cache: {report['page_cache']}")
@@ -1346,6 +1525,7 @@ def write_png(report: dict, path: str) -> str | None:
         "dcp-async-stager": "#ff7f0e",
         "torch-save": "#9467bd",
         "torch-checkpointing": "#2ca02c",
+        "torchsnapshot": "#d62728",
     }
     for r, run in enumerate(runs):
         names = [n for n, m in run["methods"].items() if m.get("available")]
@@ -1382,7 +1562,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="dcp-datastates bench",
         description="Checkpoint stall, durable time, load time and memory: DataStates vs DCP, torch.save, "
-        "torch_checkpointing and the raw storage bound, measured side by side in one run.",
+        "torch_checkpointing, torchsnapshot and the raw storage bound, measured side by side in one run.",
     )
     p.add_argument("--size", default="1GiB", help="total tensor bytes of the state (default 1GiB)")
     p.add_argument(
@@ -1513,7 +1693,7 @@ def main(argv: list[str] | None = None) -> int:
         targets = empty_like_state(state)
         compute = Compute(compute_ms, args.device)
         log(f"compute phase: {compute_ms:.0f} ms of matmuls ({compute.idle_rate:.0f}/s idle)")
-        tc_missing = _torch_checkpointing_available() if "torch-checkpointing" in methods else None
+        missing = {name: _peer_unavailable(name) for name in methods if name in PEERS}
         cold_used: str | None = None
         for d in dirs:
             fs = _fs_type(os.path.dirname(d.rstrip("/")) or "/")
@@ -1545,8 +1725,9 @@ def main(argv: list[str] | None = None) -> int:
                 log(f"{d}: raw bound")
                 run["raw"] = measure_raw(os.path.join(d, "raw"), model_bytes, args.reps, cold)
             for name in methods:
-                if name == "torch-checkpointing" and tc_missing:
-                    run["methods"][name] = {"available": False, "reason": tc_missing}
+                if missing.get(name):
+                    run["methods"][name] = {"available": False, "reason": missing[name]}
+                    log(f"{d}: {name} skipped: {missing[name]}")
                     continue
                 if not args.no_raw:  # one more raw sample beside each method: the machine drifts
                     _merge_raw(run["raw"], measure_raw(os.path.join(d, "raw"), model_bytes, 1, cold))

@@ -41,7 +41,7 @@ import traceback
 import warnings
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.append(os.path.join(HERE, ".."))  # a bare checkout's package, unless one is installed
 
 warnings.filterwarnings("ignore")
 # DCP logs a warning with a traceback (on the root logger) for every load of an incomplete

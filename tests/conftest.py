@@ -1,3 +1,8 @@
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -108,3 +113,58 @@ def s3():
         yield S3(server, endpoint, s3_options(endpoint))
     finally:
         stop_moto(server)
+
+
+# ------------------------------------------------------------------- the package under test
+# The suite tests whichever dcp_datastates imports: this checkout's (pip install -e) or an installed
+# wheel (pip install ".[test]", as the README and .ci/run do). Against an installed package the
+# session runs from a temporary folder: a subprocess started with `python -c` or `-m` puts its
+# working folder first on sys.path, and from the repository root it would import the checkout.
+# DCP_DATASTATES_EXPECT_INSTALLED=1 (.ci/run) makes it an error for the checkout to be imported.
+ROOT = Path(__file__).resolve().parent.parent
+_session_dir = None
+
+
+def _from_checkout(file) -> bool:
+    return Path(file).resolve().is_relative_to(ROOT / "dcp_datastates")
+
+
+def _package_file() -> str:
+    """Where ``import dcp_datastates`` finds the package (found, not imported: the checkout's
+    copy may not import at all without its compiled engine)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("dcp_datastates")
+    return spec.origin if spec is not None and spec.origin else "(not found)"
+
+
+# False against an installed wheel: `dcp-datastates bench` then has no checkout to run benchmarks/bench.py from
+TESTING_THE_CHECKOUT = _from_checkout(_package_file())
+
+
+def pytest_report_header(config):
+    file = _package_file()
+    return f"dcp_datastates: {Path(file).parent} ({'this checkout' if _from_checkout(file) else 'installed'})"
+
+
+def pytest_sessionstart(session):
+    global _session_dir
+    file = _package_file()
+    if os.environ.get("DCP_DATASTATES_EXPECT_INSTALLED") == "1":
+        if _from_checkout(file):
+            pytest.exit(f"DCP_DATASTATES_EXPECT_INSTALLED=1 but dcp_datastates comes from the checkout ({file}): "
+                        f"install it (pip install .), and run `pytest`, not `python -m pytest`, which puts "
+                        f"the working folder first on sys.path", returncode=4)
+        from dcp_datastates import _engine
+
+        if _from_checkout(_engine.__file__):
+            pytest.exit(f"dcp_datastates._engine comes from the checkout ({_engine.__file__})", returncode=4)
+    if not _from_checkout(file):
+        _session_dir = tempfile.mkdtemp(prefix="dcp-datastates-tests-")
+        os.chdir(_session_dir)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _session_dir is not None:
+        os.chdir(session.config.invocation_params.dir)
+        shutil.rmtree(_session_dir, ignore_errors=True)

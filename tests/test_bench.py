@@ -17,6 +17,8 @@ import bench  # noqa: E402 - benchmarks/bench.py
 sys.path.remove(str(BENCHMARKS))
 from dcp_datastates.cli import main as cli_main  # noqa: E402 - after the benchmarks' path
 
+from conftest import TESTING_THE_CHECKOUT  # noqa: E402
+
 TIMES = ("stall_s", "call_s", "durable_s", "durable_in_loop_s", "load_warm_s", "compute_s")
 RATIOS = ("stall_vs_dcp_save", "durable_vs_dcp_save", "load_warm_vs_dcp_save", "durable_vs_raw", "load_warm_vs_raw")
 
@@ -36,7 +38,7 @@ def test_bench_smoke(tmp_path, capsys):
     assert rc == 0, capsys.readouterr().err
     report = json.loads(out.read_text())
     text = capsys.readouterr().out
-    assert "datastates" in text and "dcp-save" in text and "raw bound" in text
+    assert "datastates" in text and "dcp-save" in text and "raw bound" in text and "train ms" in text
 
     (run,) = report["runs"]
     assert run["state_bytes"] > 7 << 20 and run["tensors"] == 50
@@ -44,16 +46,20 @@ def test_bench_smoke(tmp_path, capsys):
         assert _positive(run["raw"][key]), key
     assert set(run["methods"]) == set(bench.METHODS)
     for name, m in run["methods"].items():
-        if name == "torch-checkpointing" and not m["available"]:
-            assert "torch_checkpointing" in m["reason"]  # not installed: said so, not failed
+        if name in bench.PEERS and not m["available"]:
+            assert name.replace("-", "_") in m["reason"] and "pip install" in m["reason"]  # said so, not failed
             continue
         assert m["available"], (name, m.get("reason"))
         for key in TIMES:
             assert _positive(m[key]), (name, key, m[key])
         for key in RATIOS:
             assert _positive(m[key]), (name, key, m[key])
-        assert m["load_verified"] is True, name
+        assert m["load_verified"] is True and m["load_checks"] >= 1 and m["load_checks_failed"] == 0, name
         assert m["step_wait_s"] >= 0 and m["upload_wait_s"] >= 0
+        # the training thread's time per checkpoint: the call, then the waits before the next step
+        assert m["call_s"] <= m["stall_s"] <= m["stall_with_upload_wait_s"], name
+        if name in bench.PEERS:  # neither fsyncs: the bench's own pass is part of durable
+            assert _positive(m["fsync_pass_s"]) and "fsync" in m["description"], name
         mem = m["memory"]
         assert mem["model_bytes"] == run["state_bytes"]
         assert _positive(mem["rss_baseline"]) and mem["rss_peak"] >= mem["rss_baseline"]
@@ -78,9 +84,56 @@ def test_bench_smoke(tmp_path, capsys):
     assert "datastates" in capsys.readouterr().out
 
 
+def test_bench_torchsnapshot(tmp_path, capsys, monkeypatch):
+    """torchsnapshot as a method: measured, fsync'ed by the bench, every load bitwise equal. Its
+    slab threshold lowered to 256 KiB, the 4 large tensors are ones it writes from the live
+    tensors after async_take returns: the step then waits for .wait()."""
+    pytest.importorskip("torchsnapshot")
+    monkeypatch.setenv("TORCHSNAPSHOT_SLAB_SIZE_THRESHOLD_BYTES_OVERRIDE", str(256 << 10))
+    out = tmp_path / "bench.json"
+    rc = bench.main(
+        [
+            "--size", "8MiB", "--tensors", "8", "--reps", "1", "--mem-ckpts", "3", "--methods", "torchsnapshot",
+            "--stage-tensors", "0", "--no-raw", "--dir", str(tmp_path / "ckpt"), "--json", str(out), "--quiet",
+        ]
+    )  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    text = capsys.readouterr().out
+    assert "torchsnapshot" in text and "n/a: " not in text
+    m = json.loads(out.read_text())["runs"][0]["methods"]["torchsnapshot"]
+    assert m["available"] and m["load_verified"] is True and m["load_checks"] >= 1, m
+    for key in TIMES:
+        assert _positive(m[key]), (key, m[key])
+    assert _positive(m["fsync_pass_s"]) and "fsync" in m["description"]
+    assert m["tensors_written_live"] == 4 and "wait()" in m["step_guard"]
+    assert m["call_s"] <= m["stall_s"] <= m["stall_with_upload_wait_s"]
+
+
+def test_bench_skips_missing_peers(tmp_path, capsys, monkeypatch):
+    """A peer that does not import is reported as not available, with the reason and how to add
+    it, and the run still succeeds."""
+    monkeypatch.setitem(sys.modules, "torchsnapshot", None)  # import torchsnapshot -> ImportError
+    monkeypatch.setitem(sys.modules, "torch_checkpointing", None)
+    out = tmp_path / "bench.json"
+    rc = bench.main(
+        [
+            "--size", "1MiB", "--tensors", "4", "--reps", "1", "--mem-ckpts", "1", "--methods", "torch-checkpointing,torchsnapshot",
+            "--stage-tensors", "0", "--no-raw", "--dir", str(tmp_path / "ckpt"), "--json", str(out), "--quiet",
+        ]
+    )  # fmt: skip
+    assert rc == 0, capsys.readouterr().err
+    text = capsys.readouterr().out
+    methods = json.loads(out.read_text())["runs"][0]["methods"]
+    for name in bench.PEERS:
+        assert methods[name]["available"] is False
+        reason = methods[name]["reason"]
+        assert reason.startswith(f"{name.replace('-', '_')} is not installed") and "pip install" in reason, reason
+        assert f"n/a: {reason}" in text
+
+
 def test_bench_via_cli_and_bad_arguments(capsys):
     assert cli_main(["bench", "--size", "lots"]) == 2
-    assert "--size" in capsys.readouterr().err
+    assert ("--size" if TESTING_THE_CHECKOUT else "bench is not available in this build") in capsys.readouterr().err
     assert bench.main(["--methods", "nope"]) == 2
     assert "unknown nope" in capsys.readouterr().err
     assert bench.main(["--help"]) == 0
