@@ -16,33 +16,16 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from torchrun_launch import torchrun as launch  # noqa: E402
 
 
 def torchrun(nproc: int, *args: str, expect_ok: bool = True) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           os.path.join(HERE, "fsdp2_train.py"), *args]
-    print("$ torchrun " + " ".join(cmd[4:]), flush=True)
-    # One thread per rank, said explicitly so torchrun does not warn that it chose it.
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    if expect_ok:
-        rc = subprocess.run(cmd, env=env).returncode
-        if rc != 0:
-            raise SystemExit(f"torchrun failed with exit code {rc}")
-        return
-    # The killed run: torchrun reports the SIGKILL with a ChildFailedError traceback, which is
-    # the simulated crash doing its job; keep it out of the way (shown if anything else happens).
-    run = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
-    if run.returncode == 0:
-        raise SystemExit("the run that should have been killed finished normally")
-    if "exitcode  : -9" not in run.stderr and "Signal 9" not in run.stderr:
-        sys.stderr.write(run.stderr)
-        raise SystemExit(f"torchrun failed with exit code {run.returncode}, not from the SIGKILL")
-    print("torchrun: the ranks were killed with SIGKILL, as intended (its failure report is not shown)", flush=True)
+    launch(nproc, os.path.join(HERE, "fsdp2_train.py"), *args, expect_ok=expect_ok)
 
 
 def main() -> None:

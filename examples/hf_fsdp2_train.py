@@ -145,23 +145,10 @@ def worker(args) -> None:
 
 # ------------------------------------------------------------------------------------- driver
 def torchrun(nproc: int, *args: str, expect_ok: bool = True) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", HERE,
-           "--worker", *args]
-    print("$ torchrun " + " ".join(cmd[4:]), flush=True)
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    if expect_ok:
-        rc = subprocess.run(cmd, env=env).returncode
-        if rc != 0:
-            raise SystemExit(f"torchrun failed with exit code {rc}")
-        return
-    # torchrun reports the SIGKILL with a ChildFailedError traceback: the simulated crash doing its job.
-    run = subprocess.run(cmd, env=env, stderr=subprocess.PIPE, text=True)
-    if run.returncode == 0:
-        raise SystemExit("the run that should have been killed finished normally")
-    if "exitcode  : -9" not in run.stderr and "Signal 9" not in run.stderr:
-        sys.stderr.write(run.stderr)
-        raise SystemExit(f"torchrun failed with exit code {run.returncode}, not from the SIGKILL")
-    print("torchrun: the ranks were killed with SIGKILL, as intended (its failure report is not shown)", flush=True)
+    sys.path.insert(0, os.path.dirname(HERE))
+    from torchrun_launch import torchrun as launch  # noqa: PLC0415 - the examples' shared launcher
+
+    launch(nproc, HERE, "--worker", *args, expect_ok=expect_ok)
 
 
 def bitwise_equal(a, b, path: str = "state") -> list[str]:
