@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..compat import is_checkpointable_tensor, versions_of
+from ..compat import HAS_CHECKPOINTABLE_TENSOR, is_checkpointable_tensor, versions_of
 from ..format.layout import FileEntry, FileLayout, ItemLocation, data_file_name, plan_file
 from .items import DTENSOR, PLAIN, VALUE, ItemKey, SourceItem, bytes_source, items_of_flat, serialize_object
 from .ownership import DecisionKey, Ownership, decisions, plain_signature, split_by_owner
@@ -323,7 +323,7 @@ def scan_state(flat: dict) -> Scan | None:
     for i, (name, v) in enumerate(flat.items()):
         tp = type(v)
         if tp is _Tensor or (tp is _Parameter and type(v.data) is _Tensor):
-            if is_checkpointable_tensor(v):
+            if HAS_CHECKPOINTABLE_TENSOR and is_checkpointable_tensor(v):
                 return None  # shards of a global tensor (torch 2.14+): DCP's write items
             t, extra = v, None
             kinds.append(PLAIN)

@@ -62,19 +62,20 @@ def write_rank(staged: StagedSave, plan: SavePlan, planner: SavePlanner, config,
         raise staged.error
     if staged.abandoned is not None:
         raise CheckpointWriteError(f"checkpoint {staged.path} abandoned: {staged.abandoned}")
-    given = {item_key(i.index) for i in plan.items}
+    keys = [item_key(i.index) for i in plan.items]  # once per item: every step below reuses them
+    given = set(keys)
     for h in staged.held:
         if not h.selection_known():
             h.set_selection(frozenset(k for k in h.keys if k in given))
     staged_keys = {k for f in staged.files for k in f.keys} | {k for h in staged.held for k in h.keys}
-    late = [item for item in plan.items if item_key(item.index) not in staged_keys]
+    late = [item for item, key in zip(plan.items, keys) if key not in staged_keys]
     if late:
         staged.files.append(_write_late(staged, late, planner, config, tier))
     locations = _wait_durable(staged)
     if staged.moved_from is not None:
         locations = _relocate(staged, locations)
     if staged.flat is not None and overridden_data_hooks(planner):  # lazy save, custom planner: its hooks now
-        mine = [i for i in plan.items if item_key(i.index) in staged_keys]
+        mine = [item for item, key in zip(plan.items, keys) if key in staged_keys]
         locations.update(_rewrite_for_planner(staged, mine, planner, locations, config, tier))
     staged.flat, staged.payloads = None, {}  # the save holds no reference to the state from here on
     if staged.decision_key is not None:
@@ -83,8 +84,8 @@ def write_rank(staged: StagedSave, plan: SavePlan, planner: SavePlanner, config,
         elif any(item_key(i.index) in staged.elsewhere for i in late):
             decisions().forget(staged.decision_key)  # the plan changed: hold and relearn next time
     out = []
-    for item in plan.items:
-        loc = locations[item_key(item.index)]
+    for item, key in zip(plan.items, keys):
+        loc = locations[key]
         out.append(WriteResult(index=item.index, size_in_bytes=loc.length, storage_data=loc))
     return out
 
