@@ -3,7 +3,7 @@
 control back and until durable, ``dcp.load`` with checksums, and a save to fsspec's in-memory file
 system (streaming jobs). Run it with each build's Python, alternating, and compare the medians.
 
-    python benchmarks/save_load_ab.py --mib 1024 --runs 5 --dir /tmp/ab
+    python benchmarks/save_load_ab.py --mib 1024 --runs 5 --dir /tmp/ab [--sync]
 """
 
 from __future__ import annotations
@@ -33,11 +33,13 @@ def main() -> None:
     ap.add_argument("--tensors", type=int, default=32)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/save_load_ab")
+    ap.add_argument("--sync", action="store_true", help="fsync data files and the marker (the library's default); "
+                    "without it the page cache is the end point, which isolates the engine's own work")
     args = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     per = args.mib * MiB // args.tensors // 4
     state = {f"t{i:03d}": torch.randn(per, generator=g) for i in range(args.tensors)}
-    options = dict(host_cache_size=2 << 30, sync_files=False)
+    options = dict(host_cache_size=2 << 30, sync_files=args.sync)
     rows: dict[str, list[float]] = {}
     for k in range(args.runs + 1):
         folder = f"{args.dir}/{uuid.uuid4().hex[:8]}"
