@@ -32,7 +32,7 @@ from .gcpause import gc_paused
 from .load import read
 from .runtime import get_engine
 from .storage import LocalStorage, is_supported_url, normalize, open_storage
-from .tiers.hooks import ReadPlan, save_tier
+from .tiers.hooks import ReadPlan, tier_for
 
 log = logging.getLogger("dcp_datastates")
 
@@ -66,7 +66,7 @@ class DataStatesReader(StorageReader):
         super().__init__()
         self.config = DataStatesConfig.resolve(config, options)
         self.trusted = bool(trusted)
-        self.tier = save_tier(self.config)
+        self.tier = tier_for(self.config)
         # The exception the last failed read_metadata raised: DCP replaces it by an
         # AssertionError (2.9: a bare one), so errors.checkpoint_error_cause recovers it from here.
         self.metadata_error: BaseException | None = None

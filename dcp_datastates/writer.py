@@ -39,7 +39,7 @@ from . import save
 from .config import DataStatesConfig
 from .errors import CheckpointWriteError
 from .storage import is_supported_url, normalize, open_storage
-from .tiers.hooks import save_tier
+from .tiers.hooks import tier_for
 
 __all__ = ["DataStatesWriter"]
 
@@ -74,7 +74,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                  per_process: bool = False, **options: Any) -> None:
         super().__init__()
         self.config = DataStatesConfig.resolve(config, options)
-        self.tier = save_tier(self.config)
+        self.tier = tier_for(self.config)
         self._storages: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.path = self._target(path)

@@ -1,5 +1,6 @@
-"""Tracks checkpoints whose staging (copies into the host cache) is still in flight, so the
-training loop can wait for exactly that before it mutates parameters (``optimizer.step()``).
+"""The training thread's waits for staging: ``wait_staged``, the global optimizer step hook and
+``protect_optimizer`` wait for exactly the saves the registry (``inflight.staging()``) lists as
+still copying into the host cache, before the caller mutates parameters (``optimizer.step()``).
 
 For copies from a GPU the wait is, where possible, a device-side stream wait: once every copy of
 a checkpoint is queued on the engine's copy stream, the caller's current CUDA stream is made to

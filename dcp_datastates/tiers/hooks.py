@@ -27,7 +27,7 @@ from . import local_tier as tiers
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["NoTier", "LocalTier", "save_tier", "RankDrain", "ReadPlan"]
+__all__ = ["NoTier", "LocalTier", "tier_for", "RankDrain", "ReadPlan"]
 
 # Several ranks: each rank's drain of its files (drain.drain_rank), off DCP's thread so the
 # coordinator can gather while ranks drain.
@@ -221,6 +221,6 @@ class LocalTier(NoTier):
         return tiers.local_files(plan.local, save_id) if plan.local is not None else {}
 
 
-def save_tier(config) -> NoTier:
+def tier_for(config) -> NoTier:
     """The tier object of a writer or reader with this configuration."""
     return NoTier(config) if config.local_tier is None else LocalTier(config)
