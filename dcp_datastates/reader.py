@@ -78,7 +78,7 @@ class DataStatesReader(StorageReader):
     def _reset_load(self) -> None:
         self._plan = ReadPlan(self.path) if self.path is not None else None
         self._storage = None
-        self._sizes: dict[str, int] | None = None  # data-file sizes, one listing per load
+        self._sizes: dict[str, int] = {}  # the durable data files' sizes, read once per read_data
         # local_tier, several-rank saves: durable file name -> this node's local copy of it, and
         # how many files this load read from each tier (logged)
         self._local_files: dict[str, str] = {}
@@ -161,6 +161,9 @@ class DataStatesReader(StorageReader):
             for req in plan.items:
                 loc = self._location(req)
                 by_file[loc.file].append((req, loc))
+            # The sizes of the durable files this rank reads: one listing on an object store, one
+            # lstat per file here (never the other ranks' files).
+            self._sizes = self._storage.sizes(n for n in by_file if n not in self._local_files)
             for name, items in by_file.items():
                 self._read_file(name, items, planner)
             read.finish_device_copies()
@@ -220,13 +223,12 @@ class DataStatesReader(StorageReader):
         return True
 
     def _check_file(self, name: str) -> None:
-        """The data file exists with its recorded size (sizes from one listing per load)."""
+        """The durable data file exists with its recorded size (``read_data`` read the sizes)."""
         info = self.storage_data.files.get(name)
         if info is None:
             return
-        if self._sizes is None or name not in self._sizes:
-            wanted = {loc.file for loc in self.storage_data.values()} if self._sizes is None else {name}
-            self._sizes = {**(self._sizes or {}), **self._storage.sizes(wanted & set(self.storage_data.files))}
+        if name not in self._sizes:  # a local copy that failed, or absent: ask for this one
+            self._sizes.update(self._storage.sizes([name]))
         exc = file_size_error(self.path, name, self._sizes.get(name), info.size, location=self._storage.where(name))
         if exc is not None:
             if self._plan.pending_id is None:

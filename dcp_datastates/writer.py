@@ -230,7 +230,6 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         staged = self._current
-        staged.writing = True
         self._current = None
         staged.tier_plan = plan.storage_data
         results: list[WriteResult] = []

@@ -84,23 +84,26 @@ def test_bench_smoke(tmp_path, capsys):
     assert "datastates" in capsys.readouterr().out
 
 
+def _bench_methods(tmp_path, capsys, *args: str) -> tuple[str, dict]:
+    """A one-repetition run of the given methods (no raw bound, no stage cost): what it printed,
+    and its JSON's methods."""
+    out = tmp_path / "bench.json"
+    rc = bench.main([*args, "--reps", "1", "--stage-tensors", "0", "--no-raw", "--dir", str(tmp_path / "ckpt"),
+                     "--json", str(out), "--quiet"])
+    assert rc == 0, capsys.readouterr().err
+    return capsys.readouterr().out, json.loads(out.read_text())["runs"][0]["methods"]
+
+
 def test_bench_torchsnapshot(tmp_path, capsys, monkeypatch):
     """torchsnapshot as a method: measured, fsync'ed by the bench, every load bitwise equal. Its
     slab threshold lowered to 256 KiB, the 4 large tensors are ones it writes from the live
     tensors after async_take returns: the step then waits for .wait()."""
     pytest.importorskip("torchsnapshot")
     monkeypatch.setenv("TORCHSNAPSHOT_SLAB_SIZE_THRESHOLD_BYTES_OVERRIDE", str(256 << 10))
-    out = tmp_path / "bench.json"
-    rc = bench.main(
-        [
-            "--size", "8MiB", "--tensors", "8", "--reps", "1", "--mem-ckpts", "3", "--methods", "torchsnapshot",
-            "--stage-tensors", "0", "--no-raw", "--dir", str(tmp_path / "ckpt"), "--json", str(out), "--quiet",
-        ]
-    )  # fmt: skip
-    assert rc == 0, capsys.readouterr().err
-    text = capsys.readouterr().out
+    text, methods = _bench_methods(tmp_path, capsys, "--size", "8MiB", "--tensors", "8", "--mem-ckpts", "3",
+                                   "--methods", "torchsnapshot")
     assert "torchsnapshot" in text and "n/a: " not in text
-    m = json.loads(out.read_text())["runs"][0]["methods"]["torchsnapshot"]
+    m = methods["torchsnapshot"]
     assert m["available"] and m["load_verified"] is True and m["load_checks"] >= 1, m
     for key in TIMES:
         assert _positive(m[key]), (key, m[key])
@@ -114,16 +117,8 @@ def test_bench_skips_missing_peers(tmp_path, capsys, monkeypatch):
     it, and the run still succeeds."""
     monkeypatch.setitem(sys.modules, "torchsnapshot", None)  # import torchsnapshot -> ImportError
     monkeypatch.setitem(sys.modules, "torch_checkpointing", None)
-    out = tmp_path / "bench.json"
-    rc = bench.main(
-        [
-            "--size", "1MiB", "--tensors", "4", "--reps", "1", "--mem-ckpts", "1", "--methods", "torch-checkpointing,torchsnapshot",
-            "--stage-tensors", "0", "--no-raw", "--dir", str(tmp_path / "ckpt"), "--json", str(out), "--quiet",
-        ]
-    )  # fmt: skip
-    assert rc == 0, capsys.readouterr().err
-    text = capsys.readouterr().out
-    methods = json.loads(out.read_text())["runs"][0]["methods"]
+    text, methods = _bench_methods(tmp_path, capsys, "--size", "1MiB", "--tensors", "4", "--mem-ckpts", "1",
+                                   "--methods", "torch-checkpointing,torchsnapshot")
     for name in bench.PEERS:
         assert methods[name]["available"] is False
         reason = methods[name]["reason"]

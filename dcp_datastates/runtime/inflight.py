@@ -49,12 +49,12 @@ _staging: list[Any] = []  # those whose bytes are not all in the host cache yet
 _claims: dict[str, Any] = {}  # folder -> the save writing it
 
 
-def register(save: SaveHandle, *, staging_now: bool = True) -> None:
-    """Add a save in flight (and, with ``staging_now``, as staging); twice lists it once."""
+def register(save: SaveHandle) -> None:
+    """Add a save in flight, as staging (its copies were just submitted); twice lists it once."""
     with _lock:
         if not any(s is save for s in _saves):
             _saves.append(save)
-        if staging_now and not any(s is save for s in _staging):
+        if not any(s is save for s in _staging):
             _staging.append(save)
 
 

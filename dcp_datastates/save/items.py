@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.utils import find_tensor_shard
 
-from ..compat import create_write_items, dcp_compat_mode, flatten_state_dict, is_checkpointable_tensor
+from ..compat import HAS_CHECKPOINTABLE_TENSOR, create_write_items, dcp_compat_mode, flatten_state_dict, is_checkpointable_tensor
 from ..format.layout import FileEntry, dtype_to_name
 
 __all__ = ["ItemKey", "SourceItem", "bytes_source", "flatten", "items_of_flat", "item_key", "source_for_resolved"]
@@ -144,7 +144,7 @@ def _whole(obj: Any) -> bool:
 def classify(obj: Any) -> str:
     """What a state-dict value is (``SourceItem.kind``): the one place that asks."""
     if _whole(obj):
-        return SHARD if is_checkpointable_tensor(obj) else PLAIN  # (2.14+: shards of a global tensor)
+        return SHARD if HAS_CHECKPOINTABLE_TENSOR and is_checkpointable_tensor(obj) else PLAIN  # (2.14+: shards of a global tensor)
     if not isinstance(obj, torch.Tensor):
         return VALUE
     if hasattr(obj, "placements") and hasattr(obj, "device_mesh"):

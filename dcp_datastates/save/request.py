@@ -121,8 +121,8 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
                       folder_known=staged.path is not None, hold_limit=lambda: _cache_bytes(config) // 2,
                       copied_at_request=config.copy_at_request_max_bytes)
     if staged.path is not None:
-        need = sum(pf.layout.file_size for pf in plan.files) + sum(it.entry.nbytes for g in plan.held for it in g.items)
-        tier.reserve(staged.path, need)
+        tier.reserve(staged.path, lambda: sum(pf.layout.file_size for pf in plan.files)
+                     + sum(it.entry.nbytes for g in plan.held for it in g.items))
         staged.tag = new_tag() if prepare_folder(staged.storage, overwrite=config.overwrite) else None
     staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
     staged.guard, staged.late_guard = plan.guard, plan.late_guard

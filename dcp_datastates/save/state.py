@@ -107,7 +107,6 @@ class StagedSave:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     finished: threading.Event = field(default_factory=threading.Event)
     planner: threading.Thread | None = None  # DCP's thread planning this save
-    writing: bool = False  # DCP called write_data
     flat: dict | None = None  # the state as flattened at the request (its tensors are the sources)
     payloads: dict = field(default_factory=dict)  # fqn -> a non-tensor value's bytes, serialized at the request
 

@@ -41,9 +41,6 @@ class Storage(ABC):
     def subfolders(self) -> list[str]:
         """Names of the folders directly inside this one ([] when it does not exist)."""
 
-    def same_place(self, other: "Storage") -> bool:
-        return type(self) is type(other) and self.location == other.location
-
     # ------------------------------------------------------------------------------ state
     @abstractmethod
     def check_folder(self) -> None:

@@ -140,14 +140,9 @@ class LocalStorage(Storage):
     # ------------------------------------------------------------------------------ small files
     def read_small(self, name: str, *, limit: int, what: str) -> bytes:
         full = self.where(name)
-        try:
-            fd = open_for_reading(full, f"{what} {name}")
-        except IsADirectoryError:
-            raise CheckpointFormatError(f"{full}: {what} is a folder, not a metadata file") from None
-        except CheckpointFormatError as exc:
-            if "is a folder" in str(exc):
-                raise CheckpointFormatError(f"{full}: {what} is a folder, not a metadata file") from None
-            raise
+        if os.path.isdir(full) and not os.path.islink(full):
+            raise CheckpointFormatError(f"{full}: {what} is a folder, not a metadata file")
+        fd = open_for_reading(full, f"{what} {name}")
         try:
             size = os.fstat(fd).st_size
             if size > limit:

@@ -108,9 +108,6 @@ class ObjectStorage(Storage):
     def child(self, name: str) -> "ObjectStorage":
         return ObjectStorage(self.where(name), _fs=self.fs, _root=self.fs_path(name))
 
-    def same_place(self, other: Storage) -> bool:
-        return isinstance(other, ObjectStorage) and other.fs is self.fs and other.root == self.root
-
     def _fresh(self, path: str) -> None:
         """Forget cached listings (s3fs and others cache them) before a check that must see the
         store as it is now."""

@@ -19,7 +19,7 @@ from ..errors import CheckpointWriteError, ChecksumMismatchError
 from ..format.layout import data_file_name, data_file_parts, moved, new_tag, piece_ranges
 from ..format.pieces import bad_pieces
 from ..runtime import get_engine
-from ..storage import LocalStorage, Storage, open_storage
+from ..storage import Storage, open_for_reading, open_storage
 from . import local_tier as tiers
 
 log = logging.getLogger("dcp_datastates")
@@ -48,7 +48,7 @@ def _copy_file(src: str, out, size: int, pieces: list, engine) -> None:
         spans.append((off, length, crc, item))
         pos = off + length
     spans.extend((p, min(_COPY_BLOCK, size - p), None, None) for p in range(pos, size, _COPY_BLOCK))
-    with LocalStorage(os.path.dirname(src)).open_read(os.path.basename(src)) as fin:  # the local tier: a local folder
+    with os.fdopen(open_for_reading(src), "rb") as fin:  # no symlink followed, no FIFO blocked on
         for off, length, crc, item in spans:
             buf = torch.empty(length, dtype=torch.uint8)
             got = fin.readinto(memoryview(buf.numpy())) if length else 0

@@ -77,8 +77,8 @@ class NoTier:
         if self.local_commit.done():
             self.local_commit = Future()
 
-    def reserve(self, folder: str, need: int) -> None:
-        pass
+    def reserve(self, folder: str, need) -> None:
+        """Room for a save of ``need()`` bytes (computed only by a tier that keeps copies)."""
 
     def files_changing(self, folder: str, rank: int) -> None:
         pass
@@ -121,8 +121,8 @@ class LocalTier(NoTier):
     def reported(self, path: str | None) -> str | None:
         return self.durable_path or path
 
-    def reserve(self, folder: str, need: int) -> None:
-        tiers.make_room(self.config.local_tier, need, folder, self.config.storage_options)
+    def reserve(self, folder: str, need) -> None:
+        tiers.make_room(self.config.local_tier, need(), folder, self.config.storage_options)
 
     def files_changing(self, folder: str, rank: int) -> None:
         tiers.forget_rank_files(folder, rank)  # a record must never name files being rewritten
