@@ -207,6 +207,16 @@ PYBIND11_MODULE(_engine, m) {
             return wait_interruptible([&j](double s) { return j.wait_done(s); }, timeout);
           },
           py::arg("timeout") = py::none(), "True once the file is written and closed (or the job failed)")
+      .def(
+          "set_destination",
+          [](WriteJob& j, const std::string& path) {
+            auto* f = dynamic_cast<dcpds::FileJob*>(&j);
+            if (f == nullptr) throw std::logic_error(j.path() + ": set_destination on a streaming job");
+            py::gil_scoped_release nogil;
+            f->set_destination(path);
+          },
+          py::arg("path"),
+          "Names the file of a job submitted with named=False; its writes start now. Raises if it has one.")
       .def("is_staged", &WriteJob::is_staged)
       .def("is_done", &WriteJob::is_done)
       .def("all_enqueued", &WriteJob::all_enqueued,
@@ -293,21 +303,24 @@ PYBIND11_MODULE(_engine, m) {
       .def(
           "submit_write",
           [](Engine& e, const std::string& path, py::bytes header, int64_t file_size, py::handle items, bool sync,
-             int device, uint64_t stream) {
+             int device, uint64_t stream, bool named) {
             if (e.is_shut_down()) throw std::runtime_error("engine is shut down");
             if (file_size < 0) throw py::value_error("file_size must be >= 0, got " + std::to_string(file_size));
             std::vector<dcpds::WriteItem> parsed = parse_write_items(items);
             std::string head = header;
             // No GIL release: submitting only enqueues (microseconds), and handing the GIL to
             // another thread here would cost the training thread up to a switch interval.
-            return e.submit_write(path, std::move(head), static_cast<uint64_t>(file_size), parsed, sync, device, stream);
+            return e.submit_write(path, std::move(head), static_cast<uint64_t>(file_size), parsed, sync, device, stream,
+                                  named);
           },
           py::arg("path"), py::arg("header"), py::arg("file_size"), py::arg("items"), py::arg("sync") = true,
-          py::arg("device") = -1, py::arg("stream") = 0,
+          py::arg("device") = -1, py::arg("stream") = 0, py::arg("named") = true, py::keep_alive<0, 1>(),
           "Queue one file: header at offset 0, items (src_ptr, nbytes, file_offset). Returns a WriteJob at once;\n"
           "errors are reported by WriteJob.error(). The source memory must stay valid until the job is staged.\n"
           "device >= 0: the src pointers are on that CUDA device and stream is the caller's current CUDA stream\n"
-          "there (int handle, 0 = legacy default): the copies run after the work queued on it so far.")
+          "there (int handle, 0 = legacy default): the copies run after the work queued on it so far.\n"
+          "named=False: path only labels the job; the copies start now and the writes wait until\n"
+          "job.set_destination(path) names the file (or the job fails). The job keeps the engine alive.")
       .def(
           "submit_stream",
           [](Engine& e, const std::string& label, py::bytes header, int64_t file_size, py::handle items, int device,

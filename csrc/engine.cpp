@@ -123,11 +123,22 @@ Engine::~Engine() { shutdown(); }
 
 std::shared_ptr<WriteJob> Engine::submit_write(std::string path, std::string header, uint64_t file_size,
                                                const std::vector<WriteItem>& items, bool sync, int device,
-                                               uint64_t stream) {
+                                               uint64_t stream, bool named) {
   if (is_shut_down()) throw std::runtime_error("engine is shut down");
   check_copy_device(device, cuda_devices_, cuda_status_);
-  return submit(std::make_shared<FileJob>(std::move(path), std::move(header), file_size, items, chunk_bytes(), sync, device),
-                stream);
+  auto job = std::make_shared<FileJob>(std::move(path), std::move(header), file_size, items, chunk_bytes(), sync, device,
+                                       named, [this](ChunkRef&& ref) { push_flush(std::move(ref)); });
+  if (!named) {
+    std::lock_guard<std::mutex> g(unnamed_mu_);
+    unnamed_.erase(std::remove_if(unnamed_.begin(), unnamed_.end(),
+                                  [](const std::weak_ptr<FileJob>& w) {
+                                    auto j = w.lock();
+                                    return !j || !j->awaiting_name();
+                                  }),
+                   unnamed_.end());
+    unnamed_.push_back(job);
+  }
+  return submit(job, stream);
 }
 
 std::shared_ptr<WriteJob> Engine::submit_stream(std::string label, std::string header, uint64_t file_size,
@@ -329,6 +340,7 @@ void Engine::flush_loop() {
       continue;
     }
     auto& job = static_cast<FileJob&>(*ref.job);  // the only other kind
+    if (!job.admit(ref)) continue;  // its file is not named yet: the job keeps the chunk
     Chunk& c = job.chunk(ref.index);
     flush_chunk(job, c);
     if (c.slot >= 0) {
@@ -359,7 +371,7 @@ void Engine::flush_chunk(FileJob& job, Chunk& c) {
     if (job.failed() || c.span == 0 || c.slot < 0) return;
     if (!job.open_once()) return;
     const char* base = cache_->slot_ptr(c.slot);
-    const FaultKind fault = faults_.active_for(job.path(), bytes_flushed_.load(std::memory_order_relaxed));
+    const FaultKind fault = faults_.active_for(job.file_path(), bytes_flushed_.load(std::memory_order_relaxed));
     // Checksum, then write, one block at a time: the checksum pulls the block into the core's
     // L2 and the kernel's copy into the page cache reads it from there, so the checksum costs
     // no extra pass over memory (measured: +4 % over the bare pwrite, against +20 % for
@@ -370,7 +382,7 @@ void Engine::flush_chunk(FileJob& job, Chunk& c) {
     const uint64_t end = c.file_off + c.span;
     std::string err;
     while (fault == FaultKind::kStall && !job.failed() &&
-           faults_.active_for(job.path(), bytes_flushed_.load(std::memory_order_relaxed)) == FaultKind::kStall)
+           faults_.active_for(job.file_path(), bytes_flushed_.load(std::memory_order_relaxed)) == FaultKind::kStall)
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
     for (uint64_t pos = c.file_off; pos < end && err.empty();) {
       if (job.failed()) return;  // aborted (or failed elsewhere): drop the rest of the chunk
@@ -382,7 +394,7 @@ void Engine::flush_chunk(FileJob& job, Chunk& c) {
     checksum_ns_.fetch_add(crc_ns, std::memory_order_relaxed);
     flush_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     if (!err.empty()) {
-      job.fail(job.path() + ": " + err);
+      job.fail(job.file_path() + ": " + err);
       return;
     }
     if (job.sync()) start_writeback(job.fd(), c.file_off, c.span);
@@ -390,9 +402,9 @@ void Engine::flush_chunk(FileJob& job, Chunk& c) {
     job.add_bytes_done(c.data_bytes);
     chunks_flushed_.fetch_add(1, std::memory_order_relaxed);
   } catch (const std::exception& e) {
-    job.fail(internal_error(job.path(), e.what()));
+    job.fail(internal_error(job.file_path(), e.what()));
   } catch (...) {
-    job.fail(internal_error(job.path(), "unknown exception"));
+    job.fail(internal_error(job.file_path(), "unknown exception"));
   }
 }
 
@@ -431,20 +443,20 @@ void Engine::finalize(FileJob& job) {
         rc = ::ftruncate(job.fd(), static_cast<off_t>(job.file_size()));
       } while (rc != 0 && errno == EINTR);
       if (rc != 0) {
-        job.fail(job.path() + ": ftruncate to " + std::to_string(job.file_size()) + " bytes failed: " + errno_text(errno));
+        job.fail(job.file_path() + ": ftruncate to " + std::to_string(job.file_size()) + " bytes failed: " + errno_text(errno));
       } else if (job.sync()) {
-        const FaultKind fault = faults_.active_for(job.path(), bytes_flushed_.load(std::memory_order_relaxed));
+        const FaultKind fault = faults_.active_for(job.file_path(), bytes_flushed_.load(std::memory_order_relaxed));
         if (fault == FaultKind::kFsyncEio) {
-          job.fail(job.path() + ": fsync of " + std::to_string(job.file_size()) + " bytes failed: " + errno_text(EIO));
+          job.fail(job.file_path() + ": fsync of " + std::to_string(job.file_size()) + " bytes failed: " + errno_text(EIO));
         } else if (::fsync(job.fd()) != 0) {
-          job.fail(job.path() + ": fsync of " + std::to_string(job.file_size()) + " bytes failed: " + errno_text(errno));
+          job.fail(job.file_path() + ": fsync of " + std::to_string(job.file_size()) + " bytes failed: " + errno_text(errno));
         }
       }
     }
   } catch (const std::exception& e) {
-    job.fail(internal_error(job.path(), e.what()));
+    job.fail(internal_error(job.file_path(), e.what()));
   } catch (...) {
-    job.fail(internal_error(job.path(), "unknown exception"));
+    job.fail(internal_error(job.file_path(), "unknown exception"));
   }
   job.close_file();
   jobs_done_.fetch_add(1, std::memory_order_relaxed);
@@ -519,6 +531,14 @@ void Engine::set_fault(const std::string& kind, uint64_t after_bytes, const std:
 
 void Engine::stop_threads() {
   cache_->stop_prefault();  // an engine shut down right after start must not fault in GBs first
+  // A job never named would keep its parked chunks' slots, and copy workers draining their queue
+  // could wait for those slots forever.
+  {
+    std::lock_guard<std::mutex> g(unnamed_mu_);
+    for (auto& w : unnamed_)
+      if (auto j = w.lock(); j && j->awaiting_name()) j->fail(j->path() + ": the engine shut down before the file was named");
+    unnamed_.clear();
+  }
   // Copy workers first: they drain their queue (blocking on slots that flush workers free),
   // then flush workers drain theirs, so every submitted job ends done.
   {

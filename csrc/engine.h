@@ -96,9 +96,11 @@ class Engine {
   // current stream there (0: the legacy default stream). An event recorded on it now orders the
   // copies after the work that produced the sources; a CUDA error doing so throws
   // std::runtime_error naming the path.
+  // named == false: `path` only labels the job until FileJob::set_destination names its file;
+  // the copies start now, the writes once it is named.
   std::shared_ptr<WriteJob> submit_write(std::string path, std::string header, uint64_t file_size,
                                          const std::vector<WriteItem>& items, bool sync = true, int device = -1,
-                                         uint64_t stream = 0);
+                                         uint64_t stream = 0, bool named = true);
 
   // A streaming job: the same layout, grid, copies and per-piece CRC32C as submit_write, but
   // nothing is written: each chunk, once in its cache slot and checksummed, is handed to one
@@ -195,6 +197,10 @@ class Engine {
   std::condition_variable flush_cv_;
   std::deque<ChunkRef> flush_q_;
   bool stop_flush_ = false;
+
+  // Jobs submitted unnamed (submit_write with named=false), failed at shutdown if still unnamed.
+  std::mutex unnamed_mu_;
+  std::vector<std::weak_ptr<FileJob>> unnamed_;
 
   std::mutex read_mu_;
   std::condition_variable read_cv_;

@@ -154,8 +154,49 @@ void WriteJob::release(uint64_t) { throw std::logic_error(path_ + ": release on 
 // File jobs.
 
 FileJob::FileJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
-                 uint64_t grid, bool sync, int device)
-    : WriteJob(std::move(path), std::move(header), file_size, items, grid, device), sync_(sync) {}
+                 uint64_t grid, bool sync, int device, bool named, std::function<void(ChunkRef&&)> requeue)
+    : WriteJob(std::move(path), std::move(header), file_size, items, grid, device),
+      sync_(sync),
+      file_path_(named ? path_ : std::string()),
+      named_(named),
+      requeue_(std::move(requeue)) {}
+
+bool FileJob::admit(ChunkRef& ref) {
+  std::lock_guard<std::mutex> g(open_mu_);
+  if (named_ || failed()) return true;
+  parked_.push_back(std::move(ref));
+  return false;
+}
+
+void FileJob::set_destination(const std::string& path) {
+  {
+    std::lock_guard<std::mutex> g(open_mu_);
+    if (named_) throw std::logic_error(path_ + ": the job's file is named already (" + file_path_ + ")");
+    if (path.empty()) throw std::invalid_argument(path_ + ": set_destination needs a path");
+    file_path_ = path;
+    named_ = true;
+  }
+  requeue_parked();
+}
+
+void FileJob::fail(const std::string& msg) {
+  WriteJob::fail(msg);
+  requeue_parked();  // admit() lets every later chunk through now: they are dropped
+}
+
+bool FileJob::awaiting_name() const {
+  std::lock_guard<std::mutex> g(open_mu_);
+  return !named_ && !failed();
+}
+
+void FileJob::requeue_parked() {
+  std::vector<ChunkRef> parked;
+  {
+    std::lock_guard<std::mutex> g(open_mu_);
+    parked.swap(parked_);
+  }
+  for (auto& ref : parked) requeue_(std::move(ref));
+}
 
 FileJob::~FileJob() {
   if (fd_ >= 0) ::close(fd_);  // only reachable if a job is dropped unfinished (engine failure)
@@ -166,16 +207,16 @@ bool FileJob::open_once() {
   if (!open_attempted_) {
     open_attempted_ = true;
     std::string err;
-    const int fd = open_regular_for_write(path_, &err);  // no symlink, FIFO or shared inode
+    const int fd = open_regular_for_write(file_path_, &err);  // no symlink, FIFO or shared inode
     if (fd < 0) {
-      fail(err);
+      WriteJob::fail(err);  // (not FileJob::fail: it takes open_mu_, held here; nothing is parked once named)
       return false;
     }
     fd_ = fd;
     // The header goes first, before any data chunk of this job.
     if (!header_.empty() && !failed()) {
       std::string werr = pwrite_full(fd, header_.data(), header_.size(), 0);
-      if (!werr.empty()) fail(path_ + ": writing the header: " + werr);
+      if (!werr.empty()) WriteJob::fail(file_path_ + ": writing the header: " + werr);
     }
   }
   return fd_ >= 0 && !failed();
@@ -185,7 +226,7 @@ void FileJob::close_file() {
   std::lock_guard<std::mutex> g(open_mu_);
   if (fd_ >= 0) {
     // No retry on EINTR: Linux always releases the descriptor.
-    if (::close(fd_) != 0 && !failed()) fail(path_ + ": close failed: " + errno_text(errno));
+    if (::close(fd_) != 0 && !failed()) WriteJob::fail(file_path_ + ": close failed: " + errno_text(errno));
     fd_ = -1;
   }
 }

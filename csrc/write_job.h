@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -186,13 +187,32 @@ class WriteJob {
 // A data file the engine writes itself (Engine::submit_write): the first flush opens it and
 // writes the header, every chunk is pwritten at its offset (gaps inside a chunk are zeros in
 // its slot), the last one truncates it to file_size (the zero tail) and fsyncs it with `sync`.
+//
+// A job may be submitted before its file can be named (`named` false): the caller's folder work
+// then runs off the training thread while the copies go on. `path` is only a label for messages
+// until set_destination names the file; flush workers park the job's chunks (slots held) until
+// then, and a failure hands them back so that their slots are freed.
 class FileJob final : public WriteJob {
  public:
+  // `requeue` puts a parked chunk back on the flush queue (the engine's).
   FileJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
-          uint64_t grid, bool sync, int device);
+          uint64_t grid, bool sync, int device, bool named, std::function<void(ChunkRef&&)> requeue);
   ~FileJob() override;
 
   bool sync() const { return sync_; }
+  // The file written: `path`, or the one set_destination named. Read by flush workers only for
+  // chunks that admit() let through (set before, under open_mu_).
+  const std::string& file_path() const { return file_path_; }
+  // Flush side: true when chunk `ref` may be written now (named, or failed: then it is dropped);
+  // otherwise the job keeps it until set_destination or a failure.
+  bool admit(ChunkRef& ref);
+  // Names the file of a job submitted unnamed; the parked chunks go back to the flush queue.
+  // Throws std::logic_error if the job has a name already.
+  void set_destination(const std::string& path);
+  // Also hands the parked chunks back, so the flush workers drop them and free their slots.
+  void fail(const std::string& msg) override;
+  // True while the job waits for its name (neither named nor failed).
+  bool awaiting_name() const;
   // Opens the file (no symlink, FIFO or shared inode) and writes the header, the first time;
   // false when the job failed (then or before).
   bool open_once();
@@ -202,10 +222,16 @@ class FileJob final : public WriteJob {
   void close_file();
 
  private:
+  void requeue_parked();
+
   const bool sync_;
-  std::mutex open_mu_;
+  mutable std::mutex open_mu_;
   bool open_attempted_ = false;
   int fd_ = -1;
+  std::string file_path_;  // guarded by open_mu_ until named_
+  bool named_;             // guarded by open_mu_
+  std::vector<ChunkRef> parked_;  // guarded by open_mu_
+  const std::function<void(ChunkRef&&)> requeue_;
 };
 
 // A data file handed to a consumer instead (Engine::submit_stream): each chunk, once copied and

@@ -53,14 +53,33 @@ def save(folder, value: float, api: str, **options) -> None:
 
 class _SpyEngine:
     """Delegates to the real engine; records whether the old marker still existed each time
-    a data file was handed to the engine (the first moment a data byte may change)."""
+    a data file was named to the engine (the first moment a data byte may change): at submit,
+    or, for a job the request started unnamed, when the save names its file."""
 
     def __init__(self, real, marker: str, seen: list):
         self._real, self._marker, self._seen = real, marker, seen
 
-    def submit_write(self, path, *args, **kwargs):
+    def _record(self, path) -> None:
         self._seen.append((os.path.basename(path), os.path.exists(self._marker), os.path.exists(path)))
-        return self._real.submit_write(path, *args, **kwargs)
+
+    def submit_write(self, path, *args, named=True, **kwargs):
+        job = self._real.submit_write(path, *args, named=named, **kwargs)
+        if named:
+            self._record(path)
+            return job
+        return _SpyJob(job, self._record)
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+class _SpyJob:
+    def __init__(self, real, record):
+        self._real, self._record_it = real, record
+
+    def set_destination(self, path):
+        self._record_it(path)
+        return self._real.set_destination(path)
 
     def __getattr__(self, name):
         return getattr(self._real, name)

@@ -937,3 +937,82 @@ def test_fail_after_done_marks_the_job_failed_and_leaves_the_file(tmp_path):
         assert (tmp_path / "f.bin").read_bytes() == a.tobytes()
     finally:
         eng.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# jobs submitted before their file is named (the request starts the copies; the folder is
+# prepared off the training thread, then the file is named)
+
+
+def test_unnamed_job_copies_now_and_writes_only_once_named(tmp_path):
+    rng = np.random.default_rng(7)
+    layout = Layout(b"HDR", [rand_array(rng, 200 * KiB), rand_array(rng, 70 * KiB)], gaps=[5, 0], tail=9)
+    eng = build_engine(1 * MiB, chunk_bytes=64 * KiB)
+    try:
+        label = str(tmp_path / "__0_0.safetensors")
+        job = eng.submit_write(label, layout.header, layout.file_size, layout.items(), named=False)
+        assert job.wait_staged(20)  # the copies ran without a file
+        time.sleep(0.05)
+        assert not job.is_done() and os.listdir(tmp_path) == []  # nothing written yet
+        final = tmp_path / "__0_0.abc123.safetensors"
+        job.set_destination(str(final))
+        wait(job)
+        assert job.error() is None
+        data = check_file(final, layout)
+        check_checksums(job, layout, data)
+        assert os.listdir(tmp_path) == [final.name]
+        with pytest.raises(RuntimeError, match="named already"):
+            job.set_destination(str(tmp_path / "again"))
+        st = eng.stats()
+        assert st["slots_free"] == st["slots_total"]
+    finally:
+        eng.shutdown()
+
+
+def test_failing_an_unnamed_job_frees_its_slots_and_writes_nothing(tmp_path):
+    rng = np.random.default_rng(8)
+    big = Layout(b"", [rand_array(rng, 1 * MiB)])  # more than the cache: copies wait for slots
+    eng = build_engine(256 * KiB, chunk_bytes=64 * KiB)
+    try:
+        job = eng.submit_write(str(tmp_path / "x"), big.header, big.file_size, big.items(), named=False)
+        time.sleep(0.1)
+        assert not job.is_staged()  # every slot is parked with the unnamed job
+        job.fail("the folder could not be prepared")
+        wait(job)
+        assert job.error() == "the folder could not be prepared"
+        assert os.listdir(tmp_path) == []
+        st = eng.stats()
+        assert st["slots_free"] == st["slots_total"]
+        # the engine goes on: a later named job gets the slots
+        ok = Layout(b"H", [rand_array(rng, 300 * KiB)])
+        write_checked(eng, tmp_path / "later", ok)
+    finally:
+        eng.shutdown()
+
+
+def test_backpressure_waits_for_the_name_then_drains(tmp_path):
+    rng = np.random.default_rng(9)
+    big = Layout(b"HEAD", [rand_array(rng, 1 * MiB + 123)])
+    eng = build_engine(256 * KiB, chunk_bytes=64 * KiB)
+    try:
+        job = eng.submit_write(str(tmp_path / "label"), big.header, big.file_size, big.items(), named=False)
+        time.sleep(0.1)
+        assert not job.is_staged()
+        threading.Timer(0.05, job.set_destination, args=(str(tmp_path / "f"),)).start()
+        wait(job)
+        assert job.error() is None
+        check_file(tmp_path / "f", big)
+    finally:
+        eng.shutdown()
+
+
+def test_shutdown_fails_a_job_never_named(tmp_path):
+    rng = np.random.default_rng(10)
+    big = Layout(b"", [rand_array(rng, 1 * MiB)])
+    eng = build_engine(256 * KiB, chunk_bytes=64 * KiB)
+    job = eng.submit_write(str(tmp_path / "never"), big.header, big.file_size, big.items(), named=False)
+    time.sleep(0.05)
+    eng.shutdown()  # must not wait for a name forever
+    assert job.is_done()
+    assert "the engine shut down before the file was named" in job.error()
+    assert os.listdir(tmp_path) == []

@@ -122,3 +122,45 @@ def test_a_finished_save_keeps_no_tensor_of_the_state_alive(tmp_path):
     gc.collect()
     assert [r() is None for r in refs] == [True, True]
     assert writer.path.endswith("c")  # the writer itself is still there
+
+
+def test_folder_work_runs_off_the_training_thread(tmp_path, monkeypatch):
+    """The request starts the copies and returns; the tier's room, the folder and the file names
+    are done on another thread, before anything is written."""
+    import threading
+
+    import dcp_datastates.save.request as request_mod
+
+    seen = []
+    real = request_mod.prepare_folder
+
+    def spy(storage, **kw):
+        seen.append(threading.current_thread() is threading.main_thread())
+        return real(storage, **kw)
+
+    monkeypatch.setattr(request_mod, "prepare_folder", spy)
+    state = {"w": torch.randn(1000), "b": torch.arange(10)}
+    expected = clone_state(state)
+    for k in range(3):  # a plan-cache miss, then hits; a second save into a committed folder
+        dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / f"c{min(k, 1)}")).upload_completion.result()
+    assert seen == [False, False, False]
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(tmp_path / "c1"))
+    assert_state_equal(out, expected)
+
+
+def test_a_folder_that_cannot_be_prepared_fails_the_save_and_frees_the_cache(tmp_path):
+    """The folder is prepared after the request started the copies: its error still fails the
+    save (raised through DCP), nothing is written, and the cache slots come back."""
+    from conftest import raises_through_dcp
+
+    target = tmp_path / "not-a-folder"
+    target.write_bytes(b"a file where the checkpoint folder should be")
+    state = {"w": torch.randn(300_000)}
+    writer = DataStatesWriter(target, host_cache_size="4MB")
+    with raises_through_dcp(r"not-a-folder"):
+        dcp.async_save(state, storage_writer=writer).upload_completion.result()
+    assert target.read_bytes() == b"a file where the checkpoint folder should be"
+    st = engine_stats()
+    assert st["slots_free"] == st["slots_total"]
+    assert st["jobs_done"] == st["jobs_submitted"]

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <iterator>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -142,13 +143,29 @@ void run_phase(const std::string& dir, int phase, double cache_wait_timeout, boo
   const int submitters = 3, jobs_each = 25;
   std::vector<std::vector<Planned>> all(submitters);
   std::vector<std::thread> threads;
+  // Jobs submitted unnamed (j % 6 in 1, 4, 5) are named after a random delay by a thread of
+  // their own, or (5) failed before they ever are: parked chunks must be written, or dropped with
+  // their slots freed, while other jobs wait for slots.
+  std::mutex namers_mu;
+  std::vector<std::thread> namers;
   for (int s = 0; s < submitters; ++s) {
     threads.emplace_back([&, s] {
       std::mt19937_64 rng(phase * 100 + s);
       for (int j = 0; j < jobs_each; ++j) {
         Planned p = plan(rng, dir + "/p" + std::to_string(phase) + "_" + std::to_string(s) + "_" + std::to_string(j % 4) +
                                   "_" + std::to_string(j) + ".bin");
-        p.job = eng->submit_write(p.path, p.header, p.expected.size(), p.items, rng() % 2 == 0);
+        const int mode = j % 6;
+        const bool named = !(mode == 1 || mode == 4 || mode == 5);
+        p.job = eng->submit_write(p.path, p.header, p.expected.size(), p.items, rng() % 2 == 0, -1, 0, named);
+        if (!named) {
+          const auto delay = std::chrono::microseconds(rng() % 3000);
+          std::lock_guard<std::mutex> g(namers_mu);
+          namers.emplace_back([job = p.job, path = p.path, mode, delay] {
+            std::this_thread::sleep_for(delay);
+            if (mode == 5) job->abort(path + ": stress: abandoned before its file was named");
+            else static_cast<FileJob&>(*job).set_destination(path);
+          });
+        }
         all[s].push_back(std::move(p));
         if (j % 5 == 4) all[s][all[s].size() - 2].job->wait_staged(-1);
       }
@@ -156,6 +173,7 @@ void run_phase(const std::string& dir, int phase, double cache_wait_timeout, boo
   }
   for (auto& t : threads) t.join();
   threads.clear();
+  for (auto& t : namers) t.join();
 
   // Read finished files back in parallel while later jobs are still writing.
   for (int s = 0; s < submitters; ++s) {
@@ -197,6 +215,11 @@ void run_phase(const std::string& dir, int phase, double cache_wait_timeout, boo
     p.job = eng->submit_write(p.path, p.header, p.expected.size(), p.items, false);
     tail.push_back(std::move(p));
   }
+  {  // one never named: shutdown fails it and frees its parked chunks' slots
+    Planned p = plan(rng, dir + "/tail" + std::to_string(phase) + "_unnamed.bin");
+    p.job = eng->submit_write(p.path, p.header, p.expected.size(), p.items, false, -1, 0, false);
+    tail.push_back(std::move(p));
+  }
   std::thread other([&] { eng->shutdown(); });
   eng->shutdown();
   other.join();
@@ -216,19 +239,27 @@ void run_phase(const std::string& dir, int phase, double cache_wait_timeout, boo
         (unsigned long long)st.jobs_submitted);
   eng.reset();  // jobs outlive the engine
 
-  size_t failed = 0, total = 0;
+  size_t failed = 0, total = 0, abandoned = 0;
   for (auto& v : all)
     for (auto& p : v) {
       verify(p, grid);
-      failed += p.job->error() ? 1 : 0;
+      const bool dropped = p.job->error() && p.job->error()->find("abandoned before its file was named") != std::string::npos;
+      abandoned += dropped ? 1 : 0;
+      failed += p.job->error() && !dropped ? 1 : 0;
       ++total;
     }
   for (auto& p : tail) {
     verify(p, grid);  // with a tiny cache_wait_timeout a tail job may fail, but must say so
-    if (cache_wait_timeout > 1) CHECK(!p.job->error(), "tail job failed: %s", p.job->error()->c_str());
+    const bool unnamed = p.path.find("_unnamed") != std::string::npos;
+    if (unnamed) CHECK(p.job->error() && p.job->error()->find("before the file was named") != std::string::npos,
+                       "a job never named must fail at shutdown, saying why");
+    else if (cache_wait_timeout > 1) CHECK(!p.job->error(), "tail job failed: %s", p.job->error()->c_str());
   }
-  std::printf("phase %d: %zu jobs, %zu failed (faults=%d, cache_wait_timeout=%g s), backpressure waits %llu\n", phase,
-              total, failed, faults ? 1 : 0, cache_wait_timeout, (unsigned long long)st.backpressure_waits);
+  CHECK(abandoned > 0, "no job was abandoned unnamed");
+  std::printf("phase %d: %zu jobs, %zu failed (faults=%d, cache_wait_timeout=%g s), backpressure waits %llu, "
+              "%zu abandoned unnamed\n",
+              phase, total, failed, faults ? 1 : 0, cache_wait_timeout, (unsigned long long)st.backpressure_waits,
+              abandoned);
 }
 
 // Streaming jobs (submit_stream) through a 3-slot cache: a consumer thread per job takes chunks

@@ -4,12 +4,14 @@ DCP's staging Future once every byte is in the host cache.
 1. flatten the state dict (``items.flatten``) and claim the folder in the registry of saves in
    flight (a second save to the same folder is refused while the first runs);
 2. plan this rank's data files from the local state alone (``pipeline.plan_stage``: owners,
-   layout, the version guard), let the tier make room, prepare the folder (a new file-name tag
-   when it holds a commit);
-3. copy the small items now (``request_copy``), hand each planned file to the storage's engine
-   job (``submit_file``), hold the items whose writer or folder is not known yet (``hold``);
-4. register the save and return; a watcher thread waits for the copies, seals the version
-   guard and resolves the Future with the staged state dict.
+   layout, the version guard);
+3. copy the small items now (``request_copy``), hand each planned file to the engine unnamed
+   (``start_file``: the copies start, nothing is written yet), hold the items whose writer or
+   folder is not known yet (``hold``);
+4. register the save and return. Off the training thread, one thread prepares the folder
+   (``prepare_destination``: the tier makes room, a new file-name tag when the folder holds a
+   commit, then each file is named and its writes start), and a watcher thread waits for the
+   copies, seals the version guard and resolves the Future with the staged state dict.
 
 An error here never fails the Future: it is kept on the save and raised from
 ``prepare_local_plan``, inside DCP's planning collective, so every rank learns of it.
@@ -39,7 +41,7 @@ from .pipeline import PlannedFile, on_one_device, plan_stage, planned_file
 from .request_copy import copy_small_at_request
 from .state import FileJob, StagedSave
 
-__all__ = ["request_save", "name_folder", "sync_save", "submit_file", "hold", "claim_folder", "current_stream",
+__all__ = ["request_save", "name_folder", "sync_save", "submit_file", "start_file", "prepare_destination", "hold", "claim_folder", "current_stream",
            "global_rank_world", "finish_staging", "planned"]
 
 log = logging.getLogger("dcp_datastates")
@@ -47,6 +49,10 @@ log = logging.getLogger("dcp_datastates")
 # Waits for staging and resolves the Futures handed to DCP; frees replaced files; never runs
 # Python on engine threads. (runtime.engine joins threads of this name at exit.)
 _watchers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dcp-datastates-staging")
+# Prepares folders and names the files the request started (prepare_destination), in request
+# order. Its own thread, because its work never waits for the engine while the watchers' does:
+# copies can wait for cache slots that only named files free.
+_namer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-datastates-staging-folder")
 
 
 def current_stream(device: int) -> int:
@@ -112,6 +118,25 @@ def _request(state_dict: dict, path: str | None, storage: Storage | None, config
     return staged, future
 
 
+def prepare_destination(staged: StagedSave, config, tier, need) -> None:
+    """Off the training thread, before any byte of the save is written: the tier makes room for
+    ``need()`` bytes, the folder is prepared (a new file-name tag when it holds a commit), then
+    each file the request started is named and the engine starts writing it. An error fails the
+    save (raised from prepare_local_plan, on every rank) and frees what its jobs hold."""
+    try:
+        if staged.error is not None:
+            return
+        tier.reserve(staged.path, need)
+        staged.tag = new_tag() if prepare_folder(staged.storage, overwrite=config.overwrite) else None
+        if staged.files:
+            tier.files_changing(staged.path, staged.rank)
+        for f in staged.files:
+            f.name = data_file_name(staged.rank, f.index, staged.tag)
+            f.name_it(f.name, _watchers.submit)  # an old file of that name is freed on a watcher
+    except Exception as exc:  # noqa: BLE001 - raised from prepare_local_plan, on every rank
+        staged.fail(exc)
+
+
 def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
     rank, world = global_rank_world()
     staged.rank = rank
@@ -120,18 +145,21 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
     plan = plan_stage(flat, rank=rank, world=world, dedup=dedup, cuda=engine.cuda_devices > 0,
                       folder_known=staged.path is not None, hold_limit=lambda: _cache_bytes(config) // 2,
                       copied_at_request=config.copy_at_request_max_bytes)
-    if staged.path is not None:
-        tier.reserve(staged.path, lambda: sum(pf.layout.file_size for pf in plan.files)
-                     + sum(it.entry.nbytes for g in plan.held for it in g.items))
-        staged.tag = new_tag() if prepare_folder(staged.storage, overwrite=config.overwrite) else None
     staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
     staged.guard, staged.late_guard = plan.guard, plan.late_guard
     staged.decision_key, staged.learn, staged.plain_keys = plan.decision_key, plan.learn, plan.plain_keys
     staged.flat, staged.payloads = flat, plan.payloads
-    for pf in plan.files:
-        staged.files.append(submit_file(engine, staged, _copy_small_now(engine, pf, staged.path, config), config, tier))
-    for group in plan.held:
-        staged.held.append(hold(engine, group.items, known=group.known, config=config, label=staged.path))
+    try:
+        for pf in plan.files:  # (files are planned only when the folder is known)
+            staged.files.append(start_file(engine, staged, _copy_small_now(engine, pf, staged.path, config), config))
+        for group in plan.held:
+            staged.held.append(hold(engine, group.items, known=group.known, config=config, label=staged.path))
+    finally:
+        if staged.path is not None:  # also after an error: the started jobs are named or failed there
+            def need() -> int:
+                return (sum(pf.layout.file_size for pf in plan.files)
+                        + sum(it.entry.nbytes for g in plan.held for it in g.items))
+            staged.destination = _namer.submit(prepare_destination, staged, config, tier, need)
     if staged.files:
         plan.remember(staged.files[0].job.piece_size())
 
@@ -180,6 +208,18 @@ def _copy_small_now(engine, pf: PlannedFile, path: str | None, config) -> Planne
     return dataclasses.replace(pf, spans=spans, keepalive=keepalive)
 
 
+def start_file(engine, staged: StagedSave, pf: PlannedFile, config) -> FileJob:
+    """At the request: hand one planned file to the engine before its folder is prepared (its
+    copies start now; ``prepare_destination`` names it, off the training thread)."""
+    stream = current_stream(pf.device) if pf.device >= 0 else 0
+    untagged = data_file_name(staged.rank, pf.index)
+    job, upload, name_it = staged.storage.start_data_file(
+        engine, untagged, pf.layout.header, pf.layout.file_size, pf.spans, sync=config.sync_files, device=pf.device,
+        stream=stream)
+    locations = pf.locations(untagged, job.piece_size())
+    return FileJob(pf.index, None, job, pf.keys, locations, pf.keepalive, engine, pf.layout.file_size, upload, name_it)
+
+
 def submit_file(engine, staged: StagedSave, pf: PlannedFile, config, tier) -> FileJob:
     """Hand one planned file to the storage's engine job: the only place a ``FileJob`` is made."""
     name = data_file_name(staged.rank, pf.index, staged.tag)
@@ -212,6 +252,8 @@ def hold(engine, items: list[SourceItem], *, known: bool, config, label: str | N
 def finish_staging(staged: StagedSave, resolve: tuple | None) -> None:
     """On a watcher thread: wait for every copy, seal the guard, resolve DCP's Future."""
     try:
+        if staged.destination is not None:
+            staged.destination.result()  # the folder is prepared and the files named (or the save failed)
         staged.wait_staged(None)
         staged.staged_s = time.monotonic() - staged.requested
         staged.seal()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +27,7 @@ class FileJob:
     """One data file written by the engine (a local file, or streamed to an object store)."""
 
     index: int  # k in __<rank>_<k>
-    name: str
+    name: str | None  # None until the save's folder is prepared (request.prepare_destination)
     job: Any
     keys: Sequence[ItemKey]
     locations: Mapping[ItemKey, ItemLocation]  # shared with a cached stage plan: never mutated
@@ -35,6 +35,7 @@ class FileJob:
     engine: Any
     file_size: int
     upload: Future | None = None  # object stores: resolves once the object is complete in the store
+    name_it: Callable[..., None] | None = None  # names the file of a job started unnamed (Storage.start_data_file)
 
     @property
     def device(self) -> int:
@@ -109,6 +110,7 @@ class StagedSave:
     planner: threading.Thread | None = None  # DCP's thread planning this save
     flat: dict | None = None  # the state as flattened at the request (its tensors are the sources)
     payloads: dict = field(default_factory=dict)  # fqn -> a non-tensor value's bytes, serialized at the request
+    destination: Future | None = None  # the folder prepared and the files named (request.prepare_destination)
 
     def is_over(self) -> bool:
         """Finished, or given up by DCP: the thread that ran its DCP save has ended (the save

@@ -10,16 +10,19 @@ hold.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import IO, Any
 
-__all__ = ["Storage", "DataFileJob"]
+__all__ = ["Storage", "DataFileJob", "StartedDataFile"]
 
 #: (engine job, upload Future or None): what ``write_data_file`` returns. The Future, for object
 #: stores, resolves when the object is complete in the store (or raises CheckpointWriteError).
 DataFileJob = tuple[Any, "Future | None"]
+#: What ``start_data_file`` returns: a ``DataFileJob`` and the call that names its file later,
+#: ``name_it(name, defer)``.
+StartedDataFile = tuple[Any, "Future | None", Callable[..., None]]
 
 
 class Storage(ABC):
@@ -125,6 +128,14 @@ class Storage(ABC):
         old file there is moved aside and freed through ``defer(fn, *args)``, which runs cleanup
         off the caller's thread; default: at once). Object
         stores: an engine streaming job whose bytes an uploader thread appends to one object."""
+
+    @abstractmethod
+    def start_data_file(self, engine, label: str, header: bytes, file_size: int, spans: list, *, sync: bool,
+                        device: int, stream: int) -> StartedDataFile:
+        """``write_data_file`` for a file whose name is not known yet (the folder is prepared off
+        the training thread): the copies into the host cache start now, nothing is written until
+        ``name_it(name, defer)`` names it; failing the job (``job.fail``) instead frees what it
+        holds. ``label`` names the file in messages until then."""
 
     @abstractmethod
     def read_into(self, engine, name: str, ranges: list, checks: list | None, threads: int) -> tuple | None:

@@ -34,13 +34,14 @@ import ctypes
 import posixpath
 import threading
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from typing import Any
 
 from ..errors import CheckpointFormatError, CheckpointWriteError, IncompleteCheckpointError
 from ..format.pieces import bad_pieces
-from .base import DataFileJob, Storage
+from .base import DataFileJob, StartedDataFile, Storage
 from .paths import normalize
 
 __all__ = ["ObjectStorage", "UPLOAD_BLOCK_SIZE", "READ_REQUEST_BYTES", "READ_CONCURRENCY"]
@@ -255,6 +256,18 @@ class ObjectStorage(Storage):
             fut = _upload_pool.submit(_upload, self, name, url, job)
         return job, fut
 
+    def start_data_file(self, engine, label: str, header: bytes, file_size: int, spans: list, *, sync: bool,
+                        device: int, stream: int) -> StartedDataFile:
+        named: Future = Future()
+        with _submit_lock:  # as in write_data_file: the upload starts now, and waits for its name
+            job = engine.submit_stream(self.where(label), header, file_size, spans, device, stream)
+            fut = _upload_pool.submit(_upload_when_named, self, named, job)
+
+        def name_it(name: str, defer=None) -> None:
+            named.set_result(name)
+
+        return job, fut, name_it
+
     def read_into(self, engine, name: str, ranges: list, checks: list | None, threads: int) -> tuple | None:
         read_ranges(self, name, ranges, concurrency=max(READ_CONCURRENCY, threads))
         if not checks:
@@ -288,6 +301,20 @@ def _discard(store: ObjectStorage, path: str, f) -> None:
 
 class _EngineFailed(Exception):
     """The engine failed the job (its message already names the URL)."""
+
+
+def _upload_when_named(store: ObjectStorage, named: Future, job) -> None:
+    """``_upload`` once the save names the object (``start_data_file``); nothing if the job
+    fails first (its error is the save's)."""
+    while True:
+        try:
+            name = named.result(timeout=0.05)
+            break
+        except FutureTimeout:
+            error = job.error()
+            if error:
+                raise CheckpointWriteError(error) from None
+    _upload(store, name, store.where(name), job)
 
 
 def _upload(store: ObjectStorage, name: str, url: str, job) -> None:
