@@ -690,3 +690,48 @@ def test_small_tensors_are_copied_on_the_callers_stream_at_the_request(tmp_path,
     finally:
         runtime.shutdown_engine()
         fake.destroy(s)
+
+
+def test_a_reused_side_buffer_is_never_written_while_an_earlier_copy_reads_it(tmp_path, fake, monkeypatch):
+    """Side buffers of the request-time copies are reused between saves (request_copy.py). The
+    first save's lazy copy out of its side buffer is slowed down; a second save requested
+    meanwhile copies other values at its request. Had the first buffer been handed to the second
+    request before the first job was staged, the first checkpoint would hold the second values.
+    Once the first job is staged its buffer is reused (no new allocation)."""
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesReader, DataStatesWriter, runtime
+    from dcp_datastates.save import request_copy
+
+    s = _float_tensors_on_fake_device(fake, monkeypatch, delay_us=30_000)
+    stats = torch.zeros(2048)  # 8 KiB each: copied at the request
+    other = torch.zeros(2048)
+    state = {"stats": stats, "other": other}
+    monkeypatch.setattr(request_copy, "_pool", type(request_copy._pool)())
+    options = dict(host_cache_size=4 * MiB, chunk_size=64 * KiB)
+    try:
+        fake.fill(s, stats.numpy(), 0x11)
+        fake.fill(s, other.numpy(), 0x12)
+        first = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "a", **options))
+        assert not request_copy._pool  # the first buffer is in use
+        fake.fill(s, stats.numpy(), 0x21)  # queued after the first request's copy
+        fake.fill(s, other.numpy(), 0x22)
+        second = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "b", **options))
+        first.upload_completion.result(timeout=60)
+        second.upload_completion.result(timeout=60)
+        fake.drain(s)
+        for folder, want in (("a", (0x11, 0x12)), ("b", (0x21, 0x22))):
+            dest = {"stats": torch.ones(2048), "other": torch.ones(2048)}
+            dcp.load(dest, storage_reader=DataStatesReader(tmp_path / folder))
+            got = (np.unique(dest["stats"].numpy().view(np.uint8)), np.unique(dest["other"].numpy().view(np.uint8)))
+            assert [g.tolist() for g in got] == [[want[0]], [want[1]]], (folder, got)
+        assert len(request_copy._pool) == 1  # both given back once staged, under one layout
+        kept = next(iter(request_copy._pool.values()))
+        third = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c", **options))
+        assert not request_copy._pool  # the third request took the kept buffer
+        third.upload_completion.result(timeout=60)
+        assert next(iter(request_copy._pool.values())) is kept
+    finally:
+        runtime.shutdown_engine()
+        fake.destroy(s)

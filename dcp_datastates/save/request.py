@@ -38,7 +38,7 @@ from ..storage import Storage
 from .held_file import HeldFile
 from .items import SourceItem, flatten
 from .pipeline import PlannedFile, on_one_device, plan_stage, planned_file
-from .request_copy import copy_small_at_request
+from .request_copy import copy_small_at_request, give_back
 from .state import FileJob, StagedSave
 
 __all__ = ["request_save", "name_folder", "sync_save", "submit_file", "start_file", "prepare_destination", "hold", "claim_folder", "current_stream",
@@ -151,7 +151,7 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
     staged.flat, staged.payloads = flat, plan.payloads
     try:
         for pf in plan.files:  # (files are planned only when the folder is known)
-            staged.files.append(start_file(engine, staged, _copy_small_now(engine, pf, staged.path, config), config))
+            staged.files.append(start_file(engine, staged, *_copy_small_now(engine, pf, staged.path, config), config))
         for group in plan.held:
             staged.held.append(hold(engine, group.items, known=group.known, config=config, label=staged.path))
     finally:
@@ -199,16 +199,18 @@ def planned(engine, index: int, items: list[SourceItem]) -> PlannedFile:
     return planned_file(index, device, items)
 
 
-def _copy_small_now(engine, pf: PlannedFile, path: str | None, config) -> PlannedFile:
-    """At the request only: ``pf`` with its small items copied now (request_copy.py). Files made
-    later (``write_data``) need no such copy."""
+def _copy_small_now(engine, pf: PlannedFile, path: str | None, config) -> tuple[PlannedFile, object]:
+    """At the request only: ``pf`` with its small items copied now (request_copy.py), and the
+    buffer they were copied into (None: nothing to copy). Files made later (``write_data``) need
+    no such copy."""
     stream = current_stream(pf.device) if pf.device >= 0 else 0
     spans, keepalive = copy_small_at_request(engine, pf.device, stream, pf.spans, pf.keepalive,
                                              config.copy_at_request_max_bytes, path or "checkpoint")
-    return dataclasses.replace(pf, spans=spans, keepalive=keepalive)
+    side_buffer = keepalive[-1] if len(keepalive) > len(pf.keepalive) else None
+    return dataclasses.replace(pf, spans=spans, keepalive=keepalive), side_buffer
 
 
-def start_file(engine, staged: StagedSave, pf: PlannedFile, config) -> FileJob:
+def start_file(engine, staged: StagedSave, pf: PlannedFile, side_buffer, config) -> FileJob:
     """At the request: hand one planned file to the engine before its folder is prepared (its
     copies start now; ``prepare_destination`` names it, off the training thread)."""
     stream = current_stream(pf.device) if pf.device >= 0 else 0
@@ -217,7 +219,8 @@ def start_file(engine, staged: StagedSave, pf: PlannedFile, config) -> FileJob:
         engine, untagged, pf.layout.header, pf.layout.file_size, pf.spans, sync=config.sync_files, device=pf.device,
         stream=stream)
     locations = pf.locations(untagged, job.piece_size())
-    return FileJob(pf.index, None, job, pf.keys, locations, pf.keepalive, engine, pf.layout.file_size, upload, name_it)
+    return FileJob(pf.index, None, job, pf.keys, locations, pf.keepalive, engine, pf.layout.file_size, upload, name_it,
+                   side_buffer)
 
 
 def submit_file(engine, staged: StagedSave, pf: PlannedFile, config, tier) -> FileJob:
@@ -260,6 +263,9 @@ def finish_staging(staged: StagedSave, resolve: tuple | None) -> None:
     finally:
         for f in staged.files:
             f.keepalive = None  # the engine copied them: release the source tensors
+            if f.side_buffer is not None and f.job.is_staged():  # no copy reads it any more
+                give_back(f.side_buffer)
+            f.side_buffer = None
         inflight.staged(staged)
     if resolve is not None:
         # The staged dict: the structure as of stage() (our own flat copy of it), live tensors

@@ -36,6 +36,7 @@ class FileJob:
     file_size: int
     upload: Future | None = None  # object stores: resolves once the object is complete in the store
     name_it: Callable[..., None] | None = None  # names the file of a job started unnamed (Storage.start_data_file)
+    side_buffer: Any = None  # the request-time copies' buffer (request_copy.py), given back once staged
 
     @property
     def device(self) -> int:
