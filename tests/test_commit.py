@@ -3,6 +3,7 @@ failures while committing, stale temporaries, and latest_checkpoint over step-N 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
@@ -293,3 +294,35 @@ def test_overwrite_false_keeps_the_commit_and_its_bytes(tmp_path, small_engine):
         save(folder, 2.0, "sync", overwrite=False)
     assert (folder / "__0_0.safetensors").read_bytes() == before
     assert_holds(folder, 1.0)
+
+
+@pytest.mark.parametrize("break_it, message", [
+    (lambda locs, a, b: locs.__setitem__(b, dataclasses.replace(locs[b], offset=locs[a].offset)), r"share bytes"),
+    (lambda locs, a, b: locs.__setitem__(a, dataclasses.replace(locs[a], length=locs[a].length - 4,
+                                                                crc32c=locs[a].crc32c)), r"stored length|checksums for"),
+    (lambda locs, a, b: locs.__setitem__(a, dataclasses.replace(locs[a], crc32c=locs[a].crc32c + (7,))),
+     r"checksums for \d+ pieces"),
+    (lambda locs, a, b: locs.__setitem__(a, dataclasses.replace(locs[a], piece_size=locs[a].piece_size * 2)),
+     r"checksum grid"),
+])
+def test_the_commit_refuses_locations_the_reader_would_refuse(tmp_path, break_it, message):
+    """The commit no longer decodes the document it just encoded: the same checks run on the
+    values (encode_commit). A writer bug that would make the checkpoint unreadable is refused
+    before the marker is written, and the folder keeps its last good commit."""
+    from dcp_datastates.commit import write_commit
+    from dcp_datastates.errors import CheckpointWriteError
+    from dcp_datastates.format.layout import decode_metadata
+
+    folder = tmp_path / "c"
+    state = {"a": torch.randn(5000), "b": torch.randn(5000)}
+    dcp.save(state, storage_writer=DataStatesWriter(folder))
+    good = (folder / ".metadata").read_bytes()
+    md, _ = decode_metadata(good, "test")
+    locations = dict(md.storage_data)
+    write_commit(str(folder), md, locations, sync=False)  # the values as read back commit as they are
+    assert json.loads((folder / ".metadata").read_bytes())["items"] == json.loads(good)["items"]
+    a, b = sorted(locations, key=lambda i: i.fqn)
+    break_it(locations, a, b)
+    with pytest.raises(CheckpointWriteError, match=rf"committing checkpoint {re.escape(str(folder))} refused: .*({message})"):
+        write_commit(str(folder), md, locations, sync=False)
+    assert json.loads((folder / ".metadata").read_bytes())["items"] == json.loads(good)["items"]

@@ -21,7 +21,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ..errors import CheckpointWriteError, DataStatesError
-from ..format.layout import METADATA_NAME, ItemLocation, decode_metadata, encode_metadata, rank_marker_name
+from ..format.layout import METADATA_NAME, ItemLocation, encode_commit, rank_marker_name
 from ..storage import Storage, open_storage
 from .reading import check_data_files
 
@@ -67,9 +67,8 @@ def write_commit(
     (if any) is untouched and no temporary file is left behind."""
     storage = open_storage(location, storage_options)
     path = storage.location
-    data = encode_metadata(md, locations)
-    _, files = decode_metadata(data, f"{path}/{METADATA_NAME} (being committed)")
     try:
+        data, files = encode_commit(md, locations, f"{path}/{METADATA_NAME} (being committed)")
         check_data_files(storage, files)
     except (DataStatesError, OSError) as exc:
         raise CheckpointWriteError(f"committing checkpoint {path} refused: {exc}") from exc

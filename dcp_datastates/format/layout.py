@@ -51,7 +51,7 @@ __all__ = [
     # the checksum grid
     "piece_ranges",
     # the commit marker
-    "ItemLocation", "FileInfo", "encode_metadata", "decode_metadata", "FORMAT_VERSION", "METADATA_NAME",
+    "ItemLocation", "FileInfo", "encode_metadata", "encode_commit", "decode_metadata", "FORMAT_VERSION", "METADATA_NAME",
     "MAX_METADATA_BYTES", "STEP_NUMBER", "rank_marker_name", "PENDING_NAME",
 ]
 
@@ -228,6 +228,47 @@ class FileInfo:
 
 # --------------------------------------------------------------------------------------- encode
 def encode_metadata(md: Metadata, locations: dict[MetadataIndex, ItemLocation]) -> bytes:
+    return _encode(md, locations, {})[0]
+
+
+def encode_commit(md: Metadata, locations: dict[MetadataIndex, ItemLocation], source: str) -> tuple[bytes, dict[str, FileInfo]]:
+    """The ``.metadata`` document of a commit and the data files it lists, after the checks the
+    decoder makes of a file's items (names, ranges inside the data region, one checksum per piece,
+    no shared bytes), made here on the values themselves: a linear pass, no decode of what was
+    just encoded. Raises CheckpointFormatError naming ``source`` and the item."""
+    placed: dict[MetadataIndex, ItemLocation] = {}
+    data, raw_files = _encode(md, locations, placed)
+    c = _Check(source)
+    files: dict[str, FileInfo] = {}
+    for name, info in raw_files.items():
+        files[name] = FileInfo(size=info["size"], data_start=info["data_start"], piece_size=info["piece_size"])
+        _check_file(c, name, files[name], f"files[{name!r}]")
+    for index, loc in placed.items():
+        info = files[loc.file]
+        where = f"item {index.fqn!r}" + ("" if index.offset is None else f" at offset {list(index.offset)}")
+        if (loc.data_start, loc.piece_size) != (info.data_start, info.piece_size):
+            raise c.fail(f"{where}: its checksum grid ({loc.data_start}, {loc.piece_size}) is not its file's "
+                         f"({info.data_start}, {info.piece_size}) in {loc.file}")
+        _check_range(c, where, loc.file, loc.offset, loc.length, list(loc.crc32c), info)
+    for fqn, smd in md.state_dict_metadata.items():
+        if isinstance(smd, BytesStorageMetadata):
+            continue
+        where, size = f"item {fqn!r}", list(smd.size)
+        itemsize, name, covered = smd.properties.dtype.itemsize, dtype_to_name(smd.properties.dtype), 0
+        for i, chunk in enumerate(smd.chunks):
+            cwhere = f"{where} chunk {i}"
+            _check_chunk_bounds(c, cwhere, chunk.offsets, chunk.sizes, size)
+            numel = _numel(chunk.sizes)
+            covered += numel
+            _check_chunk_length(c, cwhere, placed[MetadataIndex(fqn, chunk.offsets)].length, chunk.sizes,
+                                numel * itemsize, name)
+        _check_covered(c, where, covered, size, _numel(size))
+    _check_no_shared_bytes(c, placed)
+    return data, files
+
+
+def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation], placed: dict) -> tuple[bytes, dict]:
+    """(the document, its files as plain dicts); ``placed`` receives each item's location."""
     files: dict[str, dict] = {}
     items: dict[str, Any] = {}
 
@@ -235,6 +276,7 @@ def encode_metadata(md: Metadata, locations: dict[MetadataIndex, ItemLocation]) 
         loc = locations.get(index)
         if loc is None:
             raise CheckpointFormatError(f"no write result for item {index.fqn!r} at offset {index.offset}")
+        placed[index] = loc
         info = files.setdefault(loc.file, {"size": 0, "data_start": loc.data_start, "piece_size": loc.piece_size})
         # A file may end with items nothing references (a value DCP's planner took from another
         # rank): its size is the writer's, not the end of the last referenced item.
@@ -276,7 +318,7 @@ def encode_metadata(md: Metadata, locations: dict[MetadataIndex, ItemLocation]) 
         "files": files,
         "items": items,
     }
-    return json.dumps(doc, separators=(",", ":")).encode()
+    return json.dumps(doc, separators=(",", ":")).encode(), files
 
 
 def _jsonable_planner_data(data: Any) -> Any:
@@ -392,17 +434,12 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
     files: dict[str, FileInfo] = {}
     for name, info in c.get(doc, "files", dict, "the document").items():
         where = f"files[{name!r}]"
-        if "/" in name or "\\" in name or "\x00" in name or name in ("", ".", "..", METADATA_NAME):
-            raise c.fail(f"{where}: file names must be plain names inside the checkpoint folder")
         files[name] = FileInfo(
             size=c.nonneg(info, "size", where),
             data_start=c.nonneg(info, "data_start", where),
             piece_size=c.nonneg(info, "piece_size", where),
         )
-        if files[name].piece_size == 0:
-            raise c.fail(f"{where}: piece_size must be positive")
-        if files[name].data_start > files[name].size:
-            raise c.fail(f"{where}: data_start {files[name].data_start} lies past the file size {files[name].size}")
+        _check_file(c, name, files[name], where)
 
     state: dict[str, Any] = {}
     storage: dict[MetadataIndex, ItemLocation] = {}
@@ -479,18 +516,43 @@ def _raise_shared(c: _Check, storage: dict, fname: str, start: int, prev_end: in
     raise c.fail(f"items {a!r} and {b!r} share bytes [{start}, {prev_end}) of {fname} (each stored item has bytes of its own)")
 
 
-def _location(c: _Check, entry: dict, where: str, files: dict[str, FileInfo], dtype: str, shape: tuple[int, ...]) -> ItemLocation:
-    fname = c.get(entry, "file", str, where)
-    info = files.get(fname)
-    if info is None:
-        raise c.fail(f"{where} refers to file {fname!r}, which the metadata does not list")
-    offset, length = c.nonneg(entry, "offset", where), c.nonneg(entry, "length", where)
+def _check_chunk_bounds(c: _Check, where: str, offsets, sizes, size) -> None:
+    if len(offsets) != len(size) or len(sizes) != len(size):
+        raise c.fail(f"{where}: rank of offsets/sizes does not match the tensor's {len(size)} dims")
+    if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
+        raise c.fail(f"{where}: chunk {list(offsets)}+{list(sizes)} exceeds the tensor size {list(size)}")
+
+
+def _check_chunk_length(c: _Check, where: str, length: int, sizes, nbytes: int, dtype_name: str) -> None:
+    if length != nbytes:
+        raise c.fail(f"{where}: stored length {length} bytes does not match shape {list(sizes)} of {dtype_name} "
+                     f"({nbytes} bytes)")
+
+
+def _check_covered(c: _Check, where: str, covered: int, size, total: int) -> None:
+    # DCP's save planners only commit plans whose chunks tile the tensor exactly; anything
+    # else would leave parts of a destination silently unloaded.
+    if covered != total:
+        raise c.fail(f"{where}: its chunks hold {covered} elements, the tensor of size {list(size)} has {total}")
+
+
+def _check_file(c: _Check, name: str, info: FileInfo, where: str) -> None:
+    """What a data file's entry must satisfy (the decoder's and the commit's check)."""
+    if "/" in name or "\\" in name or "\x00" in name or name in ("", ".", "..", METADATA_NAME):
+        raise c.fail(f"{where}: file names must be plain names inside the checkpoint folder")
+    if info.piece_size == 0:
+        raise c.fail(f"{where}: piece_size must be positive")
+    if info.data_start > info.size:
+        raise c.fail(f"{where}: data_start {info.data_start} lies past the file size {info.size}")
+
+
+def _check_range(c: _Check, where: str, fname: str, offset: int, length: int, crcs: list, info: FileInfo) -> None:
+    """An item's bytes lie in its file's data region, with one 32-bit checksum per piece."""
     if offset < info.data_start or offset + length > info.size:
         raise c.fail(
             f"{where}: byte range [{offset}, {offset + length}) lies outside the data region "
             f"[{info.data_start}, {info.size}) of {fname}"
         )
-    crcs = c.get(entry, "crc32c", list, where)
     if not _all_crcs(crcs) and not all(isinstance(x, int) and 0 <= x < (1 << 32) for x in crcs):
         raise c.fail(f"{where}: crc32c must be a list of 32-bit integers")
     if crcs:
@@ -500,6 +562,16 @@ def _location(c: _Check, entry: dict, where: str, files: dict[str, FileInfo], dt
             raise c.fail(f"{where}: byte range [{offset}, {offset + length}) cannot be checksummed: {exc}") from None
         if len(crcs) != count:
             raise c.fail(f"{where}: {len(crcs)} checksums for {count} pieces")
+
+
+def _location(c: _Check, entry: dict, where: str, files: dict[str, FileInfo], dtype: str, shape: tuple[int, ...]) -> ItemLocation:
+    fname = c.get(entry, "file", str, where)
+    info = files.get(fname)
+    if info is None:
+        raise c.fail(f"{where} refers to file {fname!r}, which the metadata does not list")
+    offset, length = c.nonneg(entry, "offset", where), c.nonneg(entry, "length", where)
+    crcs = c.get(entry, "crc32c", list, where)
+    _check_range(c, where, fname, offset, length, crcs, info)
     return ItemLocation(fname, offset, length, dtype, shape, tuple(crcs), info.data_start, info.piece_size)
 
 
@@ -530,26 +602,16 @@ def _decode_tensor(
     for i, chunk in enumerate(c.get(item, "chunks", list, where)):
         cwhere = f"{where} chunk {i}"
         offsets, sizes = c.dims(chunk, "offsets", cwhere), c.dims(chunk, "sizes", cwhere)
-        if len(offsets) != len(size) or len(sizes) != len(size):
-            raise c.fail(f"{cwhere}: rank of offsets/sizes does not match the tensor's {len(size)} dims")
-        if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
-            raise c.fail(f"{cwhere}: chunk {list(offsets)}+{list(sizes)} exceeds the tensor size {list(size)}")
+        _check_chunk_bounds(c, cwhere, offsets, sizes, size)
         numel = _numel(sizes)
         if numel > _MAX_NUMEL:
             raise c.fail(f"{cwhere}: absurd number of elements {numel}")
         covered += numel
         loc = _location(c, chunk, cwhere, files, name, sizes)
-        if loc.length != numel * itemsize:
-            raise c.fail(
-                f"{cwhere}: stored length {loc.length} bytes does not match shape {list(sizes)} of "
-                f"{name} ({numel * itemsize} bytes)"
-            )
+        _check_chunk_length(c, cwhere, loc.length, sizes, numel * itemsize, name)
         chunks.append(ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)))
         storage[MetadataIndex(fqn, offsets, i)] = loc
-    # DCP's save planners only commit plans whose chunks tile the tensor exactly; anything
-    # else would leave parts of a destination silently unloaded.
-    if covered != total:
-        raise c.fail(f"{where}: its chunks hold {covered} elements, the tensor of size {list(size)} has {total}")
+    _check_covered(c, where, covered, size, total)
     if 1 < len(chunks) <= _MAX_OVERLAP_CHECK:
         for a in range(len(chunks)):
             for b in range(a + 1, len(chunks)):
