@@ -154,3 +154,23 @@ def test_bench_png(tmp_path, capsys):
         assert "matplotlib" in capsys.readouterr().err and not png.exists()
     else:
         assert png.stat().st_size > 1000
+
+
+def test_end_to_end_loop_smoke(tmp_path):
+    """benchmarks/end_to_end.py: every loop ends with a checkpoint equal to the final state, and
+    a method's overhead is measured against the loop without checkpoints."""
+    spec = importlib.util.spec_from_file_location("end_to_end", BENCHMARKS / "end_to_end.py")
+    e2e = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(e2e)
+    out = tmp_path / "e2e.json"
+    report = e2e.main(["--size", "2MiB", "--tensors", "40", "--steps", "4", "--every", "1,2", "--runs", "1",
+                       "--step-ms", "5", "--methods", "datastates,dcp-save", "--dir", str(tmp_path / "ck"),
+                       "--json", str(out)])
+    loops = report["loops"]
+    assert set(loops) == {"none", "datastates every 1", "datastates every 2", "dcp-save every 1", "dcp-save every 2"}
+    for name, loop in loops.items():
+        assert loop["median_s"] > 0
+        if name != "none":
+            assert loop["last_checkpoint_equal"] is True, name
+            assert loop["overhead"] == pytest.approx(loop["median_s"] / loops["none"]["median_s"] - 1)
+    assert json.loads(out.read_text())["loops"].keys() == loops.keys()
