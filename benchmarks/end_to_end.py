@@ -32,12 +32,15 @@ from dcp_datastates.config import parse_size  # noqa: E402
 
 import bench  # noqa: E402 - the bench's methods, state and compute
 
+_names = [0]  # checkpoint names are never reused in a process (a peer may refuse a name it wrote)
+
 
 def run_loop(method: bench.Method | None, state: dict, compute: bench.Compute, mm_per_step: int, steps: int,
              every: int, root: str) -> tuple[float, str | None]:
-    """Seconds of the loop (last checkpoint durable included) and the last checkpoint's path."""
+    """Seconds of the loop (last checkpoint durable included; deleting older checkpoints, which
+    keeps the disk from filling, is not counted) and the last checkpoint's path."""
     tensors = [t for t in bench.flatten(state).values() if hasattr(t, "add_")]
-    pending, last, count = None, None, 0
+    pending, last, previous, housekeeping = None, None, None, 0.0
     t0 = time.perf_counter()
     for step in range(1, steps + 1):
         for _ in range(mm_per_step):
@@ -53,12 +56,17 @@ def run_loop(method: bench.Method | None, state: dict, compute: bench.Compute, m
         if method is not None and step % every == 0:
             if pending is not None:
                 pending.wait_durable()
-            count += 1
-            last = os.path.join(root, f"ckpt-{count:03d}")
+                if previous is not None:  # keep the last two (housekeeping: not counted)
+                    t_rm = time.perf_counter()
+                    shutil.rmtree(previous, ignore_errors=True)
+                    housekeeping += time.perf_counter() - t_rm
+                previous = last
+            _names[0] += 1
+            last = os.path.join(root, f"ckpt-{_names[0]:04d}")
             pending = method.save(state, last)
     if pending is not None:
         pending.wait_durable()
-    return time.perf_counter() - t0, last
+    return time.perf_counter() - t0 - housekeeping, last
 
 
 def main(argv=None) -> dict:
