@@ -64,11 +64,10 @@ class _SpyEngine:
         self._seen.append((os.path.basename(path), os.path.exists(self._marker), os.path.exists(path)))
 
     def submit_write(self, path, *args, named=True, **kwargs):
-        job = self._real.submit_write(path, *args, named=named, **kwargs)
         if named:
-            self._record(path)
-            return job
-        return _SpyJob(job, self._record)
+            self._record(path)  # before the engine may create it
+            return self._real.submit_write(path, *args, named=named, **kwargs)
+        return _SpyJob(self._real.submit_write(path, *args, named=named, **kwargs), self._record)
 
     def __getattr__(self, name):
         return getattr(self._real, name)
