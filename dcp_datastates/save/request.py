@@ -131,8 +131,7 @@ def prepare_destination(staged: StagedSave, config, tier, need) -> None:
         if staged.files:
             tier.files_changing(staged.path, staged.rank)
         for f in staged.files:
-            f.name = data_file_name(staged.rank, f.index, staged.tag)
-            f.name_it(f.name, _watchers.submit)  # an old file of that name is freed on a watcher
+            _name_file(f, staged)
     except Exception as exc:  # noqa: BLE001 - raised from prepare_local_plan, on every rank
         staged.fail(exc)
 
@@ -204,15 +203,15 @@ def _copy_small_now(engine, pf: PlannedFile, path: str | None, config) -> tuple[
     buffer they were copied into (None: nothing to copy). Files made later (``write_data``) need
     no such copy."""
     stream = current_stream(pf.device) if pf.device >= 0 else 0
-    spans, keepalive = copy_small_at_request(engine, pf.device, stream, pf.spans, pf.keepalive,
-                                             config.copy_at_request_max_bytes, path or "checkpoint")
-    side_buffer = keepalive[-1] if len(keepalive) > len(pf.keepalive) else None
+    spans, keepalive, side_buffer = copy_small_at_request(engine, pf.device, stream, pf.spans, pf.keepalive,
+                                                          config.copy_at_request_max_bytes, path or "checkpoint")
     return dataclasses.replace(pf, spans=spans, keepalive=keepalive), side_buffer
 
 
 def start_file(engine, staged: StagedSave, pf: PlannedFile, side_buffer, config) -> FileJob:
-    """At the request: hand one planned file to the engine before its folder is prepared (its
-    copies start now; ``prepare_destination`` names it, off the training thread)."""
+    """Hand one planned file to the engine before it is named (its copies start now): the only
+    place a ``FileJob`` is made. At the request ``prepare_destination`` names it, off the
+    training thread; later files are named at once (``submit_file``)."""
     stream = current_stream(pf.device) if pf.device >= 0 else 0
     untagged = data_file_name(staged.rank, pf.index)
     job, upload, name_it = staged.storage.start_data_file(
@@ -224,16 +223,17 @@ def start_file(engine, staged: StagedSave, pf: PlannedFile, side_buffer, config)
 
 
 def submit_file(engine, staged: StagedSave, pf: PlannedFile, config, tier) -> FileJob:
-    """Hand one planned file to the storage's engine job: the only place a ``FileJob`` is made."""
-    name = data_file_name(staged.rank, pf.index, staged.tag)
-    stream = current_stream(pf.device) if pf.device >= 0 else 0
+    """A file made once the folder is prepared (``write_data``): started and named at once."""
     tier.files_changing(staged.path, staged.rank)
-    job, upload = staged.storage.write_data_file(
-        engine, name, pf.layout.header, pf.layout.file_size, pf.spans, sync=config.sync_files, device=pf.device,
-        stream=stream, defer=_watchers.submit,  # old blocks freed off the training thread
-    )
-    locations = pf.locations(data_file_name(staged.rank, pf.index), job.piece_size())
-    return FileJob(pf.index, name, job, pf.keys, locations, pf.keepalive, engine, pf.layout.file_size, upload)
+    f = start_file(engine, staged, pf, None, config)
+    _name_file(f, staged)
+    return f
+
+
+def _name_file(f: FileJob, staged: StagedSave) -> None:
+    """Give a started file its name in the prepared folder: the engine writes it from now on."""
+    f.name = data_file_name(staged.rank, f.index, staged.tag)
+    f.name_it(f.name, _watchers.submit)  # an old file of that name is freed on a watcher
 
 
 def hold(engine, items: list[SourceItem], *, known: bool, config, label: str | None) -> HeldFile:
@@ -241,9 +241,9 @@ def hold(engine, items: list[SourceItem], *, known: bool, config, label: str | N
     device, items = on_one_device(engine.cuda_devices > 0, items)
     stream = current_stream(device) if device >= 0 else 0
     label = f"{label or 'checkpoint'} (held)"
-    spans, keep = copy_small_at_request(engine, device, stream, [(it.ptr, it.entry.nbytes, 0) for it in items],
-                                        [it.keepalive for it in items], config.copy_at_request_max_bytes, label)
-    side_buffer = keep[-1] if len(keep) > len(items) else None
+    spans, keep, side_buffer = copy_small_at_request(engine, device, stream, [(it.ptr, it.entry.nbytes, 0) for it in items],
+                                                     [it.keepalive for it in items], config.copy_at_request_max_bytes,
+                                                     label)
     if side_buffer is not None:
         items = [dataclasses.replace(it, ptr=span[0], keepalive=owner) for it, span, owner in zip(items, spans, keep)]
     held = HeldFile(engine, items, device, stream, label, selection=None, selection_known=known,

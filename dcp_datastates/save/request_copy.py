@@ -48,16 +48,17 @@ def give_back(buffer: torch.Tensor) -> None:
 
 
 def copy_small_at_request(engine, device: int, stream: int, spans: list, keepalive: list, max_bytes: int,
-                          what: str) -> tuple[list, list]:
+                          what: str) -> tuple[list, list, torch.Tensor | None]:
     """``spans`` (pointer, nbytes, file offset) with every item of 1..``max_bytes`` bytes copied
-    now into one side buffer and pointing there, and the keep-alives (the buffer appended, the
-    small items' owners dropped). Unchanged when there is nothing to copy. The buffer may be one
-    an earlier save gave back: the caller gives it back in turn once its job is staged."""
+    now into one side buffer and pointing there, the keep-alives (the buffer appended, the small
+    items' owners dropped), and the buffer (None: nothing to copy, the rest unchanged). The
+    buffer may be one an earlier save gave back: the caller gives it back in turn once its job
+    is staged."""
     if max_bytes <= 0:
-        return spans, keepalive
+        return spans, keepalive, None
     small = [i for i, span in enumerate(spans) if 0 < span[1] <= max_bytes]
     if not small:
-        return spans, keepalive
+        return spans, keepalive, None
     offsets, total = [], 0
     for i in small:
         offsets.append(total)
@@ -72,4 +73,4 @@ def copy_small_at_request(engine, device: int, stream: int, spans: list, keepali
         spans[i] = (base + off, nbytes, file_offset)
         keepalive[i] = None
     keepalive.append(buffer)
-    return spans, keepalive
+    return spans, keepalive, buffer

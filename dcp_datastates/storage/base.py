@@ -122,20 +122,24 @@ class Storage(ABC):
 
     # ------------------------------------------------------------------------------ data files
     @abstractmethod
-    def write_data_file(self, engine, name: str, header: bytes, file_size: int, spans: list, *, sync: bool,
-                        device: int, stream: int, defer=None) -> DataFileJob:
-        """Hand one data file to the engine. Local: an engine file job writing a new inode (an
-        old file there is moved aside and freed through ``defer(fn, *args)``, which runs cleanup
-        off the caller's thread; default: at once). Object
-        stores: an engine streaming job whose bytes an uploader thread appends to one object."""
-
-    @abstractmethod
     def start_data_file(self, engine, label: str, header: bytes, file_size: int, spans: list, *, sync: bool,
                         device: int, stream: int) -> StartedDataFile:
-        """``write_data_file`` for a file whose name is not known yet (the folder is prepared off
+        """Hand one data file to the engine before its name is known (the folder is prepared off
         the training thread): the copies into the host cache start now, nothing is written until
         ``name_it(name, defer)`` names it; failing the job (``job.fail``) instead frees what it
-        holds. ``label`` names the file in messages until then."""
+        holds. ``label`` names the file in messages until then. (``write_data_file`` is this,
+        named at once.)"""
+
+    def write_data_file(self, engine, name: str, header: bytes, file_size: int, spans: list, *, sync: bool,
+                        device: int, stream: int, defer=None) -> DataFileJob:
+        """Hand one data file to the engine, named at once. Local: an engine file job writing a
+        new inode (an old file there is moved aside and freed through ``defer(fn, *args)``, which
+        runs cleanup off the caller's thread; default: at once). Object stores: an engine
+        streaming job whose bytes an uploader thread appends to one object."""
+        job, upload, name_it = self.start_data_file(engine, name, header, file_size, spans, sync=sync, device=device,
+                                                    stream=stream)
+        name_it(name, defer)
+        return job, upload
 
     @abstractmethod
     def read_into(self, engine, name: str, ranges: list, checks: list | None, threads: int) -> tuple | None:

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from contextlib import contextmanager
 
 from ..errors import CheckpointFormatError, CheckpointWriteError
-from .base import DataFileJob, StartedDataFile, Storage
+from .base import StartedDataFile, Storage
 
 __all__ = ["LocalStorage", "open_for_reading", "file_kind", "not_regular_error"]
 
@@ -242,19 +242,13 @@ class LocalStorage(Storage):
         super().move(name, dst, new_name)
 
     # ------------------------------------------------------------------------------ data files
-    def write_data_file(self, engine, name: str, header: bytes, file_size: int, spans: list, *, sync: bool,
-                        device: int, stream: int, defer=None) -> DataFileJob:
-        path = self.where(name)
-        _retire(path, defer)  # never write into a shared inode
-        return engine.submit_write(path, header, file_size, spans, sync, device, stream), None
-
     def start_data_file(self, engine, label: str, header: bytes, file_size: int, spans: list, *, sync: bool,
                         device: int, stream: int) -> StartedDataFile:
         job = engine.submit_write(self.where(label), header, file_size, spans, sync, device, stream, named=False)
 
         def name_it(name: str, defer=None) -> None:
             path = self.where(name)
-            _retire(path, defer)
+            _retire(path, defer)  # never write into a shared inode
             job.set_destination(path)  # the engine's flush workers start writing it now
 
         return job, None, name_it

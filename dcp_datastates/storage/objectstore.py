@@ -41,7 +41,7 @@ from typing import Any
 
 from ..errors import CheckpointFormatError, CheckpointWriteError, IncompleteCheckpointError
 from ..format.pieces import bad_pieces
-from .base import DataFileJob, StartedDataFile, Storage
+from .base import StartedDataFile, Storage
 from .paths import normalize
 
 __all__ = ["ObjectStorage", "UPLOAD_BLOCK_SIZE", "READ_REQUEST_BYTES", "READ_CONCURRENCY"]
@@ -248,18 +248,10 @@ class ObjectStorage(Storage):
         super().move(name, dst, new_name)
 
     # ------------------------------------------------------------------------------ data files
-    def write_data_file(self, engine, name: str, header: bytes, file_size: int, spans: list, *, sync: bool,
-                        device: int, stream: int, defer=None) -> DataFileJob:
-        url = self.where(name)
-        with _submit_lock:  # uploads start in the order the engine grants their jobs cache slots
-            job = engine.submit_stream(url, header, file_size, spans, device, stream)
-            fut = _upload_pool.submit(_upload, self, name, url, job)
-        return job, fut
-
     def start_data_file(self, engine, label: str, header: bytes, file_size: int, spans: list, *, sync: bool,
                         device: int, stream: int) -> StartedDataFile:
         named: Future = Future()
-        with _submit_lock:  # as in write_data_file: the upload starts now, and waits for its name
+        with _submit_lock:  # uploads start in the order the engine grants their jobs cache slots; each waits for its name
             job = engine.submit_stream(self.where(label), header, file_size, spans, device, stream)
             fut = _upload_pool.submit(_upload_when_named, self, named, job)
 
