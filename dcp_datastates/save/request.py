@@ -94,6 +94,7 @@ def _request(state_dict: dict, path: str | None, storage: Storage | None, config
         flat, mappings = flatten(state_dict)
         if path is not None:
             claim_folder(path, staged)
+            tier.request_folder(storage)  # the rest of the folder work runs off this thread (prepare_destination)
         _stage_into(staged, flat, config, tier)
     except Exception as exc:  # noqa: BLE001 - raised from prepare_local_plan, on every rank
         staged.fail(exc)

@@ -89,6 +89,12 @@ class Storage(ABC):
         CheckpointWriteError."""
 
     @abstractmethod
+    def make_folder(self) -> None:
+        """Create the folder at once, where a folder is cheap and others look for it: ``prepare``
+        runs off the training thread, but a caller may list the new step's folder right after
+        the save call (TorchTitan's ``keep_latest_k`` counts it). Raises CheckpointWriteError."""
+
+    @abstractmethod
     def names(self) -> list[str]:
         """Names of the files directly in the folder."""
 

@@ -196,7 +196,7 @@ class LocalStorage(Storage):
                 _unlink_quietly(self.where(name))
 
     # ------------------------------------------------------------------------------ files
-    def prepare(self, *, overwrite: bool, marker: str) -> bool:
+    def make_folder(self) -> None:
         path = self.location
         try:
             os.makedirs(path, exist_ok=True)
@@ -204,9 +204,12 @@ class LocalStorage(Storage):
             raise CheckpointWriteError(f"cannot create checkpoint folder {path}: {exc.strerror or exc}") from exc
         if not os.path.isdir(path):  # makedirs(exist_ok=True) accepts nothing else, but be explicit
             raise CheckpointWriteError(f"cannot create checkpoint folder {path}: a file is in the way")
+
+    def prepare(self, *, overwrite: bool, marker: str) -> bool:
+        self.make_folder()
         committed = os.path.lexists(self.where(marker))
         if committed and not overwrite:
-            raise CheckpointWriteError(f"{path} already holds a committed checkpoint and overwrite=False")
+            raise CheckpointWriteError(f"{self.location} already holds a committed checkpoint and overwrite=False")
         return committed
 
     def names(self) -> list[str]:

@@ -202,6 +202,9 @@ class ObjectStorage(Storage):
         self._fresh(self.fs_path(name))
 
     # ------------------------------------------------------------------------------ files
+    def make_folder(self) -> None:
+        pass  # a store's "folder" is a prefix, neither cheap to make nor listed: prepare() does it, off the training thread
+
     def prepare(self, *, overwrite: bool, marker: str) -> bool:
         try:
             self.fs.makedirs(self.root, exist_ok=True)

@@ -77,6 +77,12 @@ class NoTier:
         if self.local_commit.done():
             self.local_commit = Future()
 
+    def request_folder(self, storage: Storage) -> None:
+        """At the request, on the training thread: the save's folder exists when the call
+        returns (TorchTitan's ``keep_latest_k`` lists it right after); the rest of the folder
+        work runs later, off the training thread."""
+        storage.make_folder()
+
     def reserve(self, folder: str, need) -> None:
         """Room for a save of ``need()`` bytes (computed only by a tier that keeps copies)."""
 
@@ -120,6 +126,9 @@ class LocalTier(NoTier):
 
     def reported(self, path: str | None) -> str | None:
         return self.durable_path or path
+
+    def request_folder(self, storage: Storage) -> None:
+        pass  # the local copy's folder is made after reserve() made room for it (off the training thread)
 
     def reserve(self, folder: str, need) -> None:
         tiers.make_room(self.config.local_tier, need(), folder, self.config.storage_options)
