@@ -19,8 +19,9 @@ way (medians of ``--reps`` repetitions):
   cache holds the files) and cold (the checkpoint's files evicted with posix_fadvise, or the
   whole page cache dropped with ``--cold drop_caches``; not on tmpfs, which is the page cache).
 * memory: resident set size sampled in a thread over ``--mem-ckpts`` back-to-back checkpoints.
-* raw: one large ``pwrite`` + ``fsync`` of a buffer of the same number of bytes, one large
-  ``preadv`` of it: what the storage and memory of this machine allow.
+* raw: the fair bound of the same number of bytes (raw_bound.py): the best of 1-N threads and
+  files, with and without early writeback, fsync included; reads into fresh memory with 1-N
+  threads, warm and cold: what the storage and memory of this machine allow.
 * slowdown: matmuls per second in the compute phase against the idle rate.
 * stage cost: ``DataStatesWriter.stage()`` and the whole ``dcp.async_save`` call on
   ``--stage-tensors`` tiny tensors (wall, CPU, and with Python's cyclic GC paused).
@@ -930,78 +931,31 @@ def make_method(name: str, host_cache: int) -> Method:
 
 
 # ------------------------------------------------------------------------------- measurements
-def measure_raw(root: str, nbytes: int, reps: int, cold: _Cold) -> dict:
-    """One pwrite (a few when over 1 GiB: Linux caps one write at 2 GiB) + fsync of a buffer of
-    ``nbytes``, into a new file as checkpoints are; one preadv of the file back, warm (page cache)
-    and cold (dropped caches)."""
-    import torch
+def _load_sibling(name: str):
+    """A module of this folder (bench.py is loaded by file path, so its folder is not on sys.path)."""
+    import importlib.util
 
-    os.makedirs(root, exist_ok=True)
-    path = os.path.join(root, "raw.bin")
-    buf = torch.empty(max(1, nbytes), dtype=torch.uint8)
-    buf.fill_(0x5A)  # fault the pages in: the bound is for bytes already in memory
-    mv = memoryview(buf.numpy())
-    step = 1 << 30
-    writes, reads, colds = [], [], []
+    spec = importlib.util.spec_from_file_location(f"dcp_datastates_bench_{name}", os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+raw_bound = _load_sibling("raw_bound")
+
+
+def measure_raw(root: str, nbytes: int, reps: int, cold: _Cold | None) -> dict:
+    """The fair raw bound of ``nbytes`` (raw_bound.py): the best of 1-N threads and files, with
+    and without early writeback, fsync included; reads into fresh memory, warm and cold."""
     try:
-        for _ in range(reps):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
-            t0 = time.perf_counter()
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                off = 0
-                while off < nbytes:
-                    off += os.pwrite(fd, mv[off : off + step], off)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            writes.append(time.perf_counter() - t0)
-            reads.append(_raw_read(path, mv, nbytes))
-            if cold and cold(path):
-                colds.append(_raw_read(path, mv, nbytes))
+        return raw_bound.measure_raw(root, nbytes, reps, cold)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        del mv, buf
         _malloc_trim()
-    return {
-        "bytes": nbytes,
-        "write_s": _median(writes),
-        "read_warm_s": _median(reads),
-        "read_cold_s": _median(colds) if colds else None,
-        "write_samples": writes,
-        "read_warm_samples": reads,
-        "read_cold_samples": colds,
-        "write_gbps": nbytes / _median(writes) / 1e9 if writes else None,
-        "read_warm_gbps": nbytes / _median(reads) / 1e9 if reads else None,
-        "read_cold_gbps": nbytes / _median(colds) / 1e9 if colds else None,
-    }
 
 
 def _merge_raw(into: dict, more: dict) -> None:
-    """Add ``more``'s samples to ``into`` and recompute the medians."""
-    nbytes = into.get("bytes") or more.get("bytes")
-    for kind in ("write", "read_warm", "read_cold"):
-        samples = into[f"{kind}_samples"] = into[f"{kind}_samples"] + more[f"{kind}_samples"]
-        med = _median(samples) if samples else None
-        into[f"{kind}_s"] = med
-        into[f"{kind}_gbps"] = nbytes / med / 1e9 if med else None
-
-
-def _raw_read(path: str, mv: memoryview, nbytes: int) -> float:
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        off = 0
-        while off < nbytes:
-            got = os.preadv(fd, [mv[off:]], off)
-            if got <= 0:
-                raise OSError(f"{path}: short read at {off} of {nbytes}")
-            off += got
-    finally:
-        os.close(fd)
-    return time.perf_counter() - t0
+    """Add ``more``'s samples to ``into`` and recompute the bound."""
+    into.update(raw_bound.merge_raw(into, more))
 
 
 def run_method(
@@ -1393,6 +1347,9 @@ def format_run(run: dict) -> str:
         f"read warm {_fmt(raw['read_warm_s'], digits=3)} s ({_fmt(raw['read_warm_gbps'])} GB/s), "
         f"read cold {_fmt(raw['read_cold_s'], digits=3)} s ({_fmt(raw['read_cold_gbps'])} GB/s)"
     )
+    if raw.get("write_how"):
+        lines.append(f"   (best of {len(raw['medians']['write'])} write configurations: {raw['write_how']}; "
+                     f"reads into fresh memory: warm {raw.get('read_warm_how')}, cold {raw.get('read_cold_how') or '-'})")
     busy = run.get("other_processes_cores")
     if busy is not None:
         warn = "  << the machine was shared: numbers are noisy" if busy > 0.2 else ""
@@ -1489,7 +1446,7 @@ def format_report(report: dict) -> str:
             out.append(sc["profile"])
     out.append(
         "call = time in the save call; stall = call + wait before the next optimizer step; 'vs save' columns divide by dcp.save; "
-        "'vs raw' by one pwrite+fsync / one preadv of the same bytes; upl.wait = wait for the previous checkpoint "
+        "'vs raw' by the best raw pwrite+fsync / preadv of the same bytes (1-N threads and files, early writeback; reads into fresh memory); upl.wait = wait for the previous checkpoint "
         "at the next request (one compute phase apart); train = the training thread's time per checkpoint: call + wait before "
         "the step + wait at the next request (medians of the sums); durable = fsync'ed (the bench fsyncs for peers that do not); "
         "slowdn = idle matmul rate / the rate during the compute phase; peak-base = peak RSS "

@@ -174,3 +174,31 @@ def test_end_to_end_loop_smoke(tmp_path):
             assert loop["last_checkpoint_equal"] is True, name
             assert loop["overhead"] == pytest.approx(loop["median_s"] / loops["none"]["median_s"] - 1)
     assert json.loads(out.read_text())["loops"].keys() == loops.keys()
+
+
+def test_the_raw_bound_is_the_best_configuration_and_reads_back_what_it_wrote(tmp_path):
+    """Every write configuration (1-N threads, shared or own files, with and without early
+    writeback) is measured and leaves no file behind; the bound is the lowest median; merging
+    more samples recomputes it."""
+    raw_bound = bench.raw_bound
+    raw = raw_bound.measure_raw(str(tmp_path), 3 * (1 << 20) + 5, 1, None)
+    names = set(raw["medians"]["write"])
+    assert len(names) == len(raw_bound.write_configs()) >= 1
+    assert raw["write_s"] == min(raw["medians"]["write"].values()) > 0
+    assert raw["write_how"] in names and raw["read_warm_how"].startswith("read, ")
+    assert raw["read_cold_s"] is None  # no cold reads asked for
+    assert list(tmp_path.iterdir()) == []
+    fake = raw_bound.summarize({"bytes": 10, "configs": {"a": {"write": [3.0, 1.0, 2.0], "read_warm": [], "read_cold": []},
+                                                      "b": {"write": [1.5], "read_warm": [4.0], "read_cold": []}}})
+    assert (fake["write_s"], fake["write_how"], fake["read_warm_how"]) == (1.5, "b", "b")
+    merged = raw_bound.merge_raw(fake, {"bytes": 10, "configs": {"b": {"write": [9.0, 9.0]}}})
+    assert (merged["write_s"], merged["write_how"], merged["write_samples"]) == (2.0, "a", [3.0, 1.0, 2.0])
+    assert fake["configs"]["b"]["write"] == [1.5]  # merging copies, it does not change its input
+
+
+def test_a_striped_write_covers_every_byte_once(tmp_path):
+    raw_bound = bench.raw_bound
+    for nbytes, parts in ((1, 2), (3 * (64 << 20) + 7, 2), (64 << 20, 4), (5 << 20, 1)):
+        stripes = raw_bound._stripes(nbytes, parts)
+        assert sum(n for _, n in stripes) == nbytes and stripes[0][0] == 0
+        assert all(a + n == b for (a, n), (b, _) in zip(stripes, stripes[1:]))

@@ -333,3 +333,101 @@ def test_full_local_tier_evicts_drained_copies_oldest_first_never_undrained(tmp_
     for i in (1, 2, 3):  # the evicted copies' checkpoints load from the durable tier
         state = make_state(i)
         assert_state_equal(state, load(durables[i - 1], nv, state))
+
+
+def _files_with_pieces(folder, sizes, piece):
+    """Data files of random bytes in ``folder``: {name: size}, {name: [(off, len, crc32c, item)]}
+    (a 16-byte header before the pieces, a gap of 5 bytes between them)."""
+    from dcp_datastates._engine import crc32c
+
+    g = torch.Generator().manual_seed(7)
+    os.makedirs(folder, exist_ok=True)
+    out_sizes, out_pieces = {}, {}
+    for k, size in enumerate(sizes):
+        name = f"f{k}.bin"
+        data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).numpy().tobytes()
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
+        pieces, off = [], 16
+        while off + piece <= size:
+            pieces.append((off, piece, crc32c(data[off:off + piece]), f"item{k}.{off}"))
+            off += piece + 5
+        out_sizes[name], out_pieces[name] = size, pieces
+    return out_sizes, out_pieces
+
+
+def _drain_readers_alive():
+    import threading
+
+    return [t for t in threading.enumerate() if t.name.startswith("dcp-datastates-drain-read")]
+
+
+def test_drain_copies_files_in_parallel_blocks_byte_for_byte(tmp_path, monkeypatch):
+    """Several files, each in many blocks read and verified ahead of the writer: every byte
+    lands in order, gaps (headers, padding) included, under the new names."""
+    from dcp_datastates.storage import open_storage
+
+    monkeypatch.setattr(drain, "_COPY_BLOCK", 3000)
+    monkeypatch.setattr(drain, "_BLOCKS_AHEAD", 2)
+    sizes, pieces = _files_with_pieces(str(tmp_path / "local"), [50_000, 1, 70_123, 0, 9000], 1000)
+    renamed = {n: f"new-{n}" for n in sizes}
+    os.makedirs(tmp_path / "durable")
+    drain._copy_all(open_storage(str(tmp_path / "local")), open_storage(str(tmp_path / "durable")), sizes, pieces,
+                    renamed, DataStatesConfig())
+    for name in sizes:
+        assert (tmp_path / "durable" / renamed[name]).read_bytes() == (tmp_path / "local" / name).read_bytes()
+    assert _drain_readers_alive() == []
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_drain_names_the_damaged_piece_and_stops_its_reader(tmp_path, monkeypatch, where):
+    from dcp_datastates.errors import ChecksumMismatchError
+    from dcp_datastates.storage import open_storage
+
+    monkeypatch.setattr(drain, "_COPY_BLOCK", 4096)
+    sizes, pieces = _files_with_pieces(str(tmp_path / "local"), [40_000, 40_000], 1000)
+    os.makedirs(tmp_path / "durable")
+    off, length, _crc, item = pieces["f1.bin"][0 if where == "first" else -1]
+    with open(tmp_path / "local" / "f1.bin", "r+b") as f:
+        f.seek(off + length - 1)
+        b = f.read(1)
+        f.seek(off + length - 1)
+        f.write(bytes([b[0] ^ 1]))
+    with pytest.raises(ChecksumMismatchError, match=rf"f1.bin: checksum mismatch in item '{item}', bytes \[{off}, {off + length}\)"):
+        drain._copy_all(open_storage(str(tmp_path / "local")), open_storage(str(tmp_path / "durable")), sizes, pieces,
+                        {n: n for n in sizes}, DataStatesConfig())
+    assert _drain_readers_alive() == []
+
+
+def test_a_failing_durable_write_stops_the_read_ahead(tmp_path, monkeypatch):
+    from dcp_datastates.storage import open_storage
+
+    monkeypatch.setattr(drain, "_COPY_BLOCK", 2048)
+    sizes, pieces = _files_with_pieces(str(tmp_path / "local"), [100_000], 500)
+
+    class Full:
+        def __init__(self):
+            self.writes = 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 3:
+                raise OSError(28, "No space left on device")
+            return len(data)
+
+    out = Full()
+    with pytest.raises(OSError, match="No space left"):
+        drain._copy_file(open_storage(str(tmp_path / "local")), "f0.bin", out, sizes["f0.bin"], pieces["f0.bin"],
+                         drain.get_engine(DataStatesConfig()))
+    assert out.writes == 3 and _drain_readers_alive() == []
+
+
+def test_drain_blocks_cover_the_file_in_order_and_never_split_a_piece(monkeypatch):
+    monkeypatch.setattr(drain, "_COPY_BLOCK", 100)
+    pieces = [(10, 30, 0, "a"), (40, 70, 0, "b"), (110, 250, 0, "big"), (400, 5, 0, "c")]
+    blocks = drain._blocks(620, pieces)
+    assert [(o, n) for o, n, _ in blocks] == [(0, 40), (40, 70), (110, 250), (360, 100), (460, 100), (560, 60)]
+    assert [[p[3] for p in inside] for _, _, inside in blocks] == [["a"], ["b"], ["big"], ["c"], [], []]
+    assert drain._blocks(0, []) == []
+    # a piece past the recorded size: the block reaches it, so the read fails as truncated
+    assert [(o, n) for o, n, _ in drain._blocks(20, [(10, 30, 0, "a")])] == [(0, 40)]

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -17,16 +19,19 @@ from ..commit import check_data_files, checkpoint_id, prepare_folder, read_commi
 from ..config import DataStatesConfig
 from ..errors import CheckpointWriteError, ChecksumMismatchError
 from ..format.layout import data_file_name, data_file_parts, moved, new_tag, piece_ranges
-from ..format.pieces import bad_pieces
 from ..runtime import get_engine
-from ..storage import Storage, open_for_reading, open_storage
+from ..storage import Storage, open_storage
 from . import local_tier as tiers
 
 log = logging.getLogger("dcp_datastates")
 
 __all__ = ["drain", "drain_pending", "drain_rank", "drain_pending_ranks", "durable_name"]
 
-_COPY_BLOCK = 16 << 20  # bytes outside any checksum piece (headers) are copied in blocks this big
+_COPY_BLOCK = 16 << 20  # bytes read, verified and written at a time (at least one whole checksum piece)
+_BLOCKS_AHEAD = 3  # blocks read and verified ahead of the one being written, per file
+_FILES_AT_ONCE = 4  # data files copied in parallel (memory: files x (ahead + 1) x block)
+
+
 def _pieces_by_file(locations) -> dict[str, list[tuple[int, int, int, str]]]:
     """file -> sorted (offset, length, crc32c, item) of every checksum piece of ``locations``
     ({MetadataIndex: ItemLocation}: a marker's storage_data, or one rank's write results)."""
@@ -39,36 +44,111 @@ def _pieces_by_file(locations) -> dict[str, list[tuple[int, int, int, str]]]:
     return out
 
 
-def _copy_file(src: str, out, size: int, pieces: list, engine) -> None:
-    """Copy the local file ``src`` into the binary file object ``out`` (None: only verify), in
-    order, checking every piece's CRC32C on the way (``format.pieces``)."""
-    spans, pos = [], 0
-    for off, length, crc, item in pieces:
-        spans.extend((p, min(_COPY_BLOCK, off - p), None, None) for p in range(pos, off, _COPY_BLOCK))
-        spans.append((off, length, crc, item))
-        pos = off + length
-    spans.extend((p, min(_COPY_BLOCK, size - p), None, None) for p in range(pos, size, _COPY_BLOCK))
-    with os.fdopen(open_for_reading(src), "rb") as fin:  # no symlink followed, no FIFO blocked on
-        for off, length, crc, item in spans:
-            buf = torch.empty(length, dtype=torch.uint8)
-            got = fin.readinto(memoryview(buf.numpy())) if length else 0
-            if got != length:
-                raise CheckpointWriteError(f"{src}: {got} bytes at offset {off}, expected {length} (truncated)")
-            if crc is not None:
-                bad = bad_pieces(engine, [(buf.data_ptr(), off, length)], [(0, off, length, crc)])
-                if bad:
-                    raise ChecksumMismatchError(
-                        f"{src}: checksum mismatch in item {item!r}, bytes [{off}, {off + length}): "
-                        f"stored crc32c {crc:#010x}, read {bad[0][4]:#010x}"
-                    )
-            if out is not None:
-                out.write(memoryview(buf.numpy()))
+def _blocks(size: int, pieces: list) -> list[tuple[int, int, list]]:
+    """(offset, length, pieces inside) blocks covering the file in order (``size`` bytes, or up
+    to the last piece's end if that is further: its read then fails as truncated): at most
+    ``_COPY_BLOCK`` each unless one piece is larger, never splitting a piece (each is verified
+    whole, in the block that holds it)."""
+    blocks: list[tuple[int, int, list]] = []
+    start, inside = 0, []
+
+    def emit(end: int) -> None:  # [start, end) in blocks of at most _COPY_BLOCK; inside goes in the first
+        nonlocal start, inside
+        for s in range(start, end, _COPY_BLOCK):
+            blocks.append((s, min(_COPY_BLOCK, end - s), inside if s == start else []))
+        start, inside = end, []
+
+    for piece in pieces:
+        off, end = piece[0], piece[0] + piece[1]
+        if end - start > _COPY_BLOCK and off > start:
+            emit(off)  # what comes before this piece; inside it all ends before start + _COPY_BLOCK
+        inside.append(piece)
+        if end - start >= _COPY_BLOCK:
+            blocks.append((start, end - start, inside))
+            start, inside = end, []
+    emit(max([size, start] + [p[0] + p[1] for p in inside]))
+    return blocks
 
 
-def _write_durable(src: str, durable: Storage, name: str, size: int, pieces: list, engine, config) -> None:
-    """Copy the local data file ``src`` to ``name`` in the durable folder, verifying it."""
-    with durable.create(name, sync=config.sync_files) as out:
-        _copy_file(src, out, size, pieces, engine)
+def _copy_file(local: Storage, name: str, out, size: int, pieces: list, engine) -> None:
+    """Copy the data file ``name`` of the local folder into the binary file object ``out``, in
+    order, verifying every piece's CRC32C while its bytes are in memory (``Storage.read_into``,
+    the reader's routine). A thread reads and verifies up to ``_BLOCKS_AHEAD`` blocks ahead, into
+    reused buffers, while this one writes: the store's write and the local read overlap."""
+    blocks = _blocks(size, pieces)
+    if not blocks:
+        return
+    where = local.where(name)
+    free: queue.Queue = queue.Queue()
+    for _ in range(min(_BLOCKS_AHEAD + 1, len(blocks))):
+        free.put(torch.empty(max(n for _, n, _ in blocks), dtype=torch.uint8))
+    ready: queue.Queue = queue.Queue()
+    stop = threading.Event()
+
+    def read_ahead() -> None:
+        try:
+            for off, length, inside in blocks:
+                buf = free.get()
+                if stop.is_set():
+                    return
+                _read_verified(local, name, where, buf, off, length, inside, engine)
+                ready.put((buf, length))
+            ready.put(None)
+        except BaseException as exc:  # noqa: BLE001 - raised by the writing thread
+            ready.put(exc)
+
+    reader = threading.Thread(target=read_ahead, name="dcp-datastates-drain-read", daemon=True)
+    reader.start()
+    try:
+        while (got := ready.get()) is not None:
+            if isinstance(got, BaseException):
+                raise got
+            buf, length = got
+            out.write(memoryview(buf.numpy())[:length])
+            free.put(buf)
+    finally:
+        stop.set()
+        free.put(None)  # wakes a reader waiting for a buffer
+        reader.join()
+
+
+def _read_verified(local: Storage, name: str, where: str, buf, off: int, length: int, inside: list, engine) -> None:
+    checks = [(0, p_off, p_len, crc) for p_off, p_len, crc, _item in inside]
+    try:
+        bad = local.read_into(engine, name, [(buf.data_ptr(), off, length)], checks, 1)
+    except ValueError as exc:  # the engine's short read
+        raise CheckpointWriteError(f"{where}: {length} bytes at offset {off} could not be read (truncated): {exc}") from None
+    if bad:
+        _, p_off, p_len, expected, got = bad
+        item = next(p[3] for p in inside if p[0] == p_off)
+        raise ChecksumMismatchError(
+            f"{where}: checksum mismatch in item {item!r}, bytes [{p_off}, {p_off + p_len}): "
+            f"stored crc32c {expected:#010x}, read {got:#010x}"
+        )
+
+
+def _write_durable(local: Storage, name: str, durable: Storage, durable_name: str, size: int, pieces: list, engine,
+                   config) -> None:
+    """Copy the local data file ``name`` to ``durable_name`` in the durable folder, verifying it."""
+    with durable.create(durable_name, sync=config.sync_files) as out:
+        _copy_file(local, name, out, size, pieces, engine)
+
+
+def _copy_all(local: Storage, durable: Storage, sizes: dict[str, int], pieces: dict[str, list],
+              renamed: dict[str, str], config: DataStatesConfig) -> None:
+    """Copy the data files ``sizes`` ({local name: size}) to their ``renamed`` names, up to
+    ``_FILES_AT_ONCE`` at a time; the first error is raised once every copy has ended."""
+    engine = get_engine(config)
+    names = sorted(sizes)
+    if len(names) <= 1:
+        for name in names:
+            _write_durable(local, name, durable, renamed[name], sizes[name], pieces.get(name, []), engine, config)
+        return
+    with ThreadPoolExecutor(max_workers=min(_FILES_AT_ONCE, len(names)), thread_name_prefix="dcp-datastates-drain-file") as pool:
+        futures = [pool.submit(_write_durable, local, name, durable, renamed[name], sizes[name], pieces.get(name, []),
+                               engine, config) for name in names]
+    for f in futures:
+        f.result()
 
 
 # One drain per durable path at a time in this process (a save's own drain and another save's
@@ -98,11 +178,8 @@ def _drain_unlocked(local: str, durable: str, config: DataStatesConfig) -> None:
         # A durable folder holding a commit keeps it until the new one is committed: new names.
         tag = new_tag() if prepare_folder(store, overwrite=True) else None
         renamed = {name: durable_name(name, tag) for name in files}
-        engine = get_engine(config)
-        pieces = _pieces_by_file(md.storage_data)
-        for name, info in files.items():
-            src = os.path.join(local, name)
-            _write_durable(src, store, renamed[name], info.size, pieces.get(name, []), engine, config)
+        _copy_all(open_storage(local), store, {name: info.size for name, info in files.items()},
+                  _pieces_by_file(md.storage_data), renamed, config)
         locations = {index: moved(loc, renamed[loc.file]) for index, loc in md.storage_data.items()}
         write_commit(store, md, locations, sync=config.sync_files)
     except CheckpointWriteError as exc:
@@ -137,10 +214,10 @@ def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str
 
 
 def _copy_files(local: str, durable: Storage, locations: dict, renamed: dict[str, str], config: DataStatesConfig) -> None:
-    engine = get_engine(config)
-    for name, pieces in _pieces_by_file(locations).items():
-        src = os.path.join(local, name)
-        _write_durable(src, durable, renamed[name], os.stat(src).st_size, pieces, engine, config)
+    """One rank's data files of ``locations`` in the local copy ``local``, copied to ``durable``."""
+    store = open_storage(local)
+    pieces = _pieces_by_file(locations)
+    _copy_all(store, durable, {name: os.stat(store.where(name)).st_size for name in pieces}, pieces, renamed, config)
 
 
 def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, skip: str | None = None,
