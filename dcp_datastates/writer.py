@@ -197,6 +197,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         return StorageMeta(checkpoint_id=self.tier.reported(self.path), save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        try:
+            return self._prepare_local_plan(plan)
+        except BaseException:
+            if self._current is not None:
+                self._current.end_collector_pause()  # DCP stops here: nothing closes the save
+            raise
+
+    def _prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         if self.path is None:
             raise ValueError("DataStatesWriter: no checkpoint path (pass path= or checkpoint_id=)")
         if not self.use_collectives:

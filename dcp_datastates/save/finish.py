@@ -23,6 +23,9 @@ def close_save(staged: StagedSave, *, path: str | None, coordinator: bool, error
     record its figures (the coordinator's record, with the commit, is logged)."""
     staged.finished.set()
     staged.flat, staged.payloads = None, {}
+    # DCP's plans and metadata are freed when its save returns, right after this: the collector
+    # resumes a moment later, so that it never sees them (gcpause.py).
+    staged.end_collector_pause(after=0.25)
     inflight.unregister(staged)
     rank, world = global_rank_world()
     try:

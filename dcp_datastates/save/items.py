@@ -107,28 +107,29 @@ def _flatten(state_dict: dict) -> tuple[dict, dict]:
         return flatten_state_dict(state_dict)
     flat: dict = {}
     mappings: dict = {}
-    tensor = torch.Tensor
-
-    def walk(prefix: str, path: tuple, node: Mapping) -> None:
-        for k, v in node.items():
-            k = str(k)
-            name = prefix + k
-            sub = path + (k,)
-            if type(v) is not tensor and isinstance(v, Mapping):
-                walk(name + ".", sub, v)
-                continue
-            if isinstance(v, list):
-                raise _NeedsDcpFlatten
-            if name in flat:
-                raise ValueError(f"duplicated flatten key {name}")
-            flat[name] = v
-            mappings[name] = sub
-
     try:
-        walk("", (), state_dict)
+        _walk(flat, mappings, "", (), state_dict)
     except _NeedsDcpFlatten:
         return flatten_state_dict(state_dict)
     return flat, mappings
+
+
+def _walk(flat: dict, mappings: dict, prefix: str, path: tuple, node: Mapping) -> None:
+    # A module-level function, not a closure calling itself: such a closure is a reference
+    # cycle, which would keep the flat dict (and every tensor in it) alive until a collection.
+    for k, v in node.items():
+        k = str(k)
+        name = prefix + k
+        sub = path + (k,)
+        if type(v) is not torch.Tensor and isinstance(v, Mapping):
+            _walk(flat, mappings, name + ".", sub, v)
+            continue
+        if isinstance(v, list):
+            raise _NeedsDcpFlatten
+        if name in flat:
+            raise ValueError(f"duplicated flatten key {name}")
+        flat[name] = v
+        mappings[name] = sub
 
 
 def flatten(state_dict: dict) -> tuple[dict, dict]:

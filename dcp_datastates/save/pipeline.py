@@ -257,7 +257,9 @@ def with_piece(loc: ItemLocation, piece: int) -> ItemLocation:
 
 def written(loc: ItemLocation, file: str, crc32c: tuple[int, ...], file_size: int) -> ItemLocation:
     """The final location once the file is durable: its real name, checksums and size."""
-    return dataclasses.replace(loc, file=file, crc32c=crc32c, file_size=file_size)
+    # Built directly: dataclasses.replace costs ~4x more, once per item of every save.
+    return ItemLocation(file, loc.offset, loc.length, loc.dtype, loc.shape, crc32c, loc.data_start, loc.piece_size,
+                        file_size)
 
 
 # ----------------------------------------------------------------------- the plan cache

@@ -31,7 +31,7 @@ from ..commit import prepare_folder
 from ..compat import unflatten_state_dict
 from ..errors import CheckpointWriteError
 from ..format.layout import data_file_name, new_tag
-from ..gcpause import gc_paused
+from ..gcpause import pause_collector
 from ..runtime import get_engine, inflight
 from ..runtime.staging_wait import install_step_wait
 from ..storage import Storage
@@ -45,6 +45,10 @@ __all__ = ["request_save", "name_folder", "sync_save", "submit_file", "start_fil
            "global_rank_world", "finish_staging", "planned"]
 
 log = logging.getLogger("dcp_datastates")
+
+# A save's pause of the cyclic GC ends when the save does, or after this long (a save DCP gave
+# up on before our last hook ran is never closed).
+GC_PAUSE_MAX_S = 60.0
 
 # Waits for staging and resolves the Futures handed to DCP; frees replaced files; never runs
 # Python on engine threads. (runtime.engine joins threads of this name at exit.)
@@ -80,8 +84,11 @@ def request_save(state_dict: dict, *, path: str | None, storage: Storage | None,
                  check_launch) -> tuple[StagedSave, Future]:
     """Start the save of ``state_dict`` into ``path`` (None: named later by DCP): the save and
     the Future DCP waits on before planning."""
-    with gc_paused():  # thousands of small objects per checkpoint: no collection mid-request
-        return _request(state_dict, path, storage, config, tier, requested, check_launch)
+    # Tens of objects per tensor live until the commit: no collection sees them (gcpause.py).
+    pause = pause_collector(GC_PAUSE_MAX_S)
+    staged, future = _request(state_dict, path, storage, config, tier, requested, check_launch)
+    staged.collector_pause = pause
+    return staged, future
 
 
 def _request(state_dict: dict, path: str | None, storage: Storage | None, config, tier, requested: float,
@@ -189,8 +196,13 @@ def name_folder(staged: StagedSave, path: str, storage: Storage, config, tier) -
 def sync_save(path: str, storage: Storage, rank: int, config) -> StagedSave:
     """``dcp.save`` (nothing staged): the folder prepared at planning time; the save that
     ``write_data`` then writes from live memory."""
-    tag = new_tag() if prepare_folder(storage, overwrite=config.overwrite) else None
-    return StagedSave(path=path, storage=storage, rank=rank, tag=tag)
+    pause = pause_collector(GC_PAUSE_MAX_S)  # DCP's write items live until the commit here too
+    try:
+        tag = new_tag() if prepare_folder(storage, overwrite=config.overwrite) else None
+    except BaseException:
+        pause.release()
+        raise
+    return StagedSave(path=path, storage=storage, rank=rank, tag=tag, collector_pause=pause)
 
 
 def planned(engine, index: int, items: list[SourceItem]) -> PlannedFile:

@@ -112,6 +112,14 @@ class StagedSave:
     flat: dict | None = None  # the state as flattened at the request (its tensors are the sources)
     payloads: dict = field(default_factory=dict)  # fqn -> a non-tensor value's bytes, serialized at the request
     destination: Future | None = None  # the folder prepared and the files named (request.prepare_destination)
+    collector_pause: Any = None  # Python's cyclic GC paused for this save (gcpause.py), ended by end_collector_pause
+
+    def end_collector_pause(self, after: float = 0.0) -> None:
+        """The save's objects are about to be freed (``after`` seconds from now, once the
+        callers return): the collector may run again."""
+        pause, self.collector_pause = self.collector_pause, None
+        if pause is not None:
+            pause.release_after(after) if after > 0 else pause.release()
 
     def is_over(self) -> bool:
         """Finished, or given up by DCP: the thread that ran its DCP save has ended (the save

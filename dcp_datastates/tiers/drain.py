@@ -2,7 +2,8 @@
 
 Every byte is copied; each checksum piece the local marker records is verified while it is in
 memory, so the durable tier never receives (or commits) a local file damaged after its commit.
-See ``local_tier.py`` for the design.
+Files are copied in parallel and, in each, the local reads and checks run ahead of the store's
+writes (``_copy_file``), so the store is kept busy. See ``local_tier.py`` for the design.
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ durable copy is committed by the same protocol with the same metadata (data file
 the durable folder already holds a commit), so both markers carry the same checkpoint id
 (``storage_meta.save_id``) and checksums: a local copy whose id differs is never read.
 
-Drain (``drain.py``). Each data file the local marker lists is copied in order to the durable
-folder; every checksum piece's CRC32C is checked while it is in memory, so a local file damaged
+Drain (``drain.py``). Each data file the local marker lists is copied to the durable folder
+(several files at once; in each, blocks are read and verified ahead of the write); every
+checksum piece's CRC32C is checked while it is in memory, so a local file damaged
 after its commit fails the drain and the durable tier keeps its previous commit. Only after every
 file is written is the durable marker written.
 

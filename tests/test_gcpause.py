@@ -1,0 +1,152 @@
+"""The cyclic GC is paused while a save's objects live (gcpause.py): counted pauses, deadlines,
+the young collection of back-to-back saves, forked children, and a save that runs no full
+collection and leaves nothing behind for the collector."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+import weakref
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from dcp_datastates import DataStatesWriter, gcpause
+
+from conftest import raises_through_dcp
+
+
+@pytest.fixture(autouse=True)
+def _collector_restored():
+    gcpause._end_all()  # an earlier test's failed save may still hold one (it ends by itself in 60 s)
+    gc.enable()
+    yield
+    gcpause._end_all()
+    gc.enable()
+
+
+def _until(predicate, timeout=5.0):
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def test_pauses_are_counted_and_restore_the_collector_as_it_was():
+    assert gc.isenabled()
+    a, b = gcpause.pause_collector(30), gcpause.pause_collector(30)
+    assert not gc.isenabled() and gcpause.paused_count() == 2
+    a.release()
+    a.release()  # twice is harmless
+    assert not gc.isenabled() and gcpause.paused_count() == 1
+    b.release()
+    assert gc.isenabled()
+    gc.disable()  # a program that turned it off keeps it off
+    try:
+        gcpause.pause_collector(30).release()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_pause_ends_by_itself_at_its_deadline():
+    kept, short = gcpause.pause_collector(30), gcpause.pause_collector(0.2)
+    assert _until(lambda: not short.active)
+    assert kept.active and not gc.isenabled()
+    kept.release_after(0.1)
+    assert _until(gc.isenabled)
+
+
+class _Cycle:
+    def __init__(self):
+        self.me = self
+
+
+def test_back_to_back_pauses_still_collect_young_cyclic_garbage(monkeypatch):
+    monkeypatch.setattr(gcpause, "YOUNG_COLLECTION_EVERY_S", 0.2)
+    pause = gcpause.pause_collector(30)
+    try:
+        gcpause.pause_collector(30).release()  # wake the watchdog with the new period
+        garbage = _Cycle()
+        ref = weakref.ref(garbage)
+        del garbage
+        assert ref() is not None  # only a collection frees a cycle
+        assert _until(lambda: ref() is None), "the young collection never ran"
+        assert not gc.isenabled()  # and the pause held on
+    finally:
+        pause.release()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_starts_with_the_collector_on():
+    pause = gcpause.pause_collector(30)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: a DataLoader worker forked during a save
+            os._exit(0 if gc.isenabled() and gcpause.paused_count() == 0 else 3)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+        assert not gc.isenabled()  # the parent's pause holds
+    finally:
+        pause.release()
+
+
+def _state(n):
+    return {"model": {f"l{i // 8}.w{i % 8}": torch.full((16,), float(i)) for i in range(n)}, "step": 1}
+
+
+def test_a_save_runs_no_full_collection_and_leaves_no_garbage(tmp_path):
+    full = []
+
+    def on_gc(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    state = _state(2000)
+    dcp.async_save(state, storage_writer=DataStatesWriter(str(tmp_path / "warm"))).upload_completion.result()
+    assert _until(lambda: gcpause.paused_count() == 0)
+    gc.collect()
+    # Make the next full collection due: promote enough young objects that Python would run
+    # one at its next chance, as a long training run does.
+    gc.set_threshold(10, 1, 1)
+    gc.callbacks.append(on_gc)
+    try:
+        for k in range(3):
+            resp = dcp.async_save(state, storage_writer=DataStatesWriter(str(tmp_path / f"s{k}")))
+            resp.upload_completion.result()
+            assert full == [], f"save {k} ran a full collection"
+            del resp
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.set_threshold(700, 10, 10)
+    assert _until(lambda: gcpause.paused_count() == 0 and gc.isenabled())
+
+
+def test_nothing_a_save_makes_keeps_the_state_in_a_reference_cycle(tmp_path):
+    """Dropping the state after a save frees its tensors at once, with no collection (a cycle
+    would keep them, and every object the save made, until the next one)."""
+    state = _state(50)
+    ref = weakref.ref(state["model"]["l0.w0"])
+    gc.collect()
+    gc.disable()
+    try:
+        resp = dcp.async_save(state, storage_writer=DataStatesWriter(str(tmp_path / "c")))
+        resp.upload_completion.result()
+        del resp
+        assert _until(lambda: gcpause.paused_count() == 0)
+        del state
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_a_save_that_fails_while_staging_ends_its_pause(tmp_path):
+    folder = tmp_path / "in-the-way"
+    folder.write_text("a file where the checkpoint folder should be")
+    with raises_through_dcp(r"in-the-way"):
+        dcp.async_save(_state(10), storage_writer=DataStatesWriter(str(folder))).upload_completion.result()
+    assert _until(lambda: gcpause.paused_count() == 0 and gc.isenabled())
