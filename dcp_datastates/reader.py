@@ -28,13 +28,17 @@ from .commit import check_data_files, file_size_error, is_committed, read_commit
 from .config import DataStatesConfig
 from .errors import CheckpointFormatError, DataStatesError, IncompleteCheckpointError, record_metadata_read
 from .format.layout import FileInfo, ItemLocation, rank_marker_name
-from .gcpause import gc_paused
+from .gcpause import gc_paused, pause_collector
 from .load import read
 from .runtime import get_engine
 from .storage import LocalStorage, is_supported_url, normalize, open_storage
 from .tiers.hooks import ReadPlan, tier_for
 
 log = logging.getLogger("dcp_datastates")
+
+# A load's pause of the cyclic GC ends after read_data, or after this long (a load DCP gave up on
+# between read_metadata and read_data).
+LOAD_GC_PAUSE_MAX_S = 60.0
 
 __all__ = ["DataStatesReader"]
 
@@ -73,6 +77,7 @@ class DataStatesReader(StorageReader):
         self.path = self.durable_path = normalize(path)
         self.storage_data: _StorageIndex | None = None
         self.rank = 0
+        self._load_pause = None  # Python's cyclic GC paused for the load in progress (gcpause.py)
         self._reset_load()
 
     def _reset_load(self) -> None:
@@ -99,10 +104,15 @@ class DataStatesReader(StorageReader):
         # DCP's load reads the global metadata, then (when that failed) the rank-local one: the
         # first failure is the one that says what is wrong with the checkpoint.
         fallback = kwargs.get("rank") is not None and self.metadata_error is not None
+        # The load's objects (the decoded metadata, DCP's load plan, our read items: several per
+        # item) live until dcp.load returns: no collection sees them (gcpause.py). Ended after
+        # read_data, or here when the load fails.
+        self._end_load_pause()
+        self._load_pause = pause_collector(LOAD_GC_PAUSE_MAX_S)
         try:
-            with gc_paused():  # decoding builds an object per item
-                md = self._read_metadata(kwargs.get("rank"))
+            md = self._read_metadata(kwargs.get("rank"))
         except BaseException as exc:
+            self._end_load_pause()
             if not fallback:
                 self.metadata_error = exc
             record_metadata_read(self.metadata_error)
@@ -155,8 +165,19 @@ class DataStatesReader(StorageReader):
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         return plans
 
+    def _end_load_pause(self, after: float = 0.0) -> None:
+        pause, self._load_pause = self._load_pause, None
+        if pause is not None:
+            pause.release_after(after) if after > 0 else pause.release()
+
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
-        with gc_paused():  # per-item targets and views: no collection in the middle of a load
+        try:
+            return self._read_data(plan, planner)
+        finally:
+            self._end_load_pause(after=0.25)  # DCP's plan is freed once dcp.load returns, right after
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        with gc_paused():  # read_metadata's pause may be over (a reader used outside dcp.load)
             by_file: dict[str, list[tuple[ReadItem, ItemLocation]]] = defaultdict(list)
             for req in plan.items:
                 loc = self._location(req)

@@ -150,3 +150,40 @@ def test_a_save_that_fails_while_staging_ends_its_pause(tmp_path):
     with raises_through_dcp(r"in-the-way"):
         dcp.async_save(_state(10), storage_writer=DataStatesWriter(str(folder))).upload_completion.result()
     assert _until(lambda: gcpause.paused_count() == 0 and gc.isenabled())
+
+
+def test_a_load_runs_no_full_collection_and_ends_its_pause(tmp_path):
+    from dcp_datastates import DataStatesReader
+
+    state = _state(2000)
+    dcp.save(state, storage_writer=DataStatesWriter(str(tmp_path / "ckpt")))
+    assert _until(lambda: gcpause.paused_count() == 0)
+    full = []
+
+    def on_gc(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    gc.collect()
+    gc.set_threshold(10, 1, 1)  # a full collection is due at the first chance
+    gc.callbacks.append(on_gc)
+    try:
+        dest = _state(2000)
+        for t in dest["model"].values():
+            t.zero_()
+        dcp.load(dest, storage_reader=DataStatesReader(str(tmp_path / "ckpt")))
+        assert full == []
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.set_threshold(700, 10, 10)
+    assert all(torch.equal(dest["model"][k], v) for k, v in state["model"].items())
+    assert _until(lambda: gcpause.paused_count() == 0 and gc.isenabled())
+
+
+def test_a_load_that_fails_ends_its_pause_at_once(tmp_path):
+    from dcp_datastates import DataStatesReader
+
+    (tmp_path / "empty").mkdir()
+    with raises_through_dcp("empty"):
+        dcp.load(_state(3), storage_reader=DataStatesReader(str(tmp_path / "empty")))
+    assert gcpause.paused_count() == 0 and gc.isenabled()

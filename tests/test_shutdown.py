@@ -58,8 +58,10 @@ SCENARIOS = {
     "sys_exit": ("start()\nsys.exit(3)", 3, 32, None),
     "exception": ("start()\nraise RuntimeError('boom in the training loop')", 1, 32, None),
     "keyboard_interrupt": ("start()\nraise KeyboardInterrupt", -signal.SIGINT, 32, None),
-    # Ctrl-C while Python joins the checkpoint thread at exit (the user presses it twice)
-    "ctrl_c_while_exiting": ("start(mib=128)\nraise KeyboardInterrupt", -signal.SIGINT, 128, 0.15),
+    # Ctrl-C while Python joins the checkpoint thread at exit (the user presses it twice). Large
+    # enough that the save is still being written when the second Ctrl-C comes (128 MiB was
+    # once written in under 0.15 s, and the Ctrl-C then landed in torch's own atexit hooks).
+    "ctrl_c_while_exiting": ("start(mib=384)\nraise KeyboardInterrupt", -signal.SIGINT, 384, 0.15),
     # Ctrl-C while the training thread waits for the upload
     "ctrl_c_while_waiting": ("start(mib=128).upload_completion.result()", -signal.SIGINT, 128, 0.1),
     # a save that fails (injected EIO) is still in flight at exit
