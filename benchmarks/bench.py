@@ -66,6 +66,9 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 METHODS = ("datastates", "dcp-save", "dcp-async", "dcp-async-stager", "torch-save", "torch-checkpointing", "torchsnapshot")
+# DataStatesConfig engine options for the datastates method (end_to_end.py --engine sets them;
+# the engine is process-wide, so one set per process).
+ENGINE_OPTIONS: dict[str, Any] = {}
 # Peer libraries: measured when importable, else reported as not available (with the reason).
 PEERS = ("torch-checkpointing", "torchsnapshot")
 # What each method is, for the table legend and the JSON.
@@ -623,7 +626,7 @@ class DataStatesMethod(Method):
         from dcp_datastates.config import DataStatesConfig
         from dcp_datastates.runtime import engine_stats, get_engine
 
-        self.config = DataStatesConfig(host_cache_size=self._cache_request)
+        self.config = DataStatesConfig(host_cache_size=self._cache_request, **ENGINE_OPTIONS)
         get_engine(self.config)  # first use creates the process-wide engine with this cache
         self.host_cache = int(engine_stats().get("cache_bytes", 0))
         self._stats0 = engine_stats()

@@ -80,7 +80,12 @@ def main(argv=None) -> dict:
     p.add_argument("--runs", type=int, default=3, help="loops per (method, every); medians are reported")
     p.add_argument("--dir", default="/tmp/dcpds-e2e")
     p.add_argument("--json", default=None)
+    p.add_argument("--engine", default="", help="engine options of the datastates method, e.g. "
+                   "copy_threads=1,flush_threads=1 (one set per process: the engine is process-wide)")
     args = p.parse_args(argv)
+    for option in filter(None, args.engine.split(",")):
+        key, _, value = option.partition("=")
+        bench.ENGINE_OPTIONS[key.strip()] = int(value) if value.strip().isdigit() else value.strip()
     warnings.filterwarnings("ignore")
     size = parse_size(args.size, name="--size")
     everies = [int(x) for x in args.every.split(",")]
@@ -93,7 +98,8 @@ def main(argv=None) -> dict:
     compute = bench.Compute(50, "cpu")
     mm_per_step = max(1, int(compute.idle_rate * args.step_ms / 1e3))
     host_cache = ((size + 64 * bench.MiB) + 64 * bench.MiB - 1) // (64 * bench.MiB) * (64 * bench.MiB)
-    report: dict = {"argv": sys.argv[1:] if argv is None else argv, "bytes": nbytes, "tensors": ntensors,
+    report: dict = {"argv": sys.argv[1:] if argv is None else argv, "engine": dict(bench.ENGINE_OPTIONS),
+                    "bytes": nbytes, "tensors": ntensors,
                     "steps": args.steps, "mm_per_step": mm_per_step, "machine": bench._machine_info([args.dir]),
                     "loops": {}}
     print(f"state {bench._human(nbytes)} in {ntensors} tensors; {args.steps} steps of {mm_per_step} matmuls "

@@ -14,8 +14,11 @@ that disabled it itself keeps it disabled). Each pause ends by itself after ``ma
 a save that is never closed (a failure inside DCP before our hooks run) cannot leave the
 collector off: at worst cyclic garbage waits that long. When saves follow each other without a
 break, the pause never ends: then every ``YOUNG_COLLECTION_EVERY_S`` the young generation (every
-object made since the pause began) is collected, which frees the cyclic garbage made meanwhile
-without a walk of the whole heap. Reference counting frees everything acyclic, as always.
+object made since the pause began) is collected, and every ``MIDDLE_COLLECTION_EVERY``-th time
+the middle one too (garbage still alive at a young collection was promoted there). That frees the
+cyclic garbage made meanwhile without a walk of the whole heap: nothing enters the oldest
+generation but the survivors of those rarer middle collections. Reference counting frees
+everything acyclic, as always.
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ _ids = itertools.count(1)
 _watchdog: threading.Thread | None = None
 _paused_since = 0.0  # when the collector was last paused or young-collected by the watchdog
 YOUNG_COLLECTION_EVERY_S = 1.0
+MIDDLE_COLLECTION_EVERY = 5  # of those young collections, every 5th also collects generation 1
+_young_collections = 0
 
 
 class CollectorPause:
@@ -123,13 +128,13 @@ def _ensure_watchdog() -> None:
 
 
 def _expire() -> None:
-    """Ends each pause at its deadline, and collects the young generation when the collector has
-    been paused for ``YOUNG_COLLECTION_EVERY_S`` without a break (saves back to back): the cyclic
-    garbage made meanwhile is all young, so that is cheap and frees it. One thread for all pauses,
-    asleep in between."""
-    global _paused_since
+    """Ends each pause at its deadline, and collects the young generation (every few times the
+    middle one too) each ``YOUNG_COLLECTION_EVERY_S`` the collector stays paused without a break
+    (saves back to back): the cyclic garbage made meanwhile is young, so that is cheap and frees
+    it. One thread for all pauses, asleep in between."""
+    global _paused_since, _young_collections
     while True:
-        collect = False
+        collect: int | None = None
         with _lock:
             while _deadlines and _deadlines[0][1] not in _held:
                 heapq.heappop(_deadlines)  # released already
@@ -138,14 +143,17 @@ def _expire() -> None:
                 _end(heapq.heappop(_deadlines)[1])
                 continue
             if _held and now >= _paused_since + YOUNG_COLLECTION_EVERY_S:
-                _paused_since, collect = now, True
+                _paused_since, _young_collections = now, _young_collections + 1
+                # Mostly the youngest generation; every few, the middle one too: garbage that was
+                # still alive at one young collection (a save in flight) was promoted there.
+                collect = 1 if _young_collections % MIDDLE_COLLECTION_EVERY == 0 else 0
             else:
                 wake = [_deadlines[0][0]] if _deadlines else []
                 if _held:
                     wake.append(_paused_since + YOUNG_COLLECTION_EVERY_S)
                 _lock.wait(min(wake) - now if wake else None)
-        if collect:  # outside the lock: a finalizer run by the collection may pause or release
-            gc.collect(0)
+        if collect is not None:  # outside the lock: a finalizer run by the collection may pause or release
+            gc.collect(collect)
 
 
 def _forget_in_child() -> None:

@@ -36,9 +36,11 @@ from .tiers.hooks import ReadPlan, tier_for
 
 log = logging.getLogger("dcp_datastates")
 
-# A load's pause of the cyclic GC ends after read_data, or after this long (a load DCP gave up on
-# between read_metadata and read_data).
-LOAD_GC_PAUSE_MAX_S = 60.0
+# A load's pause of the cyclic GC ends after read_data, or after this long: a load DCP gave up on
+# between read_metadata and read_data, or a caller that reads the metadata alone (Megatron's
+# integration does) must not keep the collector paused. Planning between the two takes
+# seconds at most; a longer one merely loses the pause.
+LOAD_GC_PAUSE_MAX_S = 10.0
 
 __all__ = ["DataStatesReader"]
 

@@ -81,6 +81,26 @@ def test_back_to_back_pauses_still_collect_young_cyclic_garbage(monkeypatch):
         pause.release()
 
 
+def test_garbage_promoted_while_alive_is_freed_by_the_middle_collection(monkeypatch):
+    """A cycle alive at a young collection moves to the middle generation; once it dies there,
+    the periodic middle collection frees it, the pause still held (saves back to back)."""
+    # 0.3 s apart: the cycle is seen in generation 1 and dropped before the middle collection.
+    monkeypatch.setattr(gcpause, "YOUNG_COLLECTION_EVERY_S", 0.3)
+    monkeypatch.setattr(gcpause, "MIDDLE_COLLECTION_EVERY", 3)
+    monkeypatch.setattr(gcpause, "_young_collections", 0)  # the next collection is a young one
+    pause = gcpause.pause_collector(30)
+    try:
+        holder = [_Cycle()]
+        ref = weakref.ref(holder[0])
+        gcpause.pause_collector(30).release()  # wake the watchdog with the new period
+        assert _until(lambda: any(o is ref() for o in gc.get_objects(generation=1)))  # promoted
+        holder.clear()
+        assert _until(lambda: ref() is None), "the middle collection never ran"
+        assert not gc.isenabled()
+    finally:
+        pause.release()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
 def test_a_forked_child_starts_with_the_collector_on():
     pause = gcpause.pause_collector(30)
