@@ -10,7 +10,7 @@ freed by reference counting when the save ends, before any collection runs.
 
 Pauses are process-wide and counted: the collector is disabled while at least one is held and
 enabled again when the last one ends, only if it was enabled when the first began (a program
-that disabled it itself keeps it disabled). Each pause ends by itself after ``max_s`` seconds, so
+that disabled it itself keeps it disabled, and gets no collection from us either). Each pause ends by itself after ``max_s`` seconds, so
 a save that is never closed (a failure inside DCP before our hooks run) cannot leave the
 collector off: at worst cyclic garbage waits that long. When saves follow each other without a
 break, the pause never ends: then every ``YOUNG_COLLECTION_EVERY_S`` the young generation (every
@@ -142,14 +142,16 @@ def _expire() -> None:
             if _deadlines and now >= _deadlines[0][0]:
                 _end(heapq.heappop(_deadlines)[1])
                 continue
-            if _held and now >= _paused_since + YOUNG_COLLECTION_EVERY_S:
+            # Only where the collector would run but for us: a program that turned it off itself
+            # (TorchTitan's gc_freq does, then collects on its own schedule) keeps that policy.
+            if _held and _restore and now >= _paused_since + YOUNG_COLLECTION_EVERY_S:
                 _paused_since, _young_collections = now, _young_collections + 1
                 # Mostly the youngest generation; every few, the middle one too: garbage that was
                 # still alive at one young collection (a save in flight) was promoted there.
                 collect = 1 if _young_collections % MIDDLE_COLLECTION_EVERY == 0 else 0
             else:
                 wake = [_deadlines[0][0]] if _deadlines else []
-                if _held:
+                if _held and _restore:
                     wake.append(_paused_since + YOUNG_COLLECTION_EVERY_S)
                 _lock.wait(min(wake) - now if wake else None)
         if collect is not None:  # outside the lock: a finalizer run by the collection may pause or release

@@ -81,6 +81,26 @@ def test_back_to_back_pauses_still_collect_young_cyclic_garbage(monkeypatch):
         pause.release()
 
 
+def test_a_program_that_turned_the_collector_off_gets_no_collections_from_us(monkeypatch):
+    """TorchTitan disables the collector and collects on its own schedule: the pause changes
+    nothing there, not even the young collections of a continuous pause."""
+    monkeypatch.setattr(gcpause, "YOUNG_COLLECTION_EVERY_S", 0.05)
+    gc.disable()
+    pause = gcpause.pause_collector(30)
+    try:
+        gcpause.pause_collector(30).release()
+        garbage = _Cycle()
+        ref = weakref.ref(garbage)
+        del garbage
+        time.sleep(0.5)
+        assert ref() is not None  # nobody collected
+    finally:
+        pause.release()
+    assert not gc.isenabled()
+    gc.collect()
+    assert ref() is None
+
+
 def test_garbage_promoted_while_alive_is_freed_by_the_middle_collection(monkeypatch):
     """A cycle alive at a young collection moves to the middle generation; once it dies there,
     the periodic middle collection frees it, the pause still held (saves back to back)."""
