@@ -47,23 +47,21 @@ _young_collections = 0
 
 
 class CollectorPause:
-    """One hold on the pause; ``release()`` ends it (twice is harmless)."""
+    """One hold on the pause; ``release()`` ends it."""
 
     __slots__ = ("_id",)
 
     def __init__(self, pause_id: int) -> None:
         self._id = pause_id
 
-    def release(self) -> None:
+    def release(self, after: float = 0.0) -> None:
+        """End the pause, now or ``after`` seconds from now (on the watchdog: the caller's own
+        objects, and its callers', are freed by then). Twice is harmless."""
         with _lock:
-            _end(self._id)
-
-    def release_after(self, seconds: float) -> None:
-        """End the pause ``seconds`` from now (on the watchdog): the caller's own objects, and
-        its callers', are freed by then."""
-        with _lock:
-            if self._id in _held:
-                heapq.heappush(_deadlines, (time.monotonic() + seconds, self._id))
+            if after <= 0:
+                _end(self._id)
+            elif self._id in _held:
+                heapq.heappush(_deadlines, (time.monotonic() + after, self._id))
                 _lock.notify()
 
     @property

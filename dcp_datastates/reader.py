@@ -170,7 +170,7 @@ class DataStatesReader(StorageReader):
     def _end_load_pause(self, after: float = 0.0) -> None:
         pause, self._load_pause = self._load_pause, None
         if pause is not None:
-            pause.release_after(after) if after > 0 else pause.release()
+            pause.release(after)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         try:

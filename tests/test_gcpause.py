@@ -57,7 +57,7 @@ def test_a_pause_ends_by_itself_at_its_deadline():
     kept, short = gcpause.pause_collector(30), gcpause.pause_collector(0.2)
     assert _until(lambda: not short.active)
     assert kept.active and not gc.isenabled()
-    kept.release_after(0.1)
+    kept.release(after=0.1)
     assert _until(gc.isenabled)
 
 

@@ -86,7 +86,11 @@ def request_save(state_dict: dict, *, path: str | None, storage: Storage | None,
     the Future DCP waits on before planning."""
     # Tens of objects per tensor live until the commit: no collection sees them (gcpause.py).
     pause = pause_collector(GC_PAUSE_MAX_S)
-    staged, future = _request(state_dict, path, storage, config, tier, requested, check_launch)
+    try:
+        staged, future = _request(state_dict, path, storage, config, tier, requested, check_launch)
+    except BaseException:  # (errors are kept on the save; this is Ctrl-C and the like)
+        pause.release()
+        raise
     staged.collector_pause = pause
     return staged, future
 

@@ -119,7 +119,7 @@ class StagedSave:
         callers return): the collector may run again."""
         pause, self.collector_pause = self.collector_pause, None
         if pause is not None:
-            pause.release_after(after) if after > 0 else pause.release()
+            pause.release(after)
 
     def is_over(self) -> bool:
         """Finished, or given up by DCP: the thread that ran its DCP save has ended (the save
