@@ -213,11 +213,12 @@ class ItemLocation:
     file_size: int = 0  # size of the whole data file when written (0: not known, e.g. decoded)
 
 
-def moved(loc: "ItemLocation", file: str) -> "ItemLocation":
-    """The same bytes in a file renamed to ``file``."""
+def moved(loc: "ItemLocation", file: str, *, crc32c: tuple[int, ...] | None = None,
+          file_size: int | None = None) -> "ItemLocation":
+    """The same bytes in a file renamed to ``file`` (with its checksums and size, when given)."""
     # Built directly: dataclasses.replace costs ~4x more, once per item of a checkpoint.
-    return ItemLocation(file, loc.offset, loc.length, loc.dtype, loc.shape, loc.crc32c, loc.data_start, loc.piece_size,
-                        loc.file_size)
+    return ItemLocation(file, loc.offset, loc.length, loc.dtype, loc.shape, loc.crc32c if crc32c is None else crc32c,
+                        loc.data_start, loc.piece_size, loc.file_size if file_size is None else file_size)
 
 
 @dataclass(frozen=True)
@@ -274,6 +275,7 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation], placed: 
     ``chunk_locations`` each tensor's chunk locations in the order of its chunks."""
     files: dict[str, dict] = {}
     items: dict[str, Any] = {}
+
     def place(index: MetadataIndex) -> ItemLocation:
         loc = locations.get(index)
         if loc is None:
