@@ -303,6 +303,13 @@ def test_overwrite_false_keeps_the_commit_and_its_bytes(tmp_path, small_engine):
      r"checksums for \d+ pieces"),
     (lambda locs, a, b: locs.__setitem__(a, dataclasses.replace(locs[a], piece_size=locs[a].piece_size * 2)),
      r"checksum grid"),
+    (lambda locs, a, b: locs.__setitem__(a, dataclasses.replace(locs[a], offset=locs[a].data_start - 8)),
+     r"item 'a'.*starts before the data region"),
+    (lambda locs, a, b: locs.__setitem__(a, dataclasses.replace(locs[a], piece_size=0)),
+     r"piece_size must be positive|checksum grid"),
+    (lambda locs, a, b: locs.__setitem__(a, dataclasses.replace(locs[a], crc32c=(1 << 32,) * len(locs[a].crc32c))),
+     r"item 'a'.*crc32c must be a list of 32-bit integers"),
+    (lambda locs, a, b: locs.pop(a), r"no write result for item 'a'"),
 ])
 def test_the_commit_refuses_locations_the_reader_would_refuse(tmp_path, break_it, message):
     """The commit no longer decodes the document it just encoded: the same checks run on the
