@@ -66,6 +66,9 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 METHODS = ("datastates", "dcp-save", "dcp-async", "dcp-async-stager", "torch-save", "torch-checkpointing", "torchsnapshot")
+# Asked for by name only (--methods): the plan-caching planners, ours and DCP's own, for states of
+# many tensors, where DCP's per-item planning is most of the time to durable.
+PLANNER_METHODS = ("datastates-planner", "dcp-async-cached")
 # DataStatesConfig engine options for the datastates method (end_to_end.py --engine sets them;
 # the engine is process-wide, so one set per process).
 ENGINE_OPTIONS: dict[str, Any] = {}
@@ -77,6 +80,8 @@ METHOD_HELP = {
     "dcp-save": "dcp.save + FileSystemWriter (synchronous); dcp.load + FileSystemReader",
     "dcp-async": "dcp.async_save + FileSystemWriter, DCP's default staging (blocking copy in the call); dcp.load + FileSystemReader",
     "dcp-async-stager": "dcp.async_save + FileSystemWriter + DefaultStager(StagingOptions(async staging)); dcp.load + FileSystemReader",
+    "datastates-planner": "datastates with planner=DataStatesSavePlanner() (plan caching, dtype-aware); dcp.load + DataStatesReader",
+    "dcp-async-cached": "dcp-async with planner=DefaultSavePlanner(enable_plan_caching=True); dcp.load + FileSystemReader",
     "torch-save": "torch.save to one file + flush + fsync; torch.load, then copy into the targets",
     "torch-checkpointing": "torch_checkpointing.CheckpointManager (async save: staging thread + writer process; `with manager.lock()` "
     "before the step); manager.load(into=...). It does not fsync: the bench fsyncs its files once the save's future resolves, "
@@ -647,8 +652,11 @@ class DataStatesMethod(Method):
         from dcp_datastates import DataStatesWriter, wait_staged
 
         t0 = time.perf_counter()
-        resp = dcp.async_save(state, storage_writer=DataStatesWriter(path, config=self.config))
+        resp = dcp.async_save(state, storage_writer=DataStatesWriter(path, config=self.config), planner=self.planner())
         return _Pending(t0, resp.upload_completion, lambda: wait_staged())
+
+    def planner(self):
+        return None  # DCP's DefaultSavePlanner()
 
     def load(self, targets, path):
         import torch.distributed.checkpoint as dcp
@@ -656,6 +664,16 @@ class DataStatesMethod(Method):
         from dcp_datastates import DataStatesReader
 
         dcp.load(targets, storage_reader=DataStatesReader(path, config=self.config))
+
+
+class DataStatesPlannerMethod(DataStatesMethod):
+    name = "datastates-planner"
+    gc_probe = False
+
+    def planner(self):
+        from dcp_datastates import DataStatesSavePlanner
+
+        return DataStatesSavePlanner(cache_key="bench")
 
 
 class DcpSaveMethod(Method):
@@ -686,10 +704,23 @@ class DcpAsyncMethod(DcpSaveMethod):
         from torch.distributed.checkpoint import FileSystemWriter
 
         t0 = time.perf_counter()
-        out = dcp.async_save(state, storage_writer=FileSystemWriter(path))
+        out = dcp.async_save(state, storage_writer=FileSystemWriter(path), planner=self.planner())
         upload = getattr(out, "upload_completion", out)
         staged = getattr(out, "staging_completion", None)
         return _Pending(t0, upload, (lambda: staged.result()) if staged is not None else None)
+
+
+    def planner(self):
+        return None  # DCP's DefaultSavePlanner()
+
+
+class DcpAsyncCachedMethod(DcpAsyncMethod):
+    name = "dcp-async-cached"
+
+    def planner(self):
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        return DefaultSavePlanner(enable_plan_caching=True)
 
 
 class DcpAsyncStagerMethod(DcpSaveMethod):
@@ -927,6 +958,8 @@ def make_method(name: str, host_cache: int) -> Method:
         "dcp-save": DcpSaveMethod,
         "dcp-async": DcpAsyncMethod,
         "dcp-async-stager": DcpAsyncStagerMethod,
+        "datastates-planner": lambda: DataStatesPlannerMethod(host_cache),
+        "dcp-async-cached": DcpAsyncCachedMethod,
         "torch-save": TorchSaveMethod,
         "torch-checkpointing": TorchCheckpointingMethod,
         "torchsnapshot": TorchSnapshotMethod,
@@ -1483,6 +1516,8 @@ def write_png(report: dict, path: str) -> str | None:
         "dcp-save": "#7f7f7f",
         "dcp-async": "#bcbd22",
         "dcp-async-stager": "#ff7f0e",
+        "datastates-planner": "#17becf",
+        "dcp-async-cached": "#e377c2",
         "torch-save": "#9467bd",
         "torch-checkpointing": "#2ca02c",
         "torchsnapshot": "#d62728",
@@ -1550,7 +1585,7 @@ def _parser() -> argparse.ArgumentParser:
         help="compute phase between a request and the next optimizer step (default 500 ms per GiB of state, 10..2000 ms)",
     )
     p.add_argument("--host-cache", default=None, help="DataStates host cache (default: the state size + 64 MiB, rounded)")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {','.join(METHODS)} (default: all of them), or {', '.join(PLANNER_METHODS)}")
     p.add_argument("--no-raw", action="store_true", help="skip the raw pwrite/preadv bound")
     p.add_argument(
         "--cold",
@@ -1594,9 +1629,9 @@ def main(argv: list[str] | None = None) -> int:
         size = parse_size(args.size, name="--size")
         dtypes = parse_dtypes(args.dtypes)
         methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-        unknown = [m for m in methods if m not in METHODS]
+        unknown = [m for m in methods if m not in METHODS + PLANNER_METHODS]
         if unknown:
-            raise ValueError(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(METHODS)}")
+            raise ValueError(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(METHODS + PLANNER_METHODS)}")
         if args.tensors < 1 or args.reps < 1 or args.mem_ckpts < 1 or args.load_reps < 1:
             raise ValueError("--tensors, --reps, --mem-ckpts and --load-reps must be at least 1")
         tiny = args.tiny if args.tiny is not None else args.tensors - min(256, max(1, args.tensors // 2))
@@ -1693,16 +1728,19 @@ def main(argv: list[str] | None = None) -> int:
                     _merge_raw(run["raw"], measure_raw(os.path.join(d, "raw"), model_bytes, 1, cold))
                 log(f"{d}: {name}")
                 method = make_method(name, host_cache)
-                # dcp-async and dcp-async-stager write the very files dcp-save writes, read by the
-                # same FileSystemReader: their loads are dcp-save's (one load each checks them).
-                shared = name in ("dcp-async", "dcp-async-stager") and run["methods"].get("dcp-save", {}).get("available")
+                # Methods that write the very files another method writes, read by the same reader
+                # (dcp-async and its variants: dcp-save's; a planner variant of ours: ours) share
+                # its loads (one load each checks them).
+                same_files = {"dcp-async": "dcp-save", "dcp-async-stager": "dcp-save", "dcp-async-cached": "dcp-save",
+                              "datastates-planner": "datastates"}.get(name)
+                shared = same_files if run["methods"].get(same_files or "", {}).get("available") else None
                 try:
                     run["methods"][name] = res = run_method(
                         method, state, targets, os.path.join(d, name), args, compute, model_bytes, cold, 1 if shared else args.load_reps, bool(shared)
                     )
                     if shared:
-                        base = run["methods"]["dcp-save"]
-                        res["load_shared_with"] = "dcp-save"
+                        base = run["methods"][shared]
+                        res["load_shared_with"] = shared
                         for key in ("load_warm_s", "load_cold_s", "load_warm_samples", "load_cold_samples"):
                             res[key] = base[key]
                 except Exception as exc:  # noqa: BLE001 - one method failing must not hide the others

@@ -332,3 +332,40 @@ def test_the_commit_refuses_locations_the_reader_would_refuse(tmp_path, break_it
     with pytest.raises(CheckpointWriteError, match=rf"committing checkpoint {re.escape(str(folder))} refused: .*({message})"):
         write_commit(str(folder), md, locations, sync=False)
     assert json.loads((folder / ".metadata").read_bytes())["items"] == json.loads(good)["items"]
+
+
+def test_the_metadata_text_is_the_json_of_its_fields(tmp_path):
+    """The commit writes its items as JSON text directly (format.layout._encode); the document
+    must parse to exactly the fields of each item, names with quotes, backslashes, newlines and
+    non-ASCII characters included."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    from dcp_datastates.format.layout import decode_metadata, encode_commit
+
+    names = ['w\u00e9"q\\b\n', "plain", "\u4e2d\u6587"]
+    state = {"model": {names[0]: torch.randn(3, 4).requires_grad_(), names[1]: torch.zeros(0),
+                       names[2]: torch.randn(2, 2).to(torch.bfloat16)},
+             "step": 7, "extra": {"s": "x" * 100}, "i8": torch.arange(10, dtype=torch.int8)}
+    dcp.save(state, storage_writer=DataStatesWriter(tmp_path / "c"))
+    md, _ = decode_metadata((tmp_path / "c" / ".metadata").read_bytes(), "test")
+    locations = dict(md.storage_data)
+    doc = json.loads(encode_commit(md, locations, "test")[0])
+
+    def where(loc):
+        return {"file": loc.file, "offset": loc.offset, "length": loc.length, "crc32c": list(loc.crc32c)}
+
+    expected = {}
+    for fqn, smd in md.state_dict_metadata.items():
+        if isinstance(smd, BytesStorageMetadata):
+            expected[fqn] = {"type": "bytes", **where(locations[MetadataIndex(fqn)])}
+            continue
+        expected[fqn] = {
+            "type": "tensor", "dtype": doc["items"][fqn]["dtype"], "requires_grad": smd.properties.requires_grad,
+            "size": list(smd.size),
+            "chunks": [{"offsets": list(ch.offsets), "sizes": list(ch.sizes),
+                        **where(locations[MetadataIndex(fqn, ch.offsets)])} for ch in smd.chunks]}
+    assert doc["items"] == expected
+    assert {f"model.{n}" for n in names} <= set(doc["items"])
+    assert doc["items"][f"model.{names[0]}"]["requires_grad"] is True
+    assert {k: (v["dtype"]) for k, v in doc["items"].items() if v["type"] == "tensor"} == {
+        f"model.{names[0]}": "float32", "model.plain": "float32", f"model.{names[2]}": "bfloat16", "i8": "int8"}

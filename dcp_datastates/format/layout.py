@@ -25,6 +25,7 @@ import re
 import struct
 import uuid
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _json_str  # json.dumps's own string encoder (C)
 from typing import Any
 
 import torch
@@ -246,33 +247,39 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
             c: _Check | None) -> tuple[bytes, dict[str, FileInfo]]:
     """(the document, its files), in one pass over the items; with ``c``, every item is checked
     as it is placed. Messages are built only on failure: this runs once per item of every
-    commit (20,000 items: every microsecond per item is 20 ms of time to durable)."""
+    commit (20,000 items: every microsecond per item is 20 ms of time to durable).
+
+    The items are written as JSON text directly (3-4x faster than building dicts for
+    ``json.dumps``): names through the json module's own string encoder, numbers from
+    ``torch.Size`` and ``int`` (whose ``str`` is JSON), nothing else."""
     files: dict[str, list[int]] = {}  # name -> [size, data_start, piece_size]
+    file_json: dict[str, str] = {}  # name -> the name as a JSON string
     spans: dict[str, list[tuple[int, int]]] = {}  # name -> (start, end) of each item's bytes
     placed: list[tuple[str, ItemLocation]] = []  # (fqn, location), for naming a shared range
-    items: dict[str, Any] = {}
+    items: list[str] = []
     find = locations.get
 
-    def place(fqn: str, offsets, what: Any, entry: dict) -> int:
-        """``entry`` (the item's document) given its ``where`` fields; files and spans updated;
-        checked against its file. Returns the stored length."""
+    def where(fqn: str, offsets, what: Any) -> tuple[str, int]:
+        """The item's location fields as JSON text, and its stored length; files and spans
+        updated; checked against its file."""
         loc = find(MetadataIndex(fqn, offsets))
         if loc is None:
             raise CheckpointFormatError(f"no write result for item {fqn!r} at offset {offsets}")
         info = files.get(loc.file)
         if info is None:
             info = files[loc.file] = [0, loc.data_start, loc.piece_size]
+            file_json[loc.file] = _json_str(loc.file)
             if c is not None:
                 _check_file_name(c, loc.file, loc.piece_size, f"files[{loc.file!r}]")
         elif c is not None and (info[1] != loc.data_start or info[2] != loc.piece_size):
             raise c.fail(f"{_item_where(fqn, offsets, what)}: its checksum grid ({loc.data_start}, {loc.piece_size}) "
                          f"is not its file's ({info[1]}, {info[2]}) in {loc.file}")
-        offset, length, crcs = loc.offset, loc.length, loc.crc32c
+        offset, length, crcs = int(loc.offset), int(loc.length), loc.crc32c
         # A file may end with items nothing references (a value DCP's planner took from another
         # rank): its size is the writer's, not the end of the last referenced item.
         end = offset + length
         if end > info[0] or loc.file_size > info[0]:
-            info[0] = max(end, loc.file_size)
+            info[0] = max(end, int(loc.file_size))
         if c is not None:
             if offset < info[1]:
                 raise c.fail(f"{_item_where(fqn, offsets, what)}: byte range [{offset}, {end}) starts before the data "
@@ -281,23 +288,21 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
             if length:
                 spans.setdefault(loc.file, []).append((offset, end))
                 placed.append((fqn, loc))
-        entry["file"], entry["offset"], entry["length"], entry["crc32c"] = loc.file, offset, length, list(crcs)
-        return length
+        return (f'"file":{file_json[loc.file]},"offset":{offset},"length":{length},'
+                f'"crc32c":{list(map(int, crcs))}'), length
 
     for fqn, smd in md.state_dict_metadata.items():
         if isinstance(smd, BytesStorageMetadata):
-            place(fqn, None, None, entry := {"type": "bytes"})
-            items[fqn] = entry
+            items.append(f'{_json_str(fqn)}:{{"type":"bytes",{where(fqn, None, None)[0]}}}')
             continue
         props, size = smd.properties, smd.size
         name = dtype_to_name(props.dtype)
-        chunks: list = []
+        chunks: list[str] = []
         covered = 0
         for i, chunk in enumerate(smd.chunks):
             offsets, sizes = chunk.offsets, chunk.sizes
-            entry = {"offsets": list(offsets), "sizes": list(sizes)}
-            length = place(fqn, offsets, i, entry)
-            chunks.append(entry)
+            text, length = where(fqn, offsets, i)
+            chunks.append(f'{{"offsets":{_int_list(offsets)},"sizes":{_int_list(sizes)},{text}}}')
             if c is not None:
                 numel = _numel(sizes)
                 covered += numel
@@ -308,13 +313,9 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
                     _check_chunk_length(c, f"item {fqn!r} chunk {i}", length, sizes, numel * props.dtype.itemsize, name)
         if c is not None:
             _check_covered(c, f"item {fqn!r}", covered, size, _numel(size))
-        items[fqn] = {
-            "type": "tensor",
-            "dtype": name,
-            "requires_grad": bool(props.requires_grad),
-            "size": list(size),
-            "chunks": chunks,
-        }
+        items.append(f'{_json_str(fqn)}:{{"type":"tensor","dtype":"{name}",'
+                     f'"requires_grad":{"true" if props.requires_grad else "false"},"size":{_int_list(size)},'
+                     f'"chunks":[{",".join(chunks)}]}}')
     infos = {name: FileInfo(size=v[0], data_start=v[1], piece_size=v[2]) for name, v in files.items()}
     if c is not None:
         for name, info in infos.items():
@@ -329,16 +330,21 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
             "load_id": sm.load_id,
             "modules": list(sm.modules),
         }
-    doc = {
+    head = {
         "format": FORMAT_NAME,
         "version": FORMAT_VERSION,
         "dcp_version": md.version,
         "storage_meta": storage_meta,
         "planner_data": _jsonable_planner_data(md.planner_data),
         "files": {name: {"size": v[0], "data_start": v[1], "piece_size": v[2]} for name, v in files.items()},
-        "items": items,
     }
-    return json.dumps(doc, separators=(",", ":")).encode(), infos
+    text = json.dumps(head, separators=(",", ":"))[:-1] + ',"items":{' + ",".join(items) + "}}"
+    return text.encode(), infos
+
+
+def _int_list(dims) -> str:
+    """A ``torch.Size`` (or tuple) of ints as a JSON array."""
+    return str(list(map(int, dims)))
 
 
 def _item_where(fqn: str, offsets, chunk) -> str:
