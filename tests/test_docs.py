@@ -94,7 +94,8 @@ ELSEWHERE = {
 ARGS_ONLY = ("python -m dcp_datastates bench --dir", "python benchmarks/bench_remote.py", "python benchmarks/bench_planning.py",
              "python benchmarks/bench_tiers.py", "python benchmarks/save_load_ab.py",
              "python3 scripts/torch_matrix.py",  # hours of downloads and runs: arguments checked only
-             "python -m dcp_datastates bench --device cuda")  # needs a GPU: arguments checked only
+             "python -m dcp_datastates bench --device cuda",  # needs a GPU: arguments checked only
+             "python -m dcp_datastates bench --size", "python scripts/commit_time.py")  # minutes each: arguments checked
 
 # Code a block needs from the surrounding text (a model, a saved checkpoint), run before it.
 _SAVED = """
