@@ -2,7 +2,9 @@
 # One GPU session on a lent machine (PyTorch preinstalled, no package registry): build the engine
 # in place, run the GPU tests, then the GPU benchmark with the given arguments. Peers travel as
 # wheels in .whl/ (see docs/benchmarks.md, "GPU"). Logs and JSON go to $OUT (or ./gpu-out).
-#   bash benchmarks/gpu_session.sh [tests|bench|all] [gpu_bench.py arguments...]
+#   bash benchmarks/gpu_session.sh [tests|load|bench|all] [gpu_bench.py arguments...]
+# "load" (in "all" too, between the tests and the benchmark: about a minute) profiles a load into
+# CUDA tensors step by step (benchmarks/load_profile.py), the open question of the H200 run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -18,6 +20,10 @@ python3 setup.py -q build_ext --inplace -j "$(nproc)" >"$out/build.log" 2>&1 || 
 rc=0
 if [[ "$what" == tests || "$what" == all ]]; then
   python3 -m pytest -q -p no:logging -m gpu tests/test_gpu.py -ra 2>&1 | tee "$out/pytest_gpu.log" || rc=1
+fi
+if [[ "$what" == load || "$what" == all ]]; then
+  python3 benchmarks/load_profile.py --device cuda --size 512MiB --loads 3 --json "$out/load_profile.json" 2>&1 \
+    | tee "$out/load_profile.log" || rc=1
 fi
 if [[ "$what" == bench || "$what" == all ]]; then
   df -h /tmp | tail -1; free -g | head -2

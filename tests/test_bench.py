@@ -202,3 +202,21 @@ def test_a_striped_write_covers_every_byte_once(tmp_path):
         stripes = raw_bound._stripes(nbytes, parts)
         assert sum(n for _, n in stripes) == nbytes and stripes[0][0] == 0
         assert all(a + n == b for (a, n), (b, _) in zip(stripes, stripes[1:]))
+
+
+def test_load_profile_splits_a_load_into_its_steps(tmp_path):
+    """benchmarks/load_profile.py: the load's steps add up to at most its total, every load
+    restores the saved bytes exactly, and the baselines of the same bytes are measured."""
+    spec = importlib.util.spec_from_file_location("load_profile", BENCHMARKS / "load_profile.py")
+    lp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lp)
+    out = tmp_path / "lp.json"
+    report = lp.main(["--size", "4MiB", "--tensors", "40", "--loads", "2", "--dir", str(tmp_path), "--json", str(out)])
+    m = report["medians_s"]
+    assert m["bitwise_equal"] == 1.0
+    assert all(m[step] >= 0 for step in lp.STEPS)
+    assert m["read"] > 0 and m["metadata"] > 0 and m["torch_load"] > 0
+    assert sum(m[step] for step in lp.STEPS) <= m["total"] * 1.05
+    assert report["raw"]["read_warm_s"] > 0 and report["data_file_bytes"] >= report["bytes"] > 3 << 20
+    assert json.loads(out.read_text())["tensors"] == 40
+    assert list(tmp_path.iterdir()) == [out]  # its checkpoint folder is removed

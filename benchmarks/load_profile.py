@@ -1,0 +1,228 @@
+"""Where a load's time goes, step by step, into CPU or CUDA tensors: the question the H200 run
+left open (a load into CUDA tensors took 10.7x the raw host read, docs/benchmarks.md "GPU").
+
+One checkpoint of the bench's state (``bench.build_state``: large 2-D tensors plus tiny ones) is
+saved once, then loaded ``--loads`` times with ``dcp.load`` + ``DataStatesReader`` into existing
+tensors on ``--device``. Each load's time is split by timing the reader's steps in place (the
+functions are wrapped for this process only):
+
+  metadata      ``read_metadata`` (the commit read and decoded)
+  plan          DCP's planning between read_metadata and read_data
+  targets       ``load.read.targets``: where each item lands (a pinned buffer per item for CUDA
+                destinations that are not read in place)
+  read          ``load.read.read_targets``: the storage reads, checksums verified
+  deliver       ``load.read.deliver``: copies into the destinations (queued on a side stream
+                for CUDA), planner commits
+  device_wait   ``load.read.finish_device_copies``: waiting for the host -> device copies
+
+and, side by side in the same run, the baselines of the same bytes: a raw read of the data
+file into fresh memory (``raw_bound``), ``torch.load`` of a ``torch.save`` of the state with
+``map_location`` = the device, and (CUDA) a plain ``copy_`` of a pinned host copy of the state
+into the destinations. Medians; ``--json`` keeps every sample.
+
+    python benchmarks/load_profile.py [--device cuda] [--size 512MiB] [--tensors 2256] [--loads 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS = ("metadata", "plan", "targets", "read", "deliver", "device_wait")
+
+
+def _sibling(name: str):
+    sys.path.insert(0, HERE)
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(HERE)
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+class StepClock:
+    """Seconds spent in each wrapped function during one load."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = defaultdict(float)
+        self.marks: dict[str, float] = {}
+
+    def wrap(self, owner, attr: str, step: str) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                t1 = time.perf_counter()
+                self.spent[step] += t1 - t0
+                self.marks[f"{step}_end"] = t1
+                self.marks.setdefault(f"{step}_start", t0)
+
+        setattr(owner, attr, timed)
+
+
+def profile(device: str, size: int, tensors: int, loads: int, root: str) -> dict:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    import dcp_datastates.load.read as read_mod
+    import dcp_datastates.reader as reader_mod
+    from dcp_datastates import DataStatesReader, DataStatesWriter
+
+    bench = _sibling("bench")
+    raw_bound = _sibling("raw_bound")
+    large = min(256, tensors // 2)
+    state, nbytes, count = bench.build_state(bench.StateSpec(size, large, tensors - large, ["float32", "float32", "bfloat16"],
+                                                             device))
+    folder = os.path.join(root, "ckpt")
+    dcp.save(state, storage_writer=DataStatesWriter(folder))
+    load_into = _copy_structure(state, torch)  # existing destinations, as a resume has
+
+    clock = StepClock()
+    clock.wrap(reader_mod.DataStatesReader, "read_metadata", "metadata")
+    clock.wrap(read_mod, "targets", "targets")
+    clock.wrap(read_mod, "read_targets", "read")
+    clock.wrap(read_mod, "deliver", "deliver")
+    clock.wrap(read_mod, "finish_device_copies", "device_wait")
+    clock.wrap(reader_mod.DataStatesReader, "read_data", "read_data")
+
+    samples: dict[str, list[float]] = defaultdict(list)
+    for _ in range(loads):
+        for t in _tensors(load_into):
+            t.zero_()
+        clock.spent.clear()
+        clock.marks.clear()
+        _sync(device)
+        t0 = time.perf_counter()
+        dcp.load(load_into, storage_reader=DataStatesReader(folder))
+        _sync(device)
+        total = time.perf_counter() - t0
+        samples["total"].append(total)
+        for step in ("metadata", "targets", "read", "deliver", "device_wait"):
+            samples[step].append(clock.spent.get(step, 0.0))
+        samples["plan"].append(clock.marks.get("read_data_start", t0) - clock.marks.get("metadata_end", t0))
+        ok = all(_same_bytes(a, b) for a, b in zip(_tensors(load_into), _tensors(state)))
+        samples["bitwise_equal"].append(float(ok))
+
+    data_files = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
+    data_bytes = sum(os.path.getsize(os.path.join(folder, n)) for n in data_files)
+    raw = raw_bound.measure_raw(os.path.join(root, "raw"), data_bytes, 1, None)
+    pt = os.path.join(root, "state.pt")
+    torch.save(state, pt)
+    for _ in range(loads):
+        _sync(device)
+        t0 = time.perf_counter()
+        torch.load(pt, map_location=device, weights_only=True)
+        _sync(device)
+        samples["torch_load"].append(time.perf_counter() - t0)
+    if device == "cuda":
+        host = [t.detach().to("cpu").pin_memory() for t in _tensors(state)]
+        for _ in range(loads):
+            _sync(device)
+            t0 = time.perf_counter()
+            for src, dst in zip(host, _tensors(load_into)):
+                dst.copy_(src, non_blocking=True)
+            _sync(device)
+            samples["pinned_h2d_copy"].append(time.perf_counter() - t0)
+    medians = {k: statistics.median(v) for k, v in samples.items()}
+    return {"device": device, "bytes": nbytes, "tensors": count, "data_file_bytes": data_bytes, "loads": loads,
+            "medians_s": medians, "samples_s": dict(samples), "raw": raw,
+            "cuda": torch.cuda.get_device_name() if device == "cuda" else None}
+
+
+def _same_bytes(a, b) -> bool:
+    """Bitwise equality (the bench's bytes are random: some are NaNs, which torch.equal calls unequal)."""
+    import torch
+
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                      b.reshape(-1).view(torch.uint8))
+
+
+def _tensors(state) -> list:
+    import torch
+
+    out = []
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, dict):
+            for k in sorted(v, key=str):
+                walk(v[k])
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    walk(state)
+    return out
+
+
+def _copy_structure(state, torch):
+    if isinstance(state, torch.Tensor):
+        return torch.empty_like(state)
+    if isinstance(state, dict):
+        return {k: _copy_structure(v, torch) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_copy_structure(v, torch) for v in state]
+    return state
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--size", default="512MiB", help="tensor bytes of the state (default 512MiB)")
+    p.add_argument("--tensors", type=int, default=2256, help="tensors in the state (default 2256; at most 256 large)")
+    p.add_argument("--loads", type=int, default=5)
+    p.add_argument("--dir", default=None, help="where to save (default: a new folder under /tmp)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import torch
+
+    from dcp_datastates.config import parse_size
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: CUDA is not available here")
+    if args.loads < 1 or args.tensors < 2:
+        p.error("--loads must be >= 1 and --tensors >= 2")
+    root = tempfile.mkdtemp(prefix="load_profile_", dir=args.dir)
+    try:
+        out = profile(args.device, parse_size(args.size), args.tensors, args.loads, root)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    m = out["medians_s"]
+    print(f"{out['tensors']} tensors, {out['bytes'] / 2**20:.0f} MiB into {args.device}"
+          + (f" ({out['cuda']})" if out["cuda"] else "") + f", medians of {args.loads}:")
+    print(f"  dcp.load + DataStatesReader {m['total'] * 1e3:8.1f} ms (bitwise equal: {m['bitwise_equal'] == 1.0})")
+    for step in STEPS:
+        print(f"    {step:<12} {m[step] * 1e3:8.1f} ms")
+    print(f"  torch.load(map_location)    {m['torch_load'] * 1e3:8.1f} ms")
+    if "pinned_h2d_copy" in m:
+        print(f"  pinned host -> device copy  {m['pinned_h2d_copy'] * 1e3:8.1f} ms")
+    raw = out["raw"]
+    print(f"  raw read into fresh memory  {raw.get('read_warm_s', float('nan')) * 1e3:8.1f} ms ({raw.get('read_warm_how')})")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    return out
+
+
+if __name__ == "__main__":
+    main()
