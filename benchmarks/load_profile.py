@@ -93,7 +93,7 @@ def profile(device: str, size: int, tensors: int, loads: int, root: str) -> dict
                                                              device))
     folder = os.path.join(root, "ckpt")
     dcp.save(state, storage_writer=DataStatesWriter(folder))
-    load_into = _copy_structure(state, torch)  # existing destinations, as a resume has
+    load_into = bench.empty_like_state(state)  # existing destinations, as a resume has
 
     clock = StepClock()
     clock.wrap(reader_mod.DataStatesReader, "read_metadata", "metadata")
@@ -105,8 +105,7 @@ def profile(device: str, size: int, tensors: int, loads: int, root: str) -> dict
 
     samples: dict[str, list[float]] = defaultdict(list)
     for _ in range(loads):
-        for t in _tensors(load_into):
-            t.zero_()
+        bench.scrub_state(load_into)
         clock.spent.clear()
         clock.marks.clear()
         _sync(device)
@@ -118,8 +117,7 @@ def profile(device: str, size: int, tensors: int, loads: int, root: str) -> dict
         for step in ("metadata", "targets", "read", "deliver", "device_wait"):
             samples[step].append(clock.spent.get(step, 0.0))
         samples["plan"].append(clock.marks.get("read_data_start", t0) - clock.marks.get("metadata_end", t0))
-        ok = all(_same_bytes(a, b) for a, b in zip(_tensors(load_into), _tensors(state)))
-        samples["bitwise_equal"].append(float(ok))
+        samples["bitwise_equal"].append(float(bench.states_equal(load_into, state)))
 
     data_files = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
     data_bytes = sum(os.path.getsize(os.path.join(folder, n)) for n in data_files)
@@ -133,11 +131,11 @@ def profile(device: str, size: int, tensors: int, loads: int, root: str) -> dict
         _sync(device)
         samples["torch_load"].append(time.perf_counter() - t0)
     if device == "cuda":
-        host = [t.detach().to("cpu").pin_memory() for t in _tensors(state)]
+        host = [t.detach().to("cpu").pin_memory() for t in _tensors(bench, state)]
         for _ in range(loads):
             _sync(device)
             t0 = time.perf_counter()
-            for src, dst in zip(host, _tensors(load_into)):
+            for src, dst in zip(host, _tensors(bench, load_into)):
                 dst.copy_(src, non_blocking=True)
             _sync(device)
             samples["pinned_h2d_copy"].append(time.perf_counter() - t0)
@@ -147,41 +145,11 @@ def profile(device: str, size: int, tensors: int, loads: int, root: str) -> dict
             "cuda": torch.cuda.get_device_name() if device == "cuda" else None}
 
 
-def _same_bytes(a, b) -> bool:
-    """Bitwise equality (the bench's bytes are random: some are NaNs, which torch.equal calls unequal)."""
+def _tensors(bench, state: dict) -> list:
+    """The state's tensors in its (flattened) order."""
     import torch
 
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
-                                                                      b.reshape(-1).view(torch.uint8))
-
-
-def _tensors(state) -> list:
-    import torch
-
-    out = []
-
-    def walk(v):
-        if isinstance(v, torch.Tensor):
-            out.append(v)
-        elif isinstance(v, dict):
-            for k in sorted(v, key=str):
-                walk(v[k])
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-
-    walk(state)
-    return out
-
-
-def _copy_structure(state, torch):
-    if isinstance(state, torch.Tensor):
-        return torch.empty_like(state)
-    if isinstance(state, dict):
-        return {k: _copy_structure(v, torch) for k, v in state.items()}
-    if isinstance(state, list):
-        return [_copy_structure(v, torch) for v in state]
-    return state
+    return [v for v in bench.flatten(state).values() if isinstance(v, torch.Tensor)]
 
 
 def main(argv=None) -> dict:
