@@ -601,6 +601,13 @@ class Method:
     gc_probe = False  # also time loads with the cyclic GC paused (evidence for a proposed fix)
     has_children = False
     host_cache = 0  # bytes of staging memory this method keeps for its lifetime
+    # The method whose files this one writes too, read by the same reader: its loads are shared
+    # (one load of this method's files still checks them).
+    loads_like: str | None = None
+
+    def planner(self):
+        """The save planner passed to DCP (None: DCP's DefaultSavePlanner())."""
+        return None
 
     def setup(self, state: dict, root: str) -> None:
         self.root = root
@@ -655,9 +662,6 @@ class DataStatesMethod(Method):
         resp = dcp.async_save(state, storage_writer=DataStatesWriter(path, config=self.config), planner=self.planner())
         return _Pending(t0, resp.upload_completion, lambda: wait_staged())
 
-    def planner(self):
-        return None  # DCP's DefaultSavePlanner()
-
     def load(self, targets, path):
         import torch.distributed.checkpoint as dcp
 
@@ -669,6 +673,7 @@ class DataStatesMethod(Method):
 class DataStatesPlannerMethod(DataStatesMethod):
     name = "datastates-planner"
     gc_probe = False
+    loads_like = "datastates"
 
     def planner(self):
         from dcp_datastates import DataStatesSavePlanner
@@ -698,6 +703,7 @@ class DcpSaveMethod(Method):
 class DcpAsyncMethod(DcpSaveMethod):
     name = "dcp-async"
     synchronous = False
+    loads_like = "dcp-save"  # the files FileSystemWriter writes, read by FileSystemReader
 
     def save(self, state, path):
         import torch.distributed.checkpoint as dcp
@@ -708,10 +714,6 @@ class DcpAsyncMethod(DcpSaveMethod):
         upload = getattr(out, "upload_completion", out)
         staged = getattr(out, "staging_completion", None)
         return _Pending(t0, upload, (lambda: staged.result()) if staged is not None else None)
-
-
-    def planner(self):
-        return None  # DCP's DefaultSavePlanner()
 
 
 class DcpAsyncCachedMethod(DcpAsyncMethod):
@@ -726,6 +728,7 @@ class DcpAsyncCachedMethod(DcpAsyncMethod):
 class DcpAsyncStagerMethod(DcpSaveMethod):
     name = "dcp-async-stager"
     synchronous = False
+    loads_like = "dcp-save"  # the files FileSystemWriter writes, read by FileSystemReader
 
     def setup(self, state, root):
         super().setup(state, root)
@@ -1728,12 +1731,7 @@ def main(argv: list[str] | None = None) -> int:
                     _merge_raw(run["raw"], measure_raw(os.path.join(d, "raw"), model_bytes, 1, cold))
                 log(f"{d}: {name}")
                 method = make_method(name, host_cache)
-                # Methods that write the very files another method writes, read by the same reader
-                # (dcp-async and its variants: dcp-save's; a planner variant of ours: ours) share
-                # its loads (one load each checks them).
-                same_files = {"dcp-async": "dcp-save", "dcp-async-stager": "dcp-save", "dcp-async-cached": "dcp-save",
-                              "datastates-planner": "datastates"}.get(name)
-                shared = same_files if run["methods"].get(same_files or "", {}).get("available") else None
+                shared = method.loads_like if run["methods"].get(method.loads_like or "", {}).get("available") else None
                 try:
                     run["methods"][name] = res = run_method(
                         method, state, targets, os.path.join(d, name), args, compute, model_bytes, cold, 1 if shared else args.load_reps, bool(shared)

@@ -220,3 +220,22 @@ def test_load_profile_splits_a_load_into_its_steps(tmp_path):
     assert report["raw"]["read_warm_s"] > 0 and report["data_file_bytes"] >= report["bytes"] > 3 << 20
     assert json.loads(out.read_text())["tensors"] == 40
     assert list(tmp_path.iterdir()) == [out]  # its checkpoint folder is removed
+
+
+def test_planner_variants_run_and_share_the_loads_of_the_same_files(tmp_path, capsys):
+    """The opt-in plan-caching methods save through their planners, check their own files with a
+    load, and report the loads of the method that writes the same files."""
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--size", "2MiB", "--tensors", "20", "--reps", "2", "--mem-ckpts", "3", "--load-reps", "1",
+                     "--cold", "no", "--no-raw", "--stage-tensors", "0", "--quiet", "--json", str(out),
+                     "--dir", str(tmp_path / "ckpt"),
+                     "--methods", "datastates,datastates-planner,dcp-save,dcp-async,dcp-async-cached"])
+    assert rc == 0, capsys.readouterr().err
+    methods = json.loads(out.read_text())["runs"][0]["methods"]
+    for name, like in (("datastates-planner", "datastates"), ("dcp-async", "dcp-save"), ("dcp-async-cached", "dcp-save")):
+        m = methods[name]
+        assert m["available"], (name, m.get("reason"))
+        assert m["load_shared_with"] == like and m["load_warm_s"] == methods[like]["load_warm_s"], name
+        assert m["load_verified"] is True and m["load_checks_failed"] == 0, name
+        assert _positive(m["durable_s"]), name
+    assert "load_shared_with" not in methods["datastates"] and "load_shared_with" not in methods["dcp-save"]
