@@ -4,7 +4,7 @@
 # wheels in .whl/ (see docs/benchmarks.md, "GPU"). Logs and JSON go to $OUT (or ./gpu-out).
 #   bash benchmarks/gpu_session.sh [tests|load|bench|all] [gpu_bench.py arguments...]
 # "load" (in "all" too, between the tests and the benchmark: about a minute) profiles a load into
-# CUDA tensors step by step (benchmarks/load_profile.py), the open question of the H200 run.
+# CUDA tensors step by step (benchmarks/load_profile.py; docs/benchmarks.md "GPU").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-out}"; mkdir -p "$out"

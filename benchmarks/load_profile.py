@@ -1,5 +1,5 @@
-"""Where a load's time goes, step by step, into CPU or CUDA tensors: the question the H200 run
-left open (a load into CUDA tensors took 10.7x the raw host read, docs/benchmarks.md "GPU").
+"""Where a load's time goes, step by step, into CPU or CUDA tensors (it found why a load into CUDA
+tensors took 10.7x the raw host read on an H200: docs/benchmarks.md "GPU").
 
 One checkpoint of the bench's state (``bench.build_state``: large 2-D tensors plus tiny ones) is
 saved once, then loaded ``--loads`` times with ``dcp.load`` + ``DataStatesReader`` into existing
@@ -8,17 +8,20 @@ functions are wrapped for this process only):
 
   metadata      ``read_metadata`` (the commit read and decoded)
   plan          DCP's planning between read_metadata and read_data
-  targets       ``load.read.targets``: where each item lands (a pinned buffer per item for CUDA
-                destinations that are not read in place)
+  targets       ``load.read.targets``: where each item lands (a buffer for each CPU item not
+                read in place; CUDA destinations get theirs from DeviceStaging's slots)
   read          ``load.read.read_targets``: the storage reads, checksums verified
   deliver       ``load.read.deliver``: copies into the destinations (queued on a side stream
                 for CUDA), planner commits
-  device_wait   ``load.read.finish_device_copies``: waiting for the host -> device copies
+  device_copy   ``load.read.DeviceStaging.copy``: queueing the copies out of the pinned slots
+                into CUDA destinations, planner commits
+  device_wait   ``load.read.DeviceStaging.finish``: waiting for the last of those copies (the
+                code before DeviceStaging: ``finish_device_copies``, for A/B runs)
 
 and, side by side in the same run, the baselines of the same bytes: a raw read of the data
 file into fresh memory (``raw_bound``), ``torch.load`` of a ``torch.save`` of the state with
 ``map_location`` = the device, and (CUDA) a plain ``copy_`` of a pinned host copy of the state
-into the destinations. Medians; ``--json`` keeps every sample.
+into the destinations, and the same from pageable memory. Medians; ``--json`` keeps every sample.
 
     python benchmarks/load_profile.py [--device cuda] [--size 512MiB] [--tensors 2256] [--loads 5]
 """
@@ -37,7 +40,7 @@ import warnings
 from collections import defaultdict
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-STEPS = ("metadata", "plan", "targets", "read", "deliver", "device_wait")
+STEPS = ("metadata", "plan", "targets", "read", "deliver", "device_copy", "device_wait")
 
 
 def _sibling(name: str):
@@ -100,7 +103,11 @@ def profile(device: str, size: int, tensors: int, loads: int, root: str) -> dict
     clock.wrap(read_mod, "targets", "targets")
     clock.wrap(read_mod, "read_targets", "read")
     clock.wrap(read_mod, "deliver", "deliver")
-    clock.wrap(read_mod, "finish_device_copies", "device_wait")
+    if hasattr(read_mod, "DeviceStaging"):
+        clock.wrap(read_mod.DeviceStaging, "copy", "device_copy")
+        clock.wrap(read_mod.DeviceStaging, "finish", "device_wait")
+    else:  # the code before DeviceStaging (2026-11-26), for A/B runs
+        clock.wrap(read_mod, "finish_device_copies", "device_wait")
     clock.wrap(reader_mod.DataStatesReader, "read_data", "read_data")
 
     samples: dict[str, list[float]] = defaultdict(list)
@@ -114,7 +121,9 @@ def profile(device: str, size: int, tensors: int, loads: int, root: str) -> dict
         _sync(device)
         total = time.perf_counter() - t0
         samples["total"].append(total)
-        for step in ("metadata", "targets", "read", "deliver", "device_wait"):
+        for step in STEPS:
+            if step == "plan":
+                continue
             samples[step].append(clock.spent.get(step, 0.0))
         samples["plan"].append(clock.marks.get("read_data_start", t0) - clock.marks.get("metadata_end", t0))
         samples["bitwise_equal"].append(float(bench.states_equal(load_into, state)))
@@ -131,16 +140,19 @@ def profile(device: str, size: int, tensors: int, loads: int, root: str) -> dict
         _sync(device)
         samples["torch_load"].append(time.perf_counter() - t0)
     if device == "cuda":
-        host = [t.detach().to("cpu").pin_memory() for t in _tensors(bench, state)]
-        for _ in range(loads):
-            _sync(device)
-            t0 = time.perf_counter()
-            for src, dst in zip(host, _tensors(bench, load_into)):
-                dst.copy_(src, non_blocking=True)
-            _sync(device)
-            samples["pinned_h2d_copy"].append(time.perf_counter() - t0)
+        pageable = [t.detach().to("cpu") for t in _tensors(bench, state)]
+        for name, host in (("pinned_h2d_copy", [t.pin_memory() for t in pageable]), ("pageable_h2d_copy", pageable)):
+            for _ in range(loads):
+                _sync(device)
+                t0 = time.perf_counter()
+                for src, dst in zip(host, _tensors(bench, load_into)):
+                    dst.copy_(src, non_blocking=True)
+                _sync(device)
+                samples[name].append(time.perf_counter() - t0)
     medians = {k: statistics.median(v) for k, v in samples.items()}
-    return {"device": device, "bytes": nbytes, "tensors": count, "data_file_bytes": data_bytes, "loads": loads,
+    import dcp_datastates
+
+    return {"package": os.path.dirname(dcp_datastates.__file__), "device": device, "bytes": nbytes, "tensors": count, "data_file_bytes": data_bytes, "loads": loads,
             "medians_s": medians, "samples_s": dict(samples), "raw": raw,
             "cuda": torch.cuda.get_device_name() if device == "cuda" else None}
 
@@ -176,6 +188,7 @@ def main(argv=None) -> dict:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     m = out["medians_s"]
+    print(f"dcp_datastates from {out['package']}")
     print(f"{out['tensors']} tensors, {out['bytes'] / 2**20:.0f} MiB into {args.device}"
           + (f" ({out['cuda']})" if out["cuda"] else "") + f", medians of {args.loads}:")
     print(f"  dcp.load + DataStatesReader {m['total'] * 1e3:8.1f} ms (bitwise equal: {m['bitwise_equal'] == 1.0})")
@@ -184,6 +197,7 @@ def main(argv=None) -> dict:
     print(f"  torch.load(map_location)    {m['torch_load'] * 1e3:8.1f} ms")
     if "pinned_h2d_copy" in m:
         print(f"  pinned host -> device copy  {m['pinned_h2d_copy'] * 1e3:8.1f} ms")
+        print(f"  pageable host -> device     {m['pageable_h2d_copy'] * 1e3:8.1f} ms")
     raw = out["raw"]
     print(f"  raw read into fresh memory  {raw.get('read_warm_s', float('nan')) * 1e3:8.1f} ms ({raw.get('read_warm_how')})")
     if args.json:

@@ -187,9 +187,10 @@ class DataStatesReader(StorageReader):
             # The sizes of the durable files this rank reads: one listing on an object store, one
             # lstat per file here (never the other ranks' files).
             self._sizes = self._storage.sizes(n for n in by_file if n not in self._local_files)
+            staging = read.DeviceStaging()
             for name, items in by_file.items():
-                self._read_file(name, items, planner)
-            read.finish_device_copies()
+                self._read_file(name, items, planner, staging)
+            staging.finish()
         if self._local_files:
             log.info("dcp_datastates: rank %d read %d data file(s) of %s from the local tier %s and %d from "
                      "the durable tier", self.rank, self.tier_reads["local"], self.durable_path,
@@ -213,20 +214,31 @@ class DataStatesReader(StorageReader):
                 f"at offset {list(req.storage_index.offset or [])}"
             ) from None
 
-    def _read_file(self, name: str, items: list[tuple[ReadItem, ItemLocation]], planner: LoadPlanner) -> None:
-        config, engine = self.config, get_engine(self.config)
+    def _read_file(self, name: str, items: list[tuple[ReadItem, ItemLocation]], planner: LoadPlanner,
+                   staging: read.DeviceStaging) -> None:
         local = self._local_files.get(name)
         if local is None:
             self._check_file(name)  # before any buffer is allocated for what the metadata claims
-        pending = read.targets(items, planner, verify=config.verify)
-        reading = [p for p in pending if p.nbytes]
-        if local is None or not self._read_local_copy(local, name, reading, engine):
-            if local is not None:
-                self._check_file(name)
-            self.tier_reads["durable"] += 1
-            read.read_targets(self._storage, name, reading, engine, verify=config.verify, threads=config.read_threads,
-                              checkpoint=self.path)
-        read.deliver(pending, planner, trusted=self.trusted, checkpoint=str(self.path))
+        pending = read.targets(items, planner, verify=self.config.verify)
+        host = [p for p in pending if not p.staged]
+        local = self._read(name, [p for p in host if p.nbytes], local)
+        read.deliver(host, planner, trusted=self.trusted, checkpoint=str(self.path))
+        for batch in staging.batches([p for p in pending if p.staged]):  # CUDA destinations
+            local = self._read(name, batch, local)
+            staging.copy(batch, planner)
+        self.tier_reads["durable" if local is None else "local"] += 1
+
+    def _read(self, name: str, reading: list, local: str | None) -> str | None:
+        """Fill ``reading`` from this node's copy ``local`` of data file ``name`` while it is
+        usable, else from the durable tier. Returns the local copy still in use (None once not)."""
+        engine = get_engine(self.config)
+        if local is not None and self._read_local_copy(local, name, reading, engine):
+            return local
+        if local is not None:
+            self._check_file(name)
+        read.read_targets(self._storage, name, reading, engine, verify=self.config.verify,
+                          threads=self.config.read_threads, checkpoint=self.path)
+        return None
 
     def _read_local_copy(self, local: str, name: str, reading: list, engine) -> bool:
         """This node's copy of a durable data file (local_tier), always verified: False, with a
@@ -242,7 +254,6 @@ class DataStatesReader(StorageReader):
             log.warning("dcp_datastates: rank %d: the local copy %s of %s is unusable (%s); reading it from "
                         "the durable tier", self.rank, local, name, exc)
             return False
-        self.tier_reads["local"] += 1
         return True
 
     def _check_file(self, name: str) -> None:

@@ -211,6 +211,55 @@ def test_restore_into_cuda_tensors_with_casts_and_dcp_save(tmp_path):
 
 
 @gpu
+@pytest.mark.parametrize("through_planner", [False, True])
+def test_load_into_cuda_tensors_is_ordered_on_both_sides_of_the_copies(tmp_path, monkeypatch, through_planner):
+    """The destinations are filled on the current stream behind a ~0.2 s sleep: the copies from
+    the host buffers must run after that fill (else the fill overwrites them). With a planner
+    that loads into scratch tensors and copies them into the state in ``commit_tensor`` (on the
+    current stream), that copy must run after the loads (else it copies the scratch's garbage).
+    1 MiB pinned slots and 256 KiB checksum pieces: the 2 MiB items are read in parts, and both
+    slots are filled many times while the copies out of them wait behind the sleep: a slot
+    filled again before its copies ran would load the next batch's bytes. A cast read larger
+    than a slot takes a pageable buffer of its own, awaited before it goes."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    import dcp_datastates.load.read as read
+
+    class ScratchPlanner(DefaultLoadPlanner):
+        def resolve_tensor(self, read_item):
+            target = super().resolve_tensor(read_item)
+            scratch = torch.empty_like(target)
+            self.targets[id(scratch)] = target
+            return scratch
+
+        def commit_tensor(self, read_item, tensor):
+            self.targets.pop(id(tensor)).copy_(tensor)
+
+    monkeypatch.setattr(read, "SLOT_BYTES", MiB)
+    g = torch.Generator(device="cuda").manual_seed(11)
+    state = {f"s{i}": torch.randn(100 + 37 * i, device="cuda", generator=g) for i in range(40)}
+    state.update({f"b{i}": torch.randn(512 * 1024, device="cuda", generator=g) for i in range(3)})
+    state["cast"] = torch.randn(4096, device="cuda", generator=g)
+    state["wide_cast"] = torch.randn(400_000, device="cuda", generator=g)  # 1.6 MiB: a buffer of its own
+    state["empty"] = torch.empty(0, 4, device="cuda")
+    dcp.save(state, storage_writer=DataStatesWriter(tmp_path / "c", **options(chunk_size=256 * 1024)))
+    dest = {k: torch.empty_like(v) for k, v in state.items()}
+    dest["cast"] = torch.empty(4096, device="cuda", dtype=torch.float64)
+    dest["wide_cast"] = torch.empty(400_000, device="cuda", dtype=torch.float64)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(400_000_000)
+    for v in dest.values():
+        v.fill_(7)
+    planner = None
+    if through_planner:
+        planner = ScratchPlanner()
+        planner.targets = {}
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"), planner=planner)
+    for k, v in state.items():
+        assert torch.equal(dest[k], v.to(dest[k].dtype)), k
+
+
+@gpu
 def test_checkpoint_larger_than_the_cache_streams_through_it(tmp_path):
     x = torch.randn(48 * MiB // 4, device="cuda")  # 48 MiB through a 16 MiB cache
     resp = dcp.async_save({"x": x}, storage_writer=DataStatesWriter(tmp_path / "c", **options(host_cache_size=16 * MiB, chunk_size=4 * MiB)))

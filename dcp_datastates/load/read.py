@@ -9,16 +9,15 @@
    stores through ``format.pieces``), raising ``ChecksumMismatchError`` naming file, item and
    bytes;
 3. ``deliver``: tensors are narrowed and copied into ``planner.resolve_tensor``'s targets (dtype
-   casts, strides, devices: CUDA copies run on a side stream, awaited once by
-   ``finish_device_copies``) and committed; stored values pass the restricted unpickler unless
-   the reader is trusted.
+   casts, strides, devices: CUDA copies queued on the current stream, awaited once per file)
+   and committed; stored values pass the restricted unpickler unless the reader is trusted.
 """
 
 from __future__ import annotations
 
 import ctypes
 import io
-import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +29,7 @@ from ..format.layout import ItemLocation, name_to_dtype, piece_ranges
 from ..storage import Storage
 from .verify import checksum_mismatch
 
-__all__ = ["ReadTarget", "targets", "read_targets", "deliver", "finish_device_copies"]
+__all__ = ["ReadTarget", "DeviceStaging", "targets", "read_targets", "deliver"]
 
 
 @dataclass
@@ -44,6 +43,10 @@ class ReadTarget:
     read_start: int = 0  # file offset of the byte at ptr
     src: torch.Tensor | None = None  # the requested sub-box, a view into buf (non-direct tensors)
     buf: torch.Tensor | None = None  # owns the memory at ptr when it is not the destination's
+    staged: bool = False  # a CUDA destination read through the pinned slots (DeviceStaging)
+    view: tuple | None = None  # (pad, begin, strides): how src sits in its buffer (_bind)
+    dst_offset: int | None = None  # a part of a whole item: copied bytewise to this offset in dst
+    last_part: bool = True  # the planner commits dst after this part
 
     @property
     def read_end(self) -> int:
@@ -60,42 +63,62 @@ def _target(req: ReadItem, loc: ItemLocation, planner: LoadPlanner, verify: bool
         buf = torch.empty(loc.length, dtype=torch.uint8)
         return ReadTarget(req, loc, buf.data_ptr(), loc.length, None, False, loc.offset, buf=buf)
     dst = planner.resolve_tensor(req)
-    direct = (
+    whole = (  # the destination is the stored chunk, byte for byte
         not any(req.storage_offsets)
         and tuple(req.lengths) == loc.shape
-        and dst.device.type == "cpu"
         and dst.is_contiguous()
         and dst.dtype == name_to_dtype(loc.dtype)
         and dst.nbytes == loc.length
     )
-    if direct:  # read straight into the destination's memory
+    staged = _through_staging(dst)
+    if whole and not staged:  # read straight into the destination's memory
         return ReadTarget(req, loc, dst.data_ptr() if loc.length else 0, loc.length, dst, True, loc.offset)
-    return _span_target(req, loc, dst, verify)
+    if any(n == 0 for n in req.lengths):
+        return ReadTarget(req, loc, 0, 0, dst, False, loc.offset, torch.empty(tuple(req.lengths), dtype=dst.dtype))
+    p = _span_target(req, loc, dst, verify)
+    if staged:
+        p.staged = True
+        p.dst_offset = 0 if whole else None  # whole items may be read and copied in parts
+    else:
+        _bind(p, torch.empty(p.view[0] + p.nbytes, dtype=torch.uint8))
+    return p
+
 
 def _span_target(req: ReadItem, loc: ItemLocation, dst: torch.Tensor, verify: bool) -> ReadTarget:
     """Read only the bytes between the first and last element of the requested sub-box
-    (resharding), widened to whole checksum pieces when verifying."""
-    dtype = name_to_dtype(loc.dtype)
-    esize = dtype.itemsize
+    (resharding), widened to whole checksum pieces when verifying. No buffer yet (``_bind``)."""
+    esize = name_to_dtype(loc.dtype).itemsize
     strides = [1] * len(loc.shape)
     for d in range(len(loc.shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * loc.shape[d + 1]
-    if any(n == 0 for n in req.lengths):
-        return ReadTarget(req, loc, 0, 0, dst, False, loc.offset, torch.empty(tuple(req.lengths), dtype=dtype))
     first = sum(o * st for o, st in zip(req.storage_offsets, strides))
     last = sum((o + n - 1) * st for o, n, st in zip(req.storage_offsets, req.lengths, strides))
     lo, hi = loc.offset + first * esize, loc.offset + (last + 1) * esize
     if verify and loc.crc32c:
         pieces = [(a, a + n) for a, n in piece_ranges(loc) if a + n > lo and a < hi]
         lo, hi = pieces[0][0], pieces[-1][1]
-    # Pad the buffer so the sub-box's first element is aligned for its dtype.
-    pad = (-(loc.offset + first * esize - lo)) % 16
-    raw = torch.empty(pad + hi - lo, dtype=torch.uint8, pin_memory=dst.is_cuda)  # pinned: async H2D
-    buf = raw[pad:]
     begin = loc.offset + first * esize - lo
-    flat = buf[begin : begin + (last - first + 1) * esize].view(dtype)
-    src = torch.as_strided(flat, tuple(req.lengths), tuple(strides), flat.storage_offset())
-    return ReadTarget(req, loc, buf.data_ptr(), buf.numel(), dst, False, lo, src, buf)
+    pad = -begin % 16  # so that the sub-box's first element is aligned for its dtype
+    return ReadTarget(req, loc, 0, hi - lo, dst, False, lo, view=(pad, begin, tuple(strides)))
+
+
+def _through_staging(dst: torch.Tensor) -> bool:
+    """Whether reads for ``dst`` go through DeviceStaging (CUDA destinations)."""
+    return dst.is_cuda
+
+
+def _bind(p: ReadTarget, raw: torch.Tensor) -> None:
+    """Give span target ``p`` its buffer: ``raw`` holds its padding and its bytes."""
+    pad, begin, strides = p.view
+    p.buf = raw[pad : pad + p.nbytes]
+    p.ptr = p.buf.data_ptr()
+    if p.dst_offset is not None:  # copied bytewise (DeviceStaging.copy)
+        return
+    dtype = name_to_dtype(p.loc.dtype)
+    count = 1 + sum((n - 1) * st for n, st in zip(p.req.lengths, strides))
+    flat = p.buf[begin : begin + count * dtype.itemsize].view(dtype)
+    p.src = torch.as_strided(flat, tuple(p.req.lengths), strides, flat.storage_offset())
+
 
 def _checks(reading: list[ReadTarget]) -> list[tuple[int, int, int, int]]:
     """(range index, file offset, length, crc32c) of every stored piece each read covers
@@ -128,16 +151,13 @@ def read_targets(storage: Storage, name: str, reading: list[ReadTarget], engine,
 
 def deliver(pending: list[ReadTarget], planner: LoadPlanner, *, trusted: bool, checkpoint: str) -> None:
     """Hand every read item to the planner: tensors copied into their targets and committed,
-    values decoded and loaded."""
+    values decoded and loaded (CUDA destinations go through ``DeviceStaging`` instead)."""
     for p in pending:
         if p.dst is None:
             _load_value(p, planner, trusted, checkpoint)
             continue
         if not p.direct:
-            if p.dst.is_cuda:
-                _copy_to_device(p.dst, p.src)
-            else:
-                p.dst.copy_(p.src)
+            p.dst.copy_(p.src)
         planner.commit_tensor(p.req, p.dst)
 
 
@@ -155,31 +175,134 @@ def _load_value(p: ReadTarget, planner: LoadPlanner, trusted: bool, checkpoint: 
         # This planner unpickles the bytes itself: they passed the restricted decode.
         planner.load_bytes(p.req, io.BytesIO(data))
 
-# Restores into CUDA tensors: each copy runs from a pinned buffer on a side stream per device, so
-# the reading thread never blocks on it (the next reads overlap it); read_data waits once, at its end.
-_h2d_streams: dict[int, Any] = {}
-_h2d_used = threading.local()
+# The pinned slots of DeviceStaging: 32 MiB, a power of two, which PyTorch's pinned allocator
+# keeps for the next load (it rounds every size up to one).
+SLOT_BYTES = 32 << 20
+_ALIGN = 64  # every buffer in a slot starts on a cache line (aligned for every dtype)
+_OWN = 2  # stands for "a buffer of its own" where a slot index is expected
 
 
-def _copy_to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` for a CUDA ``dst``, asynchronous: ordered after the work queued on the
-    current stream (which made ``dst``) and before the work queued on it later."""
-    current = torch.cuda.current_stream(dst.device)
-    side = _h2d_streams.get(dst.device.index)
-    if side is None:
-        side = _h2d_streams.setdefault(dst.device.index, torch.cuda.Stream(dst.device))
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        dst.copy_(src, non_blocking=True)
-    current.wait_stream(side)
-    if not hasattr(_h2d_used, "streams"):
-        _h2d_used.streams = {}
-    _h2d_used.streams[dst.device.index] = side
+class DeviceStaging:
+    """Reads for CUDA destinations land in two pinned slots used in turn: the copies out of one
+    slot run on the device (queued on the current stream: ordered after the work that made the
+    destinations, before what is queued later, the planner's commits included) while the next
+    batch is read into the other. Pinning is slow (on an H200, ~0.3 s of a 0.5 s first load of
+    512 MiB when every item had a pinned buffer of its own), copies from pageable memory are
+    4-5x slower than from pinned (docs/benchmarks.md "GPU"): two slots are pinned once, and reused.
+
+    A whole item larger than a slot is read and copied in parts of whole checksum pieces; a
+    resharded read larger than a slot gets a pageable buffer of its own, whose copy is awaited
+    at once (a copy from pageable memory may return before the driver has taken the bytes)."""
+
+    def __init__(self, slot_bytes: int | None = None) -> None:
+        self.slot_bytes = SLOT_BYTES if slot_bytes is None else slot_bytes
+        self._slots: list[torch.Tensor] = []
+        self._events: list[list[Any]] = [[], [], []]  # per slot, and for the buffers of their own
+        self._turn = 0
+        self._slot_of_batch = 0  # the slot the batch last handed out is bound to, or _OWN
+
+    def batches(self, staged: list[ReadTarget]) -> Iterator[list[ReadTarget]]:
+        """``staged`` (one file's) in batches bound to buffers: read each, then ``copy`` it,
+        before taking the next."""
+        total = sum(_rounded(p.view[0] + p.nbytes) for p in staged)
+        size = min(self.slot_bytes, max(1 << 16, 1 << (total - 1).bit_length()))
+        batch: list[tuple[ReadTarget, int]] = []
+        used = 0
+        for part in self._parts(staged, size):
+            need = _rounded(part.view[0] + part.nbytes)
+            if need > size:  # a resharded read larger than a slot
+                _bind(part, torch.empty(part.view[0] + part.nbytes, dtype=torch.uint8))
+                self._slot_of_batch = _OWN
+                yield [part]
+                continue
+            if used + need > size:
+                yield self._bound(batch, size)
+                batch, used = [], 0
+            batch.append((part, used))
+            used += need
+        if batch:
+            yield self._bound(batch, size)
+
+    def copy(self, batch: list[ReadTarget], planner: LoadPlanner) -> None:
+        """Queue the copies of a batch that was read, commit the items it completes."""
+        devices = set()
+        for p in batch:
+            if p.dst_offset is not None:
+                whole = p.dst.reshape(-1).view(torch.uint8)
+                whole[p.dst_offset : p.dst_offset + p.nbytes].copy_(p.buf, non_blocking=True)
+            else:
+                p.dst.copy_(p.src, non_blocking=True)
+            devices.add(p.dst.device)
+            if p.last_part:
+                planner.commit_tensor(p.req, p.dst)
+        self._events[self._slot_of_batch].extend(self._record(devices))
+        if self._slot_of_batch == _OWN:  # its buffer goes when the next batch is taken
+            self._wait_slot(_OWN)
+
+    def finish(self) -> None:
+        """Wait for every copy out of the slots: the load is complete when read_data returns."""
+        for k in range(len(self._events)):
+            self._wait_slot(k)
+
+    # The device side, in three small steps (a test drives the rest with CPU memory).
+    def _new_slot(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+
+    def _record(self, devices: set[torch.device]) -> list[Any]:
+        """Marks, on each device's current stream, after the copies just queued."""
+        events = []
+        for device in devices:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+            events.append(event)
+        return events
+
+    def _wait_slot(self, k: int) -> None:
+        """Wait until the copies out of slot ``k`` (or the buffers of their own) are done."""
+        for event in self._events[k]:
+            event.synchronize()
+        self._events[k].clear()
+
+    def _parts(self, staged: list[ReadTarget], size: int) -> Iterator[ReadTarget]:
+        """Whole items larger than a slot cut into parts of whole checksum pieces (any bytes
+        when the item has no checksums); everything else as it is."""
+        for p in staged:
+            if p.dst_offset is None or p.nbytes <= size:
+                yield p
+                continue
+            loc = p.loc
+            pieces = piece_ranges(loc) if loc.crc32c else [(a, min(size, loc.offset + loc.length - a))
+                                                            for a in range(loc.offset, loc.offset + loc.length, size)]
+            if any(n > size for _, n in pieces):  # pieces larger than a slot: one pageable buffer
+                yield p
+                continue
+            start = end = pieces[0][0]
+            for a, n in pieces:
+                if a + n - start > size:
+                    yield self._part(p, start, end, last=False)
+                    start = a
+                end = a + n
+            yield self._part(p, start, end, last=True)
+
+    @staticmethod
+    def _part(p: ReadTarget, start: int, end: int, *, last: bool) -> ReadTarget:
+        return ReadTarget(p.req, p.loc, 0, end - start, p.dst, False, start, staged=True, view=(0, 0, ()),
+                          dst_offset=start - p.loc.offset, last_part=last)
+
+    def _bound(self, batch: list[tuple[ReadTarget, int]], size: int) -> list[ReadTarget]:
+        """Bind a batch to the next slot, once the copies out of it are done."""
+        k, self._turn = self._turn, self._turn ^ 1
+        self._wait_slot(k)
+        if len(self._slots) <= k:
+            self._slots.append(self._new_slot(size))
+        elif self._slots[k].numel() < size:
+            self._slots[k] = self._new_slot(size)
+        slot = self._slots[k]
+        self._slot_of_batch = k
+        for p, offset in batch:
+            _bind(p, slot[offset : offset + p.view[0] + p.nbytes])
+        return [p for p, _ in batch]
 
 
-def finish_device_copies() -> None:
-    """Wait for the host -> device copies this thread started (their pinned sources can go)."""
-    used = getattr(_h2d_used, "streams", {})
-    _h2d_used.streams = {}
-    for side in used.values():
-        side.synchronize()
+def _rounded(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
