@@ -152,3 +152,14 @@ def test_a_flipped_byte_in_a_part_names_its_piece(tmp_path, staged_on_cpu):
     dest = _dest(state)
     dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c", verify=False))
     assert (dest["big"] != state["big"]).sum() == 1 and torch.equal(dest["big2"], state["big2"])
+
+
+def test_a_slot_that_cannot_be_pinned_is_pageable_with_a_warning(caplog):
+    """Pinning fails where no pinned allocator exists (this machine) or memory locking is
+    limited: the load goes on through pageable slots (the event waits keep it correct)."""
+    if torch.cuda.is_available():
+        pytest.skip("pinning works here")
+    with caplog.at_level("WARNING", logger="dcp_datastates"):
+        slot = read.DeviceStaging()._new_slot(4096)
+    assert slot.numel() == 4096 and slot.dtype == torch.uint8 and not slot.is_pinned()
+    assert "could not pin a 4096-byte load buffer" in caplog.text

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import io
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,8 @@ from ..storage import Storage
 from .verify import checksum_mismatch
 
 __all__ = ["ReadTarget", "DeviceStaging", "targets", "read_targets", "deliver"]
+
+log = logging.getLogger("dcp_datastates")
 
 
 @dataclass
@@ -246,7 +249,12 @@ class DeviceStaging:
 
     # The device side, in three small steps (a test drives the rest with CPU memory).
     def _new_slot(self, size: int) -> torch.Tensor:
-        return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        try:
+            return torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as exc:  # no pinned memory here (a locked-memory limit): slower, as correct
+            log.warning("dcp_datastates: could not pin a %d-byte load buffer (%s); loading into CUDA tensors "
+                        "through pageable memory", size, exc)
+            return torch.empty(size, dtype=torch.uint8)
 
     def _record(self, devices: set[torch.device]) -> list[Any]:
         """Marks, on each device's current stream, after the copies just queued."""
