@@ -2,9 +2,11 @@
 # One GPU session on a lent machine (PyTorch preinstalled, no package registry): build the engine
 # in place, run the GPU tests, then the GPU benchmark with the given arguments. Peers travel as
 # wheels in .whl/ (see docs/benchmarks.md, "GPU"). Logs and JSON go to $OUT (or ./gpu-out).
-#   bash benchmarks/gpu_session.sh [tests|load|bench|all] [gpu_bench.py arguments...]
+#   bash benchmarks/gpu_session.sh [tests|load|bench|sidebyside|all] [gpu_bench.py arguments...]
 # "load" (in "all" too, between the tests and the benchmark: about a minute) profiles a load into
 # CUDA tensors step by step (benchmarks/load_profile.py; docs/benchmarks.md "GPU").
+# "sidebyside" (not in "all", which with it would pass a call's 600 s: a second call) runs
+# `bench --device cuda` cut to 512 MiB with every method, the peers included (wheels from .whl/).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-out}"; mkdir -p "$out"
@@ -28,5 +30,9 @@ fi
 if [[ "$what" == bench || "$what" == all ]]; then
   df -h /tmp | tail -1; free -g | head -2
   python3 benchmarks/gpu_bench.py --ckpt-dir /tmp/gpu_bench --out "$out/gpu_bench.json" "$@" 2>&1 | tee "$out/gpu_bench.log" || rc=1
+fi
+if [[ "$what" == sidebyside ]]; then
+  timeout 420 python3 -m dcp_datastates bench --device cuda --size 512MiB --reps 3 --mem-ckpts 3 --load-reps 2 \
+    --cold no --stage-tensors 0 --json "$out/bench-cuda.json" 2>&1 | tee "$out/bench-cuda.log" || rc=1
 fi
 exit $rc
