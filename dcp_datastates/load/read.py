@@ -1,4 +1,4 @@
-"""Reading a data file's wanted bytes into DCP's targets, verified, in four steps:
+"""Reading a data file's wanted bytes into DCP's targets, verified, in three steps:
 
 1. ``targets``: where each requested item lands: straight into the destination tensor when it
    is a contiguous CPU tensor of the stored dtype covering a whole stored chunk, otherwise into
@@ -9,8 +9,11 @@
    stores through ``format.pieces``), raising ``ChecksumMismatchError`` naming file, item and
    bytes;
 3. ``deliver``: tensors are narrowed and copied into ``planner.resolve_tensor``'s targets (dtype
-   casts, strides, devices: CUDA copies queued on the current stream, awaited once per file)
-   and committed; stored values pass the restricted unpickler unless the reader is trusted.
+   casts, strides) and committed; stored values pass the restricted unpickler unless the reader
+   is trusted.
+
+CUDA destinations take steps 2 and 3 in batches instead, through ``DeviceStaging``'s two pinned
+slots (reads into one while the copies out of the other run on the device).
 """
 
 from __future__ import annotations
