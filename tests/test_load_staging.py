@@ -163,3 +163,48 @@ def test_a_slot_that_cannot_be_pinned_is_pageable_with_a_warning(caplog):
         slot = read.DeviceStaging()._new_slot(4096)
     assert slot.numel() == 4096 and slot.dtype == torch.uint8 and not slot.is_pinned()
     assert "could not pin a 4096-byte load buffer" in caplog.text
+
+
+def test_slots_grow_for_a_larger_file_only_after_their_copies(monkeypatch):
+    """Slots are sized by the first file (64 KiB for 8 KiB of items) and replaced by larger ones
+    for a later, larger file only once the copies out of them were waited for; every item's
+    bytes land in its destination (buffers in a batch never overlap)."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from dcp_datastates.format.layout import ItemLocation
+
+    monkeypatch.setattr(read, "SLOT_BYTES", 1 << 20)
+    staging = CpuStaging()
+    sizes_made = []
+    monkeypatch.setattr(staging, "_new_slot", lambda size: sizes_made.append(size) or torch.empty(size, dtype=torch.uint8))
+    planner = CommitLog()
+    dests = {}
+
+    def file_targets(tag: str, counts: list[int]) -> list[read.ReadTarget]:
+        out, offset = [], 4096
+        for i, n in enumerate(counts):
+            fqn = f"{tag}{i}"
+            loc = ItemLocation(f"{tag}.safetensors", offset, 4 * n, "float32", (n,), (), 4096, 1 << 20)
+            req = ReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn), dest_offsets=torch.Size([0]),
+                           storage_index=MetadataIndex(fqn), storage_offsets=torch.Size([0]), lengths=torch.Size([n]))
+            dests[fqn] = (torch.zeros(n), offset)
+            p = read._span_target(req, loc, dests[fqn][0], verify=False)
+            p.staged, p.dst_offset = True, 0
+            out.append(p)
+            offset += 4 * n
+        return out
+
+    def file_bytes(start: int, end: int) -> torch.Tensor:
+        return (torch.arange(start, end) % 251).to(torch.uint8)
+
+    for tag, counts in (("a", [100] * 20), ("b", [50_000] * 10)):  # 8 KB, then 2 MB of items
+        for batch in staging.batches(file_targets(tag, counts)):
+            for p in batch:  # what read_targets does: the file's bytes at [read_start, read_end)
+                p.buf.copy_(file_bytes(p.read_start, p.read_end))
+            staging.copy(batch, planner)
+    staging.finish()
+    for fqn, (dst, offset) in dests.items():
+        assert torch.equal(dst.view(torch.uint8), file_bytes(offset, offset + dst.nbytes)), fqn
+    assert sizes_made == [64 * KiB, 1 << 20, 1 << 20]  # file a: one 64 KiB slot; file b: two 1 MiB slots
+    assert planner.commits == 30 and len(staging.waited) == len(staging.recorded)
