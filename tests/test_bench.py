@@ -239,3 +239,13 @@ def test_planner_variants_run_and_share_the_loads_of_the_same_files(tmp_path, ca
         assert m["load_verified"] is True and m["load_checks_failed"] == 0, name
         assert _positive(m["durable_s"]), name
     assert "load_shared_with" not in methods["datastates"] and "load_shared_with" not in methods["dcp-save"]
+
+
+def test_rss_loop_reports_memory_per_checkpoint(small_engine, capsys):
+    """scripts/rss_loop.py: one row per checkpoint (RSS at the request, live Python objects)."""
+    spec = importlib.util.spec_from_file_location("rss_loop", BENCHMARKS.parent / "scripts" / "rss_loop.py")
+    rl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(rl)
+    rows = rl.main(["--tensors", "40", "--checkpoints", "3", "--host-cache", "16MiB"])
+    assert len(rows) == 3 and all(rss > 50 and objects > 1000 for rss, objects in rows)
+    assert capsys.readouterr().out.count("Python objects") == 3
