@@ -216,7 +216,7 @@ class DataStatesReader(StorageReader):
 
     def _read_file(self, name: str, items: list[tuple[ReadItem, ItemLocation]], planner: LoadPlanner,
                    staging: read.DeviceStaging) -> None:
-        local = self._local_files.get(name)
+        local = self._usable_local_copy(name)
         if local is None:
             self._check_file(name)  # before any buffer is allocated for what the metadata claims
         pending = read.targets(items, planner, verify=self.config.verify)
@@ -228,33 +228,40 @@ class DataStatesReader(StorageReader):
             staging.copy(batch, planner)
         self.tier_reads["durable" if local is None else "local"] += 1
 
-    def _read(self, name: str, reading: list, local: str | None) -> str | None:
-        """Fill ``reading`` from this node's copy ``local`` of data file ``name`` while it is
-        usable, else from the durable tier. Returns the local copy still in use (None once not)."""
-        engine = get_engine(self.config)
-        if local is not None and self._read_local_copy(local, name, reading, engine):
+    def _usable_local_copy(self, name: str) -> str | None:
+        """This node's copy of data file ``name`` (local_tier) when it exists with its recorded
+        size, checked once per load; None, with a warning when there is one, otherwise."""
+        local = self._local_files.get(name)
+        info = self.storage_data.files.get(name)
+        if local is None or info is None:
             return local
+        try:
+            check_data_files(_local_folder(local), {os.path.basename(local): info})
+        except (DataStatesError, OSError) as exc:
+            self._warn_local_unusable(local, name, exc)
+            return None
+        return local
+
+    def _read(self, name: str, reading: list, local: str | None) -> str | None:
+        """Fill ``reading`` from this node's copy ``local`` of data file ``name`` (always
+        verified) while it reads well, else from the durable tier. Returns the local copy still
+        in use (None once not)."""
+        engine = get_engine(self.config)
         if local is not None:
-            self._check_file(name)
+            try:
+                read.read_targets(_local_folder(local), os.path.basename(local), reading, engine, verify=True,
+                                  threads=self.config.read_threads, checkpoint=os.path.dirname(local))
+                return local
+            except (DataStatesError, OSError) as exc:
+                self._warn_local_unusable(local, name, exc)
+                self._check_file(name)
         read.read_targets(self._storage, name, reading, engine, verify=self.config.verify,
                           threads=self.config.read_threads, checkpoint=self.path)
         return None
 
-    def _read_local_copy(self, local: str, name: str, reading: list, engine) -> bool:
-        """This node's copy of a durable data file (local_tier), always verified: False, with a
-        warning, when it is unusable (the durable file is read instead)."""
-        copy = LocalStorage(os.path.dirname(local))  # the local tier is a folder of this machine
-        try:
-            info = self.storage_data.files.get(name)
-            if info is not None:
-                check_data_files(copy, {os.path.basename(local): info})
-            read.read_targets(copy, os.path.basename(local), reading, engine, verify=True,
-                              threads=self.config.read_threads, checkpoint=copy.location)
-        except (DataStatesError, OSError) as exc:
-            log.warning("dcp_datastates: rank %d: the local copy %s of %s is unusable (%s); reading it from "
-                        "the durable tier", self.rank, local, name, exc)
-            return False
-        return True
+    def _warn_local_unusable(self, local: str, name: str, exc: BaseException) -> None:
+        log.warning("dcp_datastates: rank %d: the local copy %s of %s is unusable (%s); reading it from "
+                    "the durable tier", self.rank, local, name, exc)
 
     def _check_file(self, name: str) -> None:
         """The durable data file exists with its recorded size (``read_data`` read the sizes)."""
@@ -274,3 +281,8 @@ class DataStatesReader(StorageReader):
                 f"or load the newest durable checkpoint (dcp_datastates.latest_checkpoint(root) without local_tier). "
                 f"({exc})"
             ) from exc
+
+
+def _local_folder(local: str) -> LocalStorage:
+    """The folder of a local-tier copy."""
+    return LocalStorage(os.path.dirname(local))  # the local tier is a folder of this machine
