@@ -86,7 +86,7 @@ def _target(req: ReadItem, loc: ItemLocation, planner: LoadPlanner, verify: bool
         p.staged = True
         p.dst_offset = 0 if whole else None  # whole items may be read and copied in parts
     else:
-        _bind(p, torch.empty(p.view[0] + p.nbytes, dtype=torch.uint8))
+        _bind(p)
     return p
 
 
@@ -113,9 +113,12 @@ def _through_staging(dst: torch.Tensor) -> bool:
     return dst.is_cuda
 
 
-def _bind(p: ReadTarget, raw: torch.Tensor) -> None:
-    """Give span target ``p`` its buffer: ``raw`` holds its padding and its bytes."""
+def _bind(p: ReadTarget, raw: torch.Tensor | None = None) -> None:
+    """Give span target ``p`` its buffer: ``raw`` (a slot's range) holds its padding and its
+    bytes; without it, a pageable buffer of its own."""
     pad, begin, strides = p.view
+    if raw is None:
+        raw = torch.empty(pad + p.nbytes, dtype=torch.uint8)
     p.buf = raw[pad : pad + p.nbytes]
     p.ptr = p.buf.data_ptr()
     if p.dst_offset is not None:  # copied bytewise (DeviceStaging.copy)
@@ -200,8 +203,8 @@ class DeviceStaging:
     resharded read larger than a slot gets a pageable buffer of its own, whose copy is awaited
     at once (a copy from pageable memory may return before the driver has taken the bytes)."""
 
-    def __init__(self, slot_bytes: int | None = None) -> None:
-        self.slot_bytes = SLOT_BYTES if slot_bytes is None else slot_bytes
+    def __init__(self) -> None:
+        self.slot_bytes = SLOT_BYTES
         self._slots: list[torch.Tensor] = []
         self._events: list[list[Any]] = [[], [], []]  # per slot, and for the buffers of their own
         self._turn = 0
@@ -216,8 +219,8 @@ class DeviceStaging:
         used = 0
         for part in self._parts(staged, size):
             need = _rounded(part.view[0] + part.nbytes)
-            if need > size:  # a resharded read larger than a slot
-                _bind(part, torch.empty(part.view[0] + part.nbytes, dtype=torch.uint8))
+            if need > size:  # a resharded read, or an item of pieces, larger than a slot
+                _bind(part)
                 self._slot_of_batch = _OWN
                 yield [part]
                 continue
