@@ -24,7 +24,7 @@ from .load.verify import validate_checkpoint, validate_data_file
 from .planners import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
 from .runtime import engine_stats, shutdown_engine, start_engine
-from .runtime.staging_wait import protect_optimizer, wait_staged
+from .runtime.inflight import protect_optimizer, wait_staged
 from .save.checkpoint_stats import CheckpointStats, recent_checkpoints
 from .tiers.local_tier import latest_checkpoint
 from .writer import DataStatesWriter

@@ -530,7 +530,7 @@ def _float_tensors_on_fake_device(fake, monkeypatch, delay_us: int) -> int:
     their copies to the fake runtime with a fresh stream as the caller's current stream, and
     wait_staged() sees that stream. Returns the stream (destroy it after the test)."""
     from dcp_datastates import runtime
-    from dcp_datastates.runtime import staging_wait as staging
+    from dcp_datastates.runtime import inflight as staging
     from dcp_datastates.save import items as stage_items
     from dcp_datastates.save import request as request_mod
 
@@ -557,7 +557,7 @@ def test_async_save_of_device_tensors_through_the_writer(tmp_path, fake, monkeyp
     import torch.distributed.checkpoint as dcp
 
     from dcp_datastates import DataStatesReader, DataStatesWriter, engine_stats, runtime, wait_staged
-    from dcp_datastates.runtime import staging_wait as staging
+    from dcp_datastates.runtime import inflight as staging
 
     from conftest import assert_state_equal, clone_state, zeros_like_state
 
@@ -572,7 +572,7 @@ def test_async_save_of_device_tensors_through_the_writer(tmp_path, fake, monkeyp
         snapshot = clone_state(state)
         resp = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "ck", host_cache_size=4 * MiB, chunk_size=64 * KiB))
         assert engine_stats()["cuda"] == 1
-        pending = staging.inflight.staging()
+        pending = staging.staging()
         assert len(pending) == 1 and [f.job.device for f in pending[0].files] == [-1, 0]  # host items first
         host, dev = pending[0].files
         assert until(lambda: host.job.is_staged() and dev.job.all_enqueued(), 10)
@@ -618,7 +618,7 @@ def test_torn_guard_seals_at_the_device_side_wait(tmp_path, fake, monkeypatch):
     import torch.distributed.checkpoint as dcp
 
     from dcp_datastates import DataStatesReader, DataStatesWriter, runtime, wait_staged
-    from dcp_datastates.runtime import staging_wait as staging
+    from dcp_datastates.runtime import inflight as staging
 
     from conftest import raises_through_dcp
 
@@ -628,7 +628,7 @@ def test_torn_guard_seals_at_the_device_side_wait(tmp_path, fake, monkeypatch):
         snapshot = {k: v.clone() for k, v in state.items()}
         opts = dict(host_cache_size=4 * MiB, chunk_size=64 * KiB)
         resp = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "ok", **opts))
-        assert until(lambda: all(f.job.all_enqueued() for f in staging.inflight.staging()[0].files), 10)
+        assert until(lambda: all(f.job.all_enqueued() for f in staging.staging()[0].files), 10)
         assert wait_staged() is True  # device-side: sealed now, nothing blocked
         for t in state.values():  # the "optimizer step": queued on the caller's stream after the wait
             fake.fill(s, t.numpy(), 0x55)
@@ -693,7 +693,7 @@ def test_small_tensors_are_copied_on_the_callers_stream_at_the_request(tmp_path,
 
 
 def test_a_reused_side_buffer_is_never_written_while_an_earlier_copy_reads_it(tmp_path, fake, monkeypatch):
-    """Side buffers of the request-time copies are reused between saves (request_copy.py). The
+    """Side buffers of the request-time copies are reused between saves (request.copy_small_at_request). The
     first save's lazy copy out of its side buffer is slowed down; a second save requested
     meanwhile copies other values at its request. Had the first buffer been handed to the second
     request before the first job was staged, the first checkpoint would hold the second values.
@@ -702,19 +702,19 @@ def test_a_reused_side_buffer_is_never_written_while_an_earlier_copy_reads_it(tm
     import torch.distributed.checkpoint as dcp
 
     from dcp_datastates import DataStatesReader, DataStatesWriter, runtime
-    from dcp_datastates.save import request_copy
+    from dcp_datastates.save import request as save_request
 
     s = _float_tensors_on_fake_device(fake, monkeypatch, delay_us=30_000)
     stats = torch.zeros(2048)  # 8 KiB each: copied at the request
     other = torch.zeros(2048)
     state = {"stats": stats, "other": other}
-    monkeypatch.setattr(request_copy, "_pool", type(request_copy._pool)())
+    monkeypatch.setattr(save_request, "_pool", type(save_request._pool)())
     options = dict(host_cache_size=4 * MiB, chunk_size=64 * KiB)
     try:
         fake.fill(s, stats.numpy(), 0x11)
         fake.fill(s, other.numpy(), 0x12)
         first = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "a", **options))
-        assert not request_copy._pool  # the first buffer is in use
+        assert not save_request._pool  # the first buffer is in use
         fake.fill(s, stats.numpy(), 0x21)  # queued after the first request's copy
         fake.fill(s, other.numpy(), 0x22)
         second = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "b", **options))
@@ -726,12 +726,12 @@ def test_a_reused_side_buffer_is_never_written_while_an_earlier_copy_reads_it(tm
             dcp.load(dest, storage_reader=DataStatesReader(tmp_path / folder))
             got = (np.unique(dest["stats"].numpy().view(np.uint8)), np.unique(dest["other"].numpy().view(np.uint8)))
             assert [g.tolist() for g in got] == [[want[0]], [want[1]]], (folder, got)
-        assert len(request_copy._pool) == 1  # both given back once staged, under one layout
-        kept = next(iter(request_copy._pool.values()))
+        assert len(save_request._pool) == 1  # both given back once staged, under one layout
+        kept = next(iter(save_request._pool.values()))
         third = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c", **options))
-        assert not request_copy._pool  # the third request took the kept buffer
+        assert not save_request._pool  # the third request took the kept buffer
         third.upload_completion.result(timeout=60)
-        assert next(iter(request_copy._pool.values())) is kept
+        assert next(iter(save_request._pool.values())) is kept
     finally:
         runtime.shutdown_engine()
         fake.destroy(s)

@@ -25,7 +25,7 @@ from dcp_datastates import (
     start_engine,
     wait_staged,
 )
-from dcp_datastates.runtime import staging_wait as staging
+from dcp_datastates.runtime import inflight as staging
 
 from conftest import assert_state_equal, clone_state, tensors_equal_bitwise
 
@@ -135,7 +135,7 @@ def test_optimizer_step_right_after_async_save_does_not_leak(tmp_path, device_si
         before = engine_stats()
         _train(model, opt, 99, step=False)
         if device_side:
-            pending = staging.inflight.staging()
+            pending = staging.staging()
             deadline = time.monotonic() + 30
             # host files staged (a memcpy), device files with every copy queued on the GPU
             while not all(f.job.is_staged() if f.job.device < 0 else f.job.all_enqueued() for s_ in pending for f in s_.files):

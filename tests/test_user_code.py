@@ -128,10 +128,10 @@ def test_protect_optimizer_wraps_the_step_of_update_code_outside_torch_optim(tmp
 
 
 def test_torch_optim_guard_handle_and_cost_when_nothing_stages(monkeypatch):
-    from dcp_datastates.runtime import staging_wait as staging_tracker
+    from dcp_datastates.runtime import inflight
 
     calls = []
-    monkeypatch.setattr(staging_tracker, "wait_staged", lambda *a, **k: calls.append(1) or True)
+    monkeypatch.setattr(inflight, "wait_staged", lambda *a, **k: calls.append(1) or True)
     model = torch.nn.Linear(4, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     handle = protect_optimizer(opt)
@@ -139,12 +139,12 @@ def test_torch_optim_guard_handle_and_cost_when_nothing_stages(monkeypatch):
     opt.step()
     assert calls == []  # nothing staging: the hook does not wait
     fake_save = object()
-    staging_tracker.inflight.register(fake_save)  # the registry lists it as staging
+    inflight.register(fake_save)  # the registry lists it as staging
     try:
         opt.step()
         assert calls == [1]
     finally:
-        staging_tracker.inflight.unregister(fake_save)
+        inflight.unregister(fake_save)
     handle.remove()  # a torch.optim optimizer stays guarded while a save stages
 
 

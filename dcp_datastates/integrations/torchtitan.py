@@ -42,7 +42,7 @@ from ..config import DataStatesConfig, cache_size
 from ..format.layout import METADATA_NAME
 from ..format.safe_unpickle import restricted_pickle_loads
 from ..reader import DataStatesReader
-from ..runtime.staging_wait import wait_staged
+from ..runtime.inflight import wait_staged
 from ..storage import open_storage
 from ..writer import DataStatesWriter
 

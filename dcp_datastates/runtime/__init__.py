@@ -1,6 +1,6 @@
 """The process-wide runtime: the C++ engine and its host cache (``engine``), the one registry
-of saves in flight (``inflight``), the training thread's waits for staging (``staging_wait``),
-and what happens at interpreter exit. Nothing here knows how a save is planned or written."""
+of saves in flight and the training thread's waits for those still staging (``inflight``), and
+what happens at interpreter exit. Nothing here knows how a save is planned or written."""
 
 from .engine import current_engine, engine_mode, engine_stats, get_engine, shutdown_engine, start_engine
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 
 from ..compat import ASYNC_EXECUTOR_THREAD_PREFIX, register_before_thread_join
-from ..config import ENGINE_OPTIONS, DataStatesConfig, check_cache_fits, memory_limit
+from ..config import CACHE_SIZE_ENV, ENGINE_OPTIONS, DataStatesConfig, check_cache_fits, memory_limit
 from ..native import engine_module
 from . import inflight
 
@@ -35,12 +36,22 @@ def _load_extension():
 _DEFAULTS = {n: getattr(DataStatesConfig(), n) for n in ENGINE_OPTIONS if n != "host_cache_size"}
 
 
+# (engine option values, cache-size environment variable) -> what ``_asked`` found for them, for
+# the last config seen: get_engine runs at every stage(), and the same writer asks the same.
+_asked_memo: tuple = ((), {})
+
+
 def _asked(config: DataStatesConfig) -> dict:
     """The engine options ``config`` sets on purpose: those that differ from the defaults, and
     the cache size when it was chosen (option or environment)."""
+    global _asked_memo
+    key = (tuple(getattr(config, n) for n in ENGINE_OPTIONS), os.environ.get(CACHE_SIZE_ENV))
+    if _asked_memo[0] == key:
+        return _asked_memo[1]
     asked = {n: getattr(config, n) for n in ENGINE_OPTIONS if n != "host_cache_size" and getattr(config, n) != _DEFAULTS[n]}
     if config.cache_was_chosen():  # never the default plan here: get_engine runs at every stage()
         asked["host_cache_size"] = config.cache_bytes()
+    _asked_memo = (key, asked)
     return asked
 
 

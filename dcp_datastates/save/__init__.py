@@ -1,10 +1,10 @@
 """The save, as named steps, in the order a save runs them (each module tells its step):
 
 1. ``request``: on the training thread, ``stage()``: flatten and scan the state once
-   (``items``, ``ownership``, ``pipeline``), copy small items now (``request_copy``), submit each
+   (``items``, ``ownership``, ``pipeline``), copy small items now, submit each
    planned file to the storage's engine job, hold what cannot be written yet (``held_file``),
    register the save (``runtime.inflight``); a watcher seals the version guard
-   (``version_guard``) and resolves DCP's Future;
+   (``items.VersionGuard``) and resolves DCP's Future;
 2. ``request.name_folder`` / ``request.sync_save``: DCP names the folder;
 3. ``write``: on DCP's thread, ``write_data``: every file durable, late items, the planner's
    data hooks (``planner_hooks``), the items' locations; ``consolidate``: results rank -> node

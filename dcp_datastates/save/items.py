@@ -19,10 +19,19 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.utils import find_tensor_shard
 
-from ..compat import HAS_CHECKPOINTABLE_TENSOR, create_write_items, dcp_compat_mode, flatten_state_dict, is_checkpointable_tensor
+from ..compat import (
+    HAS_CHECKPOINTABLE_TENSOR,
+    create_write_items,
+    dcp_compat_mode,
+    flatten_state_dict,
+    is_checkpointable_tensor,
+    tensor_version,
+    versions_of,
+)
 from ..format.layout import FileEntry, dtype_to_name
 
-__all__ = ["ItemKey", "SourceItem", "bytes_source", "flatten", "items_of_flat", "item_key", "source_for_resolved"]
+__all__ = ["ItemKey", "SourceItem", "bytes_source", "flatten", "items_of_flat", "item_key", "source_for_resolved",
+           "VersionGuard", "torn_message"]
 
 log = logging.getLogger("dcp_datastates")
 
@@ -198,3 +207,65 @@ def source_for_resolved(item: WriteItem, data: Any, taken: set[str]) -> SourceIt
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"planner.resolve_data returned {type(data).__name__} for tensor item {item.index.fqn!r}")
     return _tensor_source(key, name, data)
+
+
+# ------------------------------------------------------------------ the guard over the items
+# Detects a source tensor changed in place while a lazy checkpoint still copies it.
+#
+# ``stage()`` returns before the bytes are copied; a tensor changed in place before its copy ends
+# would put a mix of old and new values in the checkpoint, which its checksums (computed on the
+# copied bytes) cannot reveal. Every in-place change bumps a tensor's version counter (shared by
+# its views and ``detach()``), so ``stage()`` records each source's counter and the save is
+# *sealed* once its copies are done or ordered before later GPU work: the counters are compared
+# then, and any change fails the save with the first changed tensor's name. Reading a counter is an
+# attribute read per tensor (measured by ``bench``).
+
+
+class VersionGuard:
+    """Names, tensors and their version counters at ``stage()``, in state-dict order."""
+
+    __slots__ = ("names", "tensors", "versions", "_index")
+
+    def __init__(self, names: list[str], tensors: list[Any], versions: list | None = None) -> None:
+        """``versions``: the counters read already (None entries are not checked); else read now."""
+        self.names = names
+        self.tensors = tensors
+        self.versions = versions if versions is not None else versions_of(tensors)
+        self._index: dict[str, int] | None = None
+
+    def first_changed(self) -> tuple[str, int, int] | None:
+        """(name, version at stage, version now) of the first tensor changed since, or None."""
+        for name, t, v in zip(self.names, self.tensors, self.versions):
+            if v is not None:
+                now = tensor_version(t)
+                if now != v:
+                    return name, v, now
+        return None
+
+    def changed(self, name: str) -> tuple[int, int] | None:
+        """(version at stage, now) when the tensor recorded under ``name`` changed, else None."""
+        if self._index is None:
+            self._index = {n: i for i, n in enumerate(self.names)}
+        i = self._index.get(name)
+        if i is None or self.versions[i] is None:
+            return None
+        now = tensor_version(self.tensors[i])
+        return None if now == self.versions[i] else (self.versions[i], now)
+
+    def release(self) -> None:
+        """Drop the references to the tensors (the save no longer needs them)."""
+        self.tensors = []
+        self.versions = []
+        self.names = []
+        self._index = None
+
+
+def torn_message(path: str, name: str, before: int, after: int) -> str:
+    return (
+        f"checkpoint {path}: tensor {name!r} was changed in place after the save was requested and "
+        f"before its copy into the host cache finished (version {before} -> {after}), so the "
+        f"checkpoint would mix old and new values; it was not committed (the previous checkpoint "
+        f"stays). Make optimizer.step() wait with dcp_datastates.protect_optimizer(optimizer), or "
+        f"wait on the save's staging_completion (or call dcp_datastates.wait_staged()) before "
+        f"changing parameters or buffers in place (EMA updates, manual p.add_(...))."
+    )

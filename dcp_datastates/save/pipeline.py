@@ -26,9 +26,8 @@ import torch
 
 from ..compat import HAS_CHECKPOINTABLE_TENSOR, is_checkpointable_tensor, versions_of
 from ..format.layout import FileEntry, FileLayout, ItemLocation, data_file_name, moved, plan_file
-from .items import DTENSOR, PLAIN, VALUE, ItemKey, SourceItem, bytes_source, items_of_flat, serialize_object
+from .items import DTENSOR, PLAIN, VALUE, ItemKey, SourceItem, VersionGuard, bytes_source, items_of_flat, serialize_object
 from .ownership import DecisionKey, Ownership, decisions, plain_signature, split_by_owner
-from .version_guard import VersionGuard
 
 __all__ = [
     "HeldGroup", "RankPlan", "plan_stage", "on_one_device",
@@ -75,7 +74,7 @@ def plan_stage(flat: dict, *, rank: int, world: int, dedup: bool, cuda: bool, fo
     """This rank's plan for ``flat``. ``dedup``: replicated values are written by one rank;
     ``cuda``: the engine copies CUDA memory itself; ``folder_known``: files can be written now;
     ``hold_limit()``: the most bytes this rank may hold for DCP's plan (else it writes them);
-    ``copied_at_request``: items up to this size are copied at the request (request_copy.py), so
+    ``copied_at_request``: items up to this size are copied at the request (request.copy_small_at_request), so
     the version guard leaves them out (their later changes cannot reach the checkpoint)."""
     scan = scan_state(flat)
     dkey = DecisionKey(rank, world, scan.plain_signature() if scan is not None else None) if dedup else None
@@ -283,7 +282,7 @@ class Scan:
     payloads: dict[int, SourceItem]  # the non-tensor values, serialized now, by flat position
     names: list[str]  # flat keys, in order
     tensors: list  # per value: the tensor the bytes come from (a DTensor's local shard); None for values
-    versions: list  # per value: that tensor's version counter now (version_guard.py); None for values
+    versions: list  # per value: that tensor's version counter now (items.VersionGuard); None for values
     kinds: list  # per value: what it is (items.classify's answer, decided here once)
 
     def plain_signature(self) -> tuple:

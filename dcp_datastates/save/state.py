@@ -14,10 +14,9 @@ from ..errors import CheckpointWriteError
 from ..format.layout import ItemLocation
 from ..storage import Storage
 from .held_file import HeldFile
-from .items import ItemKey
+from .items import ItemKey, VersionGuard, torn_message
 from .ownership import DecisionKey
 from .pipeline import written
-from .version_guard import VersionGuard, torn_message
 
 __all__ = ["FileJob", "StagedSave"]
 
@@ -36,7 +35,7 @@ class FileJob:
     file_size: int
     upload: Future | None = None  # object stores: resolves once the object is complete in the store
     name_it: Callable[..., None] | None = None  # names the file of a job started unnamed (Storage.start_data_file)
-    side_buffer: Any = None  # the request-time copies' buffer (request_copy.py), given back once staged
+    side_buffer: Any = None  # the request-time copies' buffer (request.copy_small_at_request), given back once staged
 
     @property
     def device(self) -> int:

@@ -26,12 +26,11 @@ from ..errors import CheckpointWriteError
 from ..format.layout import ItemLocation, data_file_name, moved, name_to_dtype
 from ..runtime import get_engine
 from ..storage import Storage
-from .items import ItemKey, item_key, source_for_resolved
+from .items import ItemKey, item_key, source_for_resolved, torn_message
 from .ownership import decisions
 from .planner_hooks import items_to_rewrite, overridden_data_hooks
 from .request import planned, submit_file
 from .state import FileJob, StagedSave
-from .version_guard import torn_message
 
 __all__ = ["write_rank", "check_rank_local", "skip_replicas"]
 

@@ -60,6 +60,11 @@ class NoTier:
     """The plain save and load: every checkpoint is written and read where its path says."""
 
     durable_path: str | None = None
+    # The request makes the save's folder on the training thread, so that it exists when the
+    # call returns (TorchTitan's ``keep_latest_k`` lists it right after); the rest of the folder
+    # work runs later, off that thread. A plain attribute, not a hook: the request reads it
+    # without entering this module.
+    folder_at_request = True
 
     def __init__(self, config) -> None:
         self.config = config
@@ -76,12 +81,6 @@ class NoTier:
     def new_save(self) -> None:
         if self.local_commit.done():
             self.local_commit = Future()
-
-    def request_folder(self, storage: Storage) -> None:
-        """At the request, on the training thread: the save's folder exists when the call
-        returns (TorchTitan's ``keep_latest_k`` lists it right after); the rest of the folder
-        work runs later, off the training thread."""
-        storage.make_folder()
 
     def reserve(self, folder: str, need) -> None:
         """Room for a save of ``need()`` bytes (computed only by a tier that keeps copies)."""
@@ -118,6 +117,9 @@ class LocalTier(NoTier):
     """``local_tier=DIR``: each rank writes and commits into its node's local copy of the
     checkpoint, which is then drained to the durable path (local_tier.py)."""
 
+    # The local copy's folder is made after reserve() made room for it (off the training thread).
+    folder_at_request = False
+
     def folder(self, path: str | None) -> str | None:
         if path is None:
             return None
@@ -126,9 +128,6 @@ class LocalTier(NoTier):
 
     def reported(self, path: str | None) -> str | None:
         return self.durable_path or path
-
-    def request_folder(self, storage: Storage) -> None:
-        pass  # the local copy's folder is made after reserve() made room for it (off the training thread)
 
     def reserve(self, folder: str, need) -> None:
         tiers.make_room(self.config.local_tier, need(), folder, self.config.storage_options)
