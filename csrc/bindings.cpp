@@ -268,6 +268,24 @@ PYBIND11_MODULE(_engine, m) {
            "done (waiters wake) within milliseconds; the file is left incomplete.")
       .def_property_readonly("bytes_done", &WriteJob::bytes_done,
                              "data bytes written so far (streaming jobs: released by the consumer)")
+      .def_property_readonly("written_prefix", &WriteJob::written_prefix,
+                             "File jobs: bytes [0, written_prefix) of the file hold their final contents (the header\n"
+                             "and every chunk up to the first one not yet written); the file size once done")
+      .def(
+          "wait_written",
+          [](WriteJob& j, uint64_t at_least, std::optional<double> timeout) {
+            uint64_t prefix = 0;
+            wait_interruptible(
+                [&](double s) {
+                  prefix = j.wait_written(at_least, s);
+                  return prefix >= at_least || j.failed() || j.is_done();
+                },
+                timeout);
+            return prefix;
+          },
+          py::arg("at_least"), py::arg("timeout") = py::none(),
+          "File jobs: wait until written_prefix >= at_least, the job fails or is done, or `timeout`\n"
+          "seconds pass; returns written_prefix")
       .def("chunks_held", &WriteJob::chunks_held, "Streaming jobs: chunks handed out and not yet released")
       .def("__repr__", [](const WriteJob& j) {
         return "<WriteJob " + j.path() + " nbytes=" + std::to_string(j.nbytes()) +
@@ -390,6 +408,23 @@ PYBIND11_MODULE(_engine, m) {
             return dcpds::crc32c(p, static_cast<size_t>(nbytes), s);
           },
           py::arg("ptr"), py::arg("nbytes"), py::arg("seed") = 0)
+      .def(
+          "crc32c_ranges",
+          [](Engine&, uint64_t ptr, const std::vector<std::pair<int64_t, int64_t>>& ranges) {
+            for (const auto& [off, n] : ranges)
+              if (off < 0 || n < 0) throw py::value_error("offsets and lengths must be >= 0");
+            if (ptr == 0 && !ranges.empty()) throw py::value_error("ptr is null");
+            std::vector<uint32_t> out(ranges.size());
+            {
+              py::gil_scoped_release nogil;  // many small pieces: one call, no GIL
+              const char* base = reinterpret_cast<const char*>(static_cast<uintptr_t>(ptr));
+              for (size_t i = 0; i < ranges.size(); ++i)
+                out[i] = dcpds::crc32c(base + ranges[i].first, static_cast<size_t>(ranges[i].second), 0);
+            }
+            return out;
+          },
+          py::arg("ptr"), py::arg("ranges"),
+          "CRC32C of each (offset, nbytes) range of the memory at ptr, computed without the GIL.")
       .def("stats",
            [](const Engine& e) {
              const dcpds::EngineStats s = e.stats();

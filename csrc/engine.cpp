@@ -343,6 +343,7 @@ void Engine::flush_loop() {
     if (!job.admit(ref)) continue;  // its file is not named yet: the job keeps the chunk
     Chunk& c = job.chunk(ref.index);
     flush_chunk(job, c);
+    if (!job.failed()) job.chunk_written(ref.index);
     if (c.slot >= 0) {
       cache_->release(c.slot);
       c.slot = -1;

@@ -274,9 +274,51 @@ std::vector<std::vector<uint32_t>> WriteJob::checksums() const {
 }
 
 void WriteJob::fail(const std::string& msg) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (error_.empty()) error_ = msg.empty() ? path_ + ": unknown error" : msg;
+    failed_.store(true, std::memory_order_release);
+  }
+  cv_.notify_all();  // wait_written returns on a failure
+}
+
+void WriteJob::chunk_written(size_t index) {
+  {
+    std::lock_guard<std::mutex> g(mu_);
+    if (chunk_written_.empty()) chunk_written_.assign(chunks_.size(), 0);
+    chunk_written_[index] = 1;
+    while (first_unwritten_ < chunks_.size() && chunk_written_[first_unwritten_]) ++first_unwritten_;
+  }
+  cv_.notify_all();
+}
+
+// Under mu_. Chunks are in file order (the constructor cuts the sorted items on the grid), and
+// the header is written before any chunk (FileJob::open_once). The prefix ends where the last
+// chunk of the written run ends, not where the next begins: bytes past the file's end so far
+// would read short.
+static uint64_t prefix_of(const std::vector<Chunk>& chunks, size_t first_unwritten, bool done, uint64_t file_size) {
+  if (done) return file_size;
+  if (first_unwritten == 0) return 0;
+  const Chunk& last = chunks[first_unwritten - 1];
+  return last.file_off + last.span;
+}
+
+uint64_t WriteJob::written_prefix() const {
   std::lock_guard<std::mutex> g(mu_);
-  if (error_.empty()) error_ = msg.empty() ? path_ + ": unknown error" : msg;
-  failed_.store(true, std::memory_order_release);
+  return prefix_of(chunks_, first_unwritten_, done_ && !failed(), file_size_);
+}
+
+uint64_t WriteJob::wait_written(uint64_t at_least, double timeout_s) {
+  std::unique_lock<std::mutex> lk(mu_);
+  auto prefix = [&] { return prefix_of(chunks_, first_unwritten_, done_ && !failed(), file_size_); };
+  auto ready = [&] { return done_ || failed() || prefix() >= at_least; };
+  if (timeout_s < 0 || timeout_s > 1e9) {
+    cv_.wait(lk, ready);
+  } else {
+    cv_.wait_for(lk, std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                         std::chrono::duration<double>(timeout_s)), ready);
+  }
+  return prefix();
 }
 
 void WriteJob::abort(const std::string& msg) {

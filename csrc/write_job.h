@@ -127,6 +127,14 @@ class WriteJob {
   // Data bytes durable so far: written to the file (file jobs; synced only once done) or
   // handed to and released by the consumer (streaming jobs).
   uint64_t bytes_done() const { return bytes_done_.load(std::memory_order_acquire); }
+  // File jobs: bytes [0, written_prefix()) of the file hold their final contents (not yet
+  // synced): the header and every chunk up to the first one not yet written, the zeros between
+  // them included; file_size() once the job is done. What lets a reader copy the file while the
+  // engine still writes it (the local tier's drain). 0 before the first chunk is written.
+  uint64_t written_prefix() const;
+  // Waits until written_prefix() >= at_least, the job fails or is done, or timeout_s passes
+  // (< 0: forever); returns written_prefix().
+  uint64_t wait_written(uint64_t at_least, double timeout_s);
 
   // ---- the engine's side (Engine and DeviceStager drive the job through these)
   Chunk& chunk(size_t index) { return chunks_[index]; }
@@ -141,6 +149,8 @@ class WriteJob {
   size_t chunks_enqueued() const { return chunks_enqueued_.load(std::memory_order_relaxed); }
   bool chunk_staged();   // marks the job staged after its last chunk; true for that call
   bool chunk_flushed();  // true for the caller that flushed the last chunk
+  // File jobs: chunk `index` is in the file (pwritten); advances written_prefix().
+  void chunk_written(size_t index);
   void add_bytes_done(uint64_t n) { bytes_done_.fetch_add(n, std::memory_order_acq_rel); }
   void mark_done();
   // Device jobs (DeviceStager). The entry event is recorded on the caller's stream at submit and
@@ -177,6 +187,8 @@ class WriteJob {
   std::condition_variable cv_;
   bool staged_ = false;
   bool done_ = false;
+  std::vector<char> chunk_written_;  // per chunk: pwritten (sized on first use)
+  size_t first_unwritten_ = 0;       // chunks [0, first_unwritten_) are all written
   std::string error_;
 
   CudaEvent entry_event_ = nullptr;

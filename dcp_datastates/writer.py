@@ -243,6 +243,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         results: list[WriteResult] = []
         error: BaseException | None = None
         try:
+            self.tier.writing(staged)
             results = save.write_rank(staged, plan, planner, self.config, self.tier)
             results = self.tier.rank_written(staged, results)
         except BaseException as exc:  # noqa: BLE001 - raised below, after the collectives

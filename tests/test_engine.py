@@ -1016,3 +1016,99 @@ def test_shutdown_fails_a_job_never_named(tmp_path):
     assert job.is_done()
     assert "the engine shut down before the file was named" in job.error()
     assert os.listdir(tmp_path) == []
+
+
+# written_prefix: what the local tier's drain may copy while the engine still writes a file
+
+
+def _expected_file(header: bytes, file_size: int, items: list) -> bytes:
+    out = bytearray(file_size)
+    out[: len(header)] = header
+    for a, off in items:
+        out[off: off + a.nbytes] = a.tobytes()
+    return bytes(out)
+
+
+def test_written_prefix_stops_at_the_first_chunk_not_written(tmp_path):
+    """Flushes stall after 5 chunks (the "stall" fault, one flush worker): the prefix is the
+    header plus those 5 chunks, and the file holds exactly the final bytes there; nothing is
+    written while the job waits for its name; a failed job wakes a waiter at once."""
+    rng = np.random.default_rng(50)
+    eng = build_engine(64 * KiB, chunk_bytes=16 * KiB, copy_threads=1, flush_threads=1, cache_wait_timeout_s=600)
+    try:
+        a = rand_array(rng, 256 * KiB)
+        header = b"H" * 64
+        size = 64 + a.nbytes
+        path = tmp_path / "stalled.bin"
+        eng.set_fault("stall", 5 * 16 * KiB, "stalled")
+        job = eng.submit_write(str(path), header, size, [(ptr(a), a.nbytes, 64)], named=False)
+        assert job.wait_written(1, 0.2) == 0 and job.written_prefix == 0  # unnamed: its chunks are parked
+        job.set_destination(str(path))
+        prefix = job.wait_written(size, 0.5)  # the 6th chunk's flush stalls
+        assert prefix == 64 + 5 * 16 * KiB == job.written_prefix
+        assert path.read_bytes()[:prefix] == _expected_file(header, size, [(a, 64)])[:prefix]
+        eng.set_fault("none", 0, "")
+        assert job.wait_written(size, 10) == size
+        wait(job)
+        assert job.written_prefix == size and path.read_bytes() == _expected_file(header, size, [(a, 64)])
+
+        eng.set_fault("stall", 0, "failing")
+        failing = tmp_path / "failing.bin"
+        job2 = eng.submit_write(str(failing), header, size, [(ptr(a), a.nbytes, 64)])
+        threading.Timer(0.2, job2.fail, ("abandoned",)).start()
+        t0 = time.monotonic()
+        assert job2.wait_written(size, 30) < size  # woken by the failure, not the timeout
+        assert time.monotonic() - t0 < 5 and job2.error() == "abandoned"
+    finally:
+        eng.set_fault("none", 0, "")
+        eng.shutdown()
+
+
+def test_written_prefix_never_covers_bytes_still_to_be_written(tmp_path):
+    """Two flush workers write chunks out of order; a reader polling the prefix finds the final
+    bytes (header, items, the zeros between them) everywhere below it, at every step."""
+    rng = np.random.default_rng(51)
+    eng = build_engine(256 * KiB, chunk_bytes=4 * KiB, copy_threads=2, flush_threads=2)
+    try:
+        header = b"h" * 100
+        items, off = [], 100
+        for _ in range(300):
+            a = rand_array(rng, int(rng.integers(1, 40)) * 256)
+            off += int(rng.integers(0, 3)) * 512  # gaps of zeros between some items
+            items.append((a, off))
+            off += a.nbytes
+        size = off + 1000  # a zero tail, set by the final truncate
+        expected = _expected_file(header, size, items)
+        for attempt in range(4):  # the workers' interleaving differs from run to run
+            path = tmp_path / f"racing-{attempt}.bin"
+            job = eng.submit_write(str(path), header, size, [(ptr(a), a.nbytes, o) for a, o in items])
+            seen = []
+            while True:
+                p = job.written_prefix
+                if p:
+                    with open(path, "rb") as f:
+                        got = f.read(p)
+                    assert got == expected[:p], f"prefix {p}: bytes below it differ from the final file"
+                    seen.append(p)
+                if p == size:
+                    break
+                job.wait_written(p + 1, 10)
+            wait(job)
+            assert job.error() is None and seen == sorted(seen)
+    finally:
+        eng.shutdown()
+
+
+def test_crc32c_ranges_match_one_call_per_range():
+    rng = np.random.default_rng(52)
+    eng = build_engine(64 * KiB)
+    try:
+        a = rand_array(rng, 10_000)
+        ranges = [(0, 100), (100, 9900), (5, 0), (9_999, 1)]
+        expected = [E.crc32c(a[o:o + n].tobytes()) for o, n in ranges]
+        assert eng.crc32c_ranges(ptr(a), ranges) == expected
+        assert eng.crc32c_ranges(ptr(a), []) == []
+        with pytest.raises(ValueError, match="offsets and lengths must be >= 0"):
+            eng.crc32c_ranges(ptr(a), [(0, -1)])
+    finally:
+        eng.shutdown()

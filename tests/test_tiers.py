@@ -5,6 +5,7 @@ import logging
 import os
 import shutil
 import signal
+import time
 import uuid
 
 import pytest
@@ -431,3 +432,91 @@ def test_drain_blocks_cover_the_file_in_order_and_never_split_a_piece(monkeypatc
     assert drain._blocks(0, []) == []
     # a piece past the recorded size: the block reaches it, so the read fails as truncated
     assert [(o, n) for o, n, _ in drain._blocks(20, [(10, 30, 0, "a")])] == [(0, 40)]
+
+
+# ------------------------------------------------------------ drained while the files are written
+def _durable_writes(monkeypatch):
+    """Record each durable file write of the drain: (durable name, made while written)."""
+    writes = []
+    real = drain._write_durable
+
+    def recording(local, name, durable, durable_name, *args):
+        writes.append((durable_name, len(args) > 4 and args[4] is not None))
+        return real(local, name, durable, durable_name, *args)
+
+    monkeypatch.setattr(drain, "_write_durable", recording)
+    return writes
+
+
+def _big_state(seed):
+    g = torch.Generator().manual_seed(seed)
+    return {"w": torch.randn(256, 1024, generator=g), "v": torch.randn(64, 1024, generator=g), "step": seed}
+
+
+@pytest.mark.parametrize("durable_folder", ["empty", "holding a commit"])
+def test_files_are_copied_to_the_durable_tier_while_the_engine_writes_them(tmp_path, monkeypatch, small_engine,
+                                                                           durable_folder):
+    """The local flushes stall after 256 KiB (one copy and one flush worker: chunks in file order;
+    64 KiB chunks): the durable copy
+    of the file already holds exactly the bytes written so far, never more (the copy follows the
+    engine's written prefix). Released, the save commits on both tiers, the durable file is that
+    copy (the drain copies nothing again) and loads back bitwise, from the durable tier alone."""
+    from dcp_datastates.runtime import get_engine
+
+    durable, nv = tmp_path / "durable" / "step-1", tmp_path / "nv"
+    opts = dict(chunk_size=64 << 10, copy_threads=1, flush_threads=1, host_cache_size=4 << 20)
+    if durable_folder == "holding a commit":
+        save(_big_state(0), durable, nv, **opts)  # the new files get tagged names next to it
+    writes = _durable_writes(monkeypatch)
+    monkeypatch.setattr(drain, "_COPY_BLOCK", 64 << 10)  # blocks of one chunk (16 MiB: this file at once)
+    state = _big_state(1)
+    w = DataStatesWriter(durable, local_tier=str(nv), **opts)
+    engine_of = get_engine(w.config)
+    engine_of.set_fault("stall", 256 << 10, str(nv))
+    try:
+        resp = dcp.async_save(state, storage_writer=w)
+        deadline = time.monotonic() + 20
+        while not writes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert writes and writes[0][1], writes  # started by the follower, before the local commit
+        time.sleep(0.3)  # the follower has copied what the engine wrote so far
+        copied = [p for p in durable.iterdir() if p.name == writes[0][0]]
+        assert copied and 0 < copied[0].stat().st_size <= (256 << 10) + 4096  # the header and 4 chunks at most
+        assert not w.local_commit.done()
+    finally:
+        engine_of.set_fault("none", 0, "")
+    resp.upload_completion.result(timeout=60)
+    assert commit.is_committed(str(durable))
+    assert all(made_while_written for _, made_while_written in writes), writes  # no second copy
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(str(durable)))
+    assert_state_equal(state, out)
+
+
+def test_a_copy_made_while_written_whose_checksums_differ_is_made_again(tmp_path, monkeypatch, small_engine, caplog):
+    """The copy made while the file was written reads other bytes than the save checksummed
+    (here: its CRC32Cs are off by one): the drain warns, copies the file again from the local
+    copy, verified, and commits that; nothing wrong reaches the durable commit."""
+    real_get_engine = drain.get_engine
+
+    class OffByOne:
+        def __init__(self, engine):
+            self._engine = engine
+
+        def crc32c_ranges(self, ptr, ranges):
+            return [(c + 1) & 0xFFFFFFFF for c in self._engine.crc32c_ranges(ptr, ranges)]
+
+        def __getattr__(self, name):
+            return getattr(self._engine, name)
+
+    monkeypatch.setattr(drain, "get_engine", lambda config: OffByOne(real_get_engine(config)))
+    writes = _durable_writes(monkeypatch)
+    durable, nv = tmp_path / "durable" / "step-1", tmp_path / "nv"
+    state = _big_state(2)
+    with caplog.at_level(logging.WARNING, logger="dcp_datastates"):
+        save(state, durable, nv, chunk_size=64 << 10)
+    assert "does not match its recorded crc32c; copying the file again" in caplog.text
+    assert [m for _, m in writes] == [True, False]  # the follower's copy, then the drain's
+    out = zeros_like_state(state)
+    dcp.load(out, storage_reader=DataStatesReader(str(durable)))
+    assert_state_equal(state, out)

@@ -57,10 +57,23 @@ def _save_drain_load(rank, world, root, asynchronous):
     nv = node_tier(root, rank, world)
     durable = os.path.join(root, "step-1")
     states = [rank_state(rank, seed) for seed in (1, 2)]
-    for state in states:  # the second save goes into a committed durable folder: new names
-        w = save(state, durable, nv, asynchronous)
-        local = tiers.local_copy(nv, durable)
-        assert w.local_commit.result(timeout=0) == local
+    copies, real = [], drain._write_durable
+
+    def recording(local, name, store, durable_name, *args):
+        copies.append((durable_name, len(args) > 4 and args[4] is not None))
+        return real(local, name, store, durable_name, *args)
+
+    with mock.patch.object(drain, "_write_durable", recording):
+        for state in states:  # the second save goes into a committed durable folder: new names
+            copies.clear()
+            w = save(state, durable, nv, asynchronous)
+            local = tiers.local_copy(nv, durable)
+            assert w.local_commit.result(timeout=0) == local
+            # Each file copied once (never again by the drain), and, from the second save on
+            # (the ownership decision learned: no held file), while the engine wrote it.
+            names = [n for n, _ in copies]
+            assert copies and len(names) == len(set(names)), copies
+            assert state is states[0] or all(while_written for _, while_written in copies), copies
     # Every byte on the durable tier is a verified copy of a local file of the same checkpoint.
     md, files = commit.read_commit(durable)
     mine = tiers.local_files(local, md.storage_meta.save_id)
@@ -228,7 +241,9 @@ def _killed_before_its_drain(rank, world, root):
     states = {i: {f"own{rank}": rank_state(rank, i)[f"own{rank}"]} for i in (1, 2, 3)}
     save(states[1], first, nv, asynchronous=True)
     dead = (lambda *args, **kwargs: None) if rank == world - 1 else drain.drain_rank
-    with mock.patch.object(drain, "drain_rank", dead):
+    # ... nor copied anything while its files were written (drain.follow)
+    no_copies = (lambda *args, **kwargs: {}) if rank == world - 1 else drain.follow
+    with mock.patch.object(drain, "drain_rank", dead), mock.patch.object(drain, "follow", no_copies):
         with raises_through_dcp(rf"rank\(s\) \[{world - 1}\] did not report within 2 s \(drain_timeout\)"):
             save(states[2], second, nv, asynchronous=True, drain_timeout=2)
     assert not commit.is_committed(second)
@@ -273,12 +288,12 @@ def _save_then_sigkill_mid_drain(rank, world, root):
     save(own_state(rank, 1), first, nv, asynchronous=True)
     real = drain._copy_files
 
-    def killed(local, durable, locations, renamed, config):
+    def killed(local, durable, locations, renamed, config, followed):
         deadline = time.monotonic() + 60
         while not durable.has(".pending.metadata") and time.monotonic() < deadline:
             time.sleep(0.01)
         if rank == 0:
-            real(local, durable, locations, renamed, config)
+            real(local, durable, locations, renamed, config, followed)
         os.kill(os.getpid(), signal.SIGKILL)
 
     drain._copy_files = killed

@@ -244,6 +244,7 @@ def submit_file(engine, staged: StagedSave, pf: PlannedFile, config, tier) -> Fi
     tier.files_changing(staged.path, staged.rank)
     f = start_file(engine, staged, pf, None, config)
     _name_file(f, staged)
+    tier.file_named(staged, f)
     return f
 
 

@@ -104,6 +104,7 @@ class StagedSave:
     staged_s: float | None = None  # request -> every byte in the host cache
     local_s: float | None = None  # local_tier: request -> the local copy committed
     tier_plan: Any = None  # what the tier's global-plan hook told this rank (None: nothing)
+    tier_state: Any = None  # what the tier keeps for this save (tiers/: copies of files still being written)
     _sealed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     finished: threading.Event = field(default_factory=threading.Event)

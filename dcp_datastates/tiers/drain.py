@@ -4,6 +4,13 @@ Every byte is copied; each checksum piece the local marker records is verified w
 memory, so the durable tier never receives (or commits) a local file damaged after its commit.
 Files are copied in parallel and, in each, the local reads and checks run ahead of the store's
 writes (``_copy_file``), so the store is kept busy. See ``local_tier.py`` for the design.
+
+A file may be copied earlier, while the engine still writes it (``follow``): the copy reads
+what the engine's ``written_prefix`` says is final and computes each piece's CRC32C as it
+goes; its checksums are not known yet. When the drain comes to that file, it takes the copy only
+if every piece's CRC32C equals the one the save recorded, else it copies the file again the
+usual way. So the store is busy from the first chunk on instead of from the local commit on, and
+what is committed durably is still exactly what was checksummed.
 """
 
 from __future__ import annotations
@@ -26,7 +33,8 @@ from . import local_tier as tiers
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["drain", "drain_pending", "drain_rank", "drain_pending_ranks", "durable_name"]
+__all__ = ["drain", "drain_pending", "drain_rank", "drain_pending_ranks", "durable_name", "follow", "prepare_durable",
+           "Follower"]
 
 _COPY_BLOCK = 16 << 20  # bytes read, verified and written at a time (at least one whole checksum piece)
 _BLOCKS_AHEAD = 3  # blocks read and verified ahead of the one being written, per file
@@ -71,11 +79,16 @@ def _blocks(size: int, pieces: list) -> list[tuple[int, int, list]]:
     return blocks
 
 
-def _copy_file(local: Storage, name: str, out, size: int, pieces: list, engine) -> None:
+def _copy_file(local: Storage, name: str, out, size: int, pieces: list, engine, written=None,
+               computed: dict | None = None) -> None:
     """Copy the data file ``name`` of the local folder into the binary file object ``out``, in
     order, verifying every piece's CRC32C while its bytes are in memory (``Storage.read_into``,
     the reader's routine). A thread reads and verifies up to ``_BLOCKS_AHEAD`` blocks ahead, into
-    reused buffers, while this one writes: the store's write and the local read overlap."""
+    reused buffers, while this one writes: the store's write and the local read overlap.
+
+    Following a file still being written: ``written(end)`` returns once bytes [0, end) of it
+    are final, and the pieces' CRC32Cs (None in ``pieces``) are computed into ``computed``
+    ({offset: crc32c}) instead of checked."""
     blocks = _blocks(size, pieces)
     if not blocks:
         return
@@ -92,7 +105,9 @@ def _copy_file(local: Storage, name: str, out, size: int, pieces: list, engine) 
                 buf = free.get()
                 if stop.is_set():
                     return
-                _read_verified(local, name, where, buf, off, length, inside, engine)
+                if written is not None:
+                    written(off + length)
+                _read_verified(local, name, where, buf, off, length, inside, engine, computed)
                 ready.put((buf, length))
             ready.put(None)
         except BaseException as exc:  # noqa: BLE001 - raised by the writing thread
@@ -113,12 +128,17 @@ def _copy_file(local: Storage, name: str, out, size: int, pieces: list, engine) 
         reader.join()
 
 
-def _read_verified(local: Storage, name: str, where: str, buf, off: int, length: int, inside: list, engine) -> None:
-    checks = [(0, p_off, p_len, crc) for p_off, p_len, crc, _item in inside]
+def _read_verified(local: Storage, name: str, where: str, buf, off: int, length: int, inside: list, engine,
+                   computed: dict | None = None) -> None:
+    checks = [(0, p_off, p_len, crc) for p_off, p_len, crc, _item in inside if crc is not None]
     try:
         bad = local.read_into(engine, name, [(buf.data_ptr(), off, length)], checks, 1)
     except ValueError as exc:  # the engine's short read
         raise CheckpointWriteError(f"{where}: {length} bytes at offset {off} could not be read (truncated): {exc}") from None
+    if computed is not None:
+        unknown = [(p_off, p_len) for p_off, p_len, crc, _item in inside if crc is None]
+        crcs = engine.crc32c_ranges(buf.data_ptr(), [(p_off - off, p_len) for p_off, p_len in unknown])
+        computed.update((p_off, c) for (p_off, _), c in zip(unknown, crcs))
     if bad:
         _, p_off, p_len, expected, got = bad
         item = next(p[3] for p in inside if p[0] == p_off)
@@ -129,18 +149,23 @@ def _read_verified(local: Storage, name: str, where: str, buf, off: int, length:
 
 
 def _write_durable(local: Storage, name: str, durable: Storage, durable_name: str, size: int, pieces: list, engine,
-                   config) -> None:
-    """Copy the local data file ``name`` to ``durable_name`` in the durable folder, verifying it."""
+                   config, written=None, computed: dict | None = None) -> None:
+    """Copy the local data file ``name`` to ``durable_name`` in the durable folder, verifying it
+    (following it while it is written: see ``_copy_file``)."""
     with durable.create(durable_name, sync=config.sync_files) as out:
-        _copy_file(local, name, out, size, pieces, engine)
+        _copy_file(local, name, out, size, pieces, engine, written, computed)
 
 
 def _copy_all(local: Storage, durable: Storage, sizes: dict[str, int], pieces: dict[str, list],
-              renamed: dict[str, str], config: DataStatesConfig) -> None:
+              renamed: dict[str, str], config: DataStatesConfig, followed: dict | None = None) -> None:
     """Copy the data files ``sizes`` ({local name: size}) to their ``renamed`` names, up to
-    ``_FILES_AT_ONCE`` at a time; the first error is raised once every copy has ended."""
+    ``_FILES_AT_ONCE`` at a time; the first error is raised once every copy has ended. A file
+    ``followed`` ({local name: Follower}) copied already, to the same name, with every piece's
+    CRC32C as recorded, is not copied again."""
     engine = get_engine(config)
-    names = sorted(sizes)
+    followed = followed or {}
+    names = [n for n in sorted(sizes)
+             if not (n in followed and followed[n].delivered(renamed[n], sizes[n], pieces.get(n, [])))]
     if len(names) <= 1:
         for name in names:
             _write_durable(local, name, durable, renamed[name], sizes[name], pieces.get(name, []), engine, config)
@@ -152,35 +177,103 @@ def _copy_all(local: Storage, durable: Storage, sizes: dict[str, int], pieces: d
         f.result()
 
 
+# Copies of files still being written: one thread each (they wait for the engine most of the time).
+_followers = ThreadPoolExecutor(max_workers=_FILES_AT_ONCE, thread_name_prefix="dcp-datastates-drain-follow")
+_FOLLOW_POLL_S = 1.0  # a follower waiting for the engine wakes this often (a failed job wakes it at once)
+
+
+class Follower:
+    """The copy of one local data file to the durable tier, started while the engine writes it
+    (its ``job``: ``written_prefix`` / ``wait_written``). ``delivered`` tells the drain whether
+    the copy can stand for the file."""
+
+    def __init__(self, local: Storage, name: str, job, size: int, item_locations, durable: Storage,
+                 durable_name: str, config: DataStatesConfig) -> None:
+        self.name, self.durable_name, self.size = name, durable_name, size
+        self._job = job
+        self._computed: dict[int, int] = {}
+        pieces = sorted((off, length, None, key[0]) for key, loc in item_locations.items()
+                        for off, length in piece_ranges(loc))
+        self._future = _followers.submit(self._copy, local, durable, pieces, config)
+
+    def _written(self, end: int) -> None:
+        while (got := self._job.wait_written(end, _FOLLOW_POLL_S)) < end:
+            error = self._job.error()
+            if error:
+                raise CheckpointWriteError(error)
+            if self._job.is_done():
+                raise CheckpointWriteError(f"{self.name}: {got} bytes written, {end} expected")
+
+    def _copy(self, local: Storage, durable: Storage, pieces: list, config: DataStatesConfig) -> None:
+        _write_durable(local, self.name, durable, self.durable_name, self.size, pieces, get_engine(config), config,
+                       self._written, self._computed)
+
+    def delivered(self, durable_name: str, size: int, pieces: list) -> bool:
+        """True once the copy ended, to ``durable_name``, of ``size`` bytes, with each of
+        ``pieces`` (offset, length, crc32c, item: what the save recorded) as computed; else the
+        file is to be copied again (a warning says why when the bytes differ)."""
+        try:
+            self._future.result()
+        except Exception as exc:  # noqa: BLE001 - the drain copies the file again, verified
+            log.info("dcp_datastates: %s: the copy made while it was written did not finish (%s); copying it again",
+                     self.name, exc)
+            return False
+        if durable_name != self.durable_name or size != self.size:
+            return False
+        for off, _length, crc, item in pieces:
+            if self._computed.get(off) != crc:
+                log.warning("dcp_datastates: %s: item %r at offset %d read while the file was written does not "
+                            "match its recorded crc32c; copying the file again", self.name, item, off)
+                return False
+        return True
+
+
+def follow(local: Storage, files: list, durable: str, tag: str | None, config: DataStatesConfig) -> dict[str, Follower]:
+    """Start copying each named, engine-written file of ``files`` (the rank's ``FileJob``s) to
+    ``durable`` under its tagged name while it is written: {local name: Follower}."""
+    store = open_storage(durable, config.storage_options)
+    return {f.name: Follower(local, f.name, f.job, f.file_size, f.locations, store, durable_name(f.name, tag), config)
+            for f in files if f.name is not None and hasattr(f.job, "wait_written") and f.upload is None}
+
+
 # One drain per durable path at a time in this process (a save's own drain and another save's
 # drain_pending may both find the same local copy).
 _drain_locks: dict[str, threading.Lock] = {}
 _drain_locks_lock = threading.Lock()
 
 
-def drain(local: str, durable: str, config: DataStatesConfig) -> None:
+def drain(local: str, durable: str, config: DataStatesConfig, prepared: tuple | None = None,
+          followed: dict | None = None) -> None:
     """Copy the committed checkpoint ``local`` to ``durable`` and commit it there with the same
     checkpoint id (nothing to do when it already holds it). Raises CheckpointWriteError naming
-    ``durable``; its previous commit stays."""
+    ``durable``; its previous commit stays. ``prepared``: (tag,) when the durable folder was
+    prepared already (``prepare_durable``), with the files ``followed`` there under that tag."""
     with _drain_locks_lock:
         lock = _drain_locks.setdefault(durable, threading.Lock())
     with lock:
         local_id = checkpoint_id(local)
         if local_id is not None and checkpoint_id(durable, config.storage_options) == local_id:
             return
-        _drain_unlocked(local, durable, config)
+        _drain_unlocked(local, durable, config, prepared, followed)
 
 
-def _drain_unlocked(local: str, durable: str, config: DataStatesConfig) -> None:
+def prepare_durable(durable: str, config: DataStatesConfig) -> str | None:
+    """Make the durable folder; the tag of the durable file names (None when it holds no commit:
+    a folder holding one keeps it until the new one is committed, so new names)."""
+    store = open_storage(durable, config.storage_options)
+    return new_tag() if prepare_folder(store, overwrite=True) else None
+
+
+def _drain_unlocked(local: str, durable: str, config: DataStatesConfig, prepared: tuple | None,
+                    followed: dict | None) -> None:
     try:
         md, files = read_commit(local)
         check_data_files(local, files)
         store = open_storage(durable, config.storage_options)
-        # A durable folder holding a commit keeps it until the new one is committed: new names.
-        tag = new_tag() if prepare_folder(store, overwrite=True) else None
+        tag = prepared[0] if prepared is not None else prepare_durable(durable, config)
         renamed = {name: durable_name(name, tag) for name in files}
         _copy_all(open_storage(local), store, {name: info.size for name, info in files.items()},
-                  _pieces_by_file(md.storage_data), renamed, config)
+                  _pieces_by_file(md.storage_data), renamed, config, followed)
         locations = {index: moved(loc, renamed[loc.file]) for index, loc in md.storage_data.items()}
         write_commit(store, md, locations, sync=config.sync_files)
     except CheckpointWriteError as exc:
@@ -192,7 +285,7 @@ def _drain_unlocked(local: str, durable: str, config: DataStatesConfig) -> None:
 
 
 def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str], save_id: str, rank: int,
-               config: DataStatesConfig) -> None:
+               config: DataStatesConfig, followed: dict | None = None) -> None:
     """Several ranks, on a drain thread: copy the data files this rank wrote into its local copy
     ``local`` (their items are ``locations``, {MetadataIndex: ItemLocation}) to ``durable`` under
     the names ``renamed`` ({local name: durable name}, chosen by the coordinator), verifying
@@ -202,7 +295,7 @@ def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str
     error = None
     store = open_storage(durable, config.storage_options)
     try:
-        _copy_files(local, store, locations, renamed, config)
+        _copy_files(local, store, locations, renamed, config, followed)
     except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which raises it on every rank
         error = str(_drain_failed(local, durable, exc, "the durable tier keeps its previous commit"))
     try:
@@ -214,11 +307,13 @@ def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str
         tiers.evict_drained(config.local_tier, config.keep_local, config.storage_options)
 
 
-def _copy_files(local: str, durable: Storage, locations: dict, renamed: dict[str, str], config: DataStatesConfig) -> None:
+def _copy_files(local: str, durable: Storage, locations: dict, renamed: dict[str, str], config: DataStatesConfig,
+                followed: dict | None = None) -> None:
     """One rank's data files of ``locations`` in the local copy ``local``, copied to ``durable``."""
     store = open_storage(local)
     pieces = _pieces_by_file(locations)
-    _copy_all(store, durable, {name: os.stat(store.where(name)).st_size for name in pieces}, pieces, renamed, config)
+    _copy_all(store, durable, {name: os.stat(store.where(name)).st_size for name in pieces}, pieces, renamed, config,
+              followed)
 
 
 def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, skip: str | None = None,

@@ -5,7 +5,9 @@ protocol). The writer and the reader never ask which one they hold.
 
 Save hooks, in call order: ``folder`` (which folder this rank writes), ``reserve`` (room for the
 staged bytes), ``files_changing`` (before a rank rewrites its files), ``check_local_plan``,
-``global_plan`` (coordinator), ``rank_written`` (a rank's files are durable where it wrote them),
+``global_plan`` (coordinator), ``writing`` (a rank starts ``write_data``: its staged files are
+named), ``file_named`` (a file started during ``write_data``),
+``rank_written`` (a rank's files are durable where it wrote them),
 ``commit`` (coordinator: the checkpoint is committed where the tier wants it), ``failed``.
 Load hooks: ``choose`` (which copy to read), ``local_file`` (this node's copy of a data file).
 """
@@ -41,6 +43,14 @@ class RankDrain:
     when the durable folder holds no commit)."""
 
     save_id: str
+    tag: str | None
+
+
+@dataclass(frozen=True)
+class SoloDrain:
+    """local_tier with one rank: the tag of the durable file names, the durable folder prepared
+    at planning so that its files can be copied while they are written (``writing``)."""
+
     tag: str | None
 
 
@@ -94,6 +104,12 @@ class NoTier:
     def global_plan(self, plans: list, save_id: str) -> list:
         return plans
 
+    def writing(self, staged) -> None:
+        """A rank starts ``write_data``: the files it staged are named and being written."""
+
+    def file_named(self, staged, f) -> None:
+        """A file started and named during ``write_data``."""
+
     def rank_written(self, staged, results: list) -> list:
         return results
 
@@ -145,9 +161,18 @@ class LocalTier(NoTier):
         tiers.record_durable(folder, self.durable_path)
 
     def global_plan(self, plans: list, save_id: str) -> list:
-        """Several ranks: each rank drains its own files; the coordinator names them."""
+        """Several ranks: each rank drains its own files; the coordinator names them. One rank:
+        the durable folder is prepared now, so that its files can be copied while they are
+        written; if it cannot be, the drain after the local commit tries again (the local commit
+        never waits for the durable tier)."""
         if len(plans) <= 1:
-            return plans
+            try:
+                return [dataclasses.replace(p, storage_data=SoloDrain(drain.prepare_durable(self.durable_path, self.config)))
+                        for p in plans]
+            except Exception as exc:  # noqa: BLE001 - the store's own errors too
+                log.info("dcp_datastates: %s not prepared before the local commit (%s); drained after it",
+                         self.durable_path, exc)
+                return plans
         durable = open_storage(self.durable_path, self.config.storage_options)
         committed = prepare_folder(durable, overwrite=self.config.overwrite)
         # New names next to a commit, or next to a pending checkpoint whose drained files a
@@ -155,6 +180,23 @@ class LocalTier(NoTier):
         pending = tiers.read_pending(durable) is not None
         plan = RankDrain(save_id, new_tag() if committed or pending else None)
         return [dataclasses.replace(p, storage_data=plan) for p in plans]
+
+    def writing(self, staged) -> None:
+        """Each file the engine writes now is copied to the durable tier as it is written
+        (``drain.follow``); the drain takes a copy only if its checksums match the save's."""
+        self._follow(staged, staged.files)
+
+    def file_named(self, staged, f) -> None:
+        """A file started during ``write_data`` (late items, a planner's rewrite): copied as it is
+        written too."""
+        self._follow(staged, [f])
+
+    def _follow(self, staged, files: list) -> None:
+        plan = staged.tier_plan
+        # (Files staged into another folder are moved at the end of write_data: drained after.)
+        if isinstance(plan, (RankDrain, SoloDrain)) and staged.storage is not None and staged.moved_from is None:
+            started = drain.follow(staged.storage, files, self.durable_path, plan.tag, self.config)
+            staged.tier_state = {**(staged.tier_state or {}), **started}
 
     def rank_written(self, staged, results: list) -> list:
         """Several ranks: this rank's files are durable on the local tier. Record them in the
@@ -172,7 +214,7 @@ class LocalTier(NoTier):
         if not self.local_commit.done():
             self.local_commit.set_result(staged.path)
         _drainers.submit(drain.drain_rank, staged.path, self.durable_path, locations, renamed, plan.save_id,
-                         staged.rank, self.config)
+                         staged.rank, self.config, staged.tier_state)
         return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed[r.storage_data.file])) for r in results]
 
     def commit(self, storage: Storage, metadata, locations, staged, *, rank_local: int | None,
@@ -185,7 +227,11 @@ class LocalTier(NoTier):
         if staged is not None:
             staged.local_s = time.monotonic() - staged.requested
         self.local_commit.set_result(storage.location)
-        drain.drain(storage.location, self.durable_path, config)
+        plan = staged.tier_plan if staged is not None else None
+        if isinstance(plan, SoloDrain):
+            drain.drain(storage.location, self.durable_path, config, (plan.tag,), staged.tier_state)
+        else:
+            drain.drain(storage.location, self.durable_path, config)
         # left by a killed run, under the same root (so on the store these options are for)
         drain.drain_pending_quietly(config.local_tier, config, root=tiers.root_of(self.durable_path))
         tiers.evict_drained(config.local_tier, config.keep_local, config.storage_options)

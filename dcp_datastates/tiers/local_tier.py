@@ -14,7 +14,11 @@ Drain (``drain.py``). Each data file the local marker lists is copied to the dur
 (several files at once; in each, blocks are read and verified ahead of the write); every
 checksum piece's CRC32C is checked while it is in memory, so a local file damaged
 after its commit fails the drain and the durable tier keeps its previous commit. Only after every
-file is written is the durable marker written.
+file is written is the durable marker written. The copies start earlier, when ``write_data``
+begins (``LocalTier.writing``: the durable folder and its file names were decided in
+``prepare_global_plan``): each file is copied as far as the engine's ``written_prefix`` says it
+is final, computing each piece's CRC32C; the drain then takes such a copy only if every piece
+matches the local marker's, else it copies the file again, verified (``drain.Follower``).
 
 Futures. DCP resolves ``upload_completion`` (``dcp.async_save``) when the writer's ``finish``
 returns: ``finish`` commits locally, resolves ``local_commit``, then drains in DCP's thread (not
