@@ -79,3 +79,23 @@ def test_both_tiers_carry_one_checkpoint_id(s3, tmp_path):
 
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
+
+
+def test_files_are_uploaded_while_the_engine_writes_them_locally(s3, tmp_path, monkeypatch):
+    """With an object store as the durable tier too, each data file is streamed to the store as
+    the engine writes its local copy (drain.Follower), and the drain uploads nothing again."""
+    from dcp_datastates.tiers import drain
+
+    uploads, real = [], drain._write_durable
+
+    def recording(local, name, store, durable_name, *args):
+        uploads.append((durable_name, len(args) > 4 and args[4] is not None))
+        return real(local, name, store, durable_name, *args)
+
+    monkeypatch.setattr(drain, "_write_durable", recording)
+    url = f"s3://{s3.bucket()}/run/step-1"
+    state = make_state(3)
+    w = DataStatesWriter(url, local_tier=str(tmp_path / "nvme"), storage_options=s3.options)
+    dcp.async_save(clone_state(state), storage_writer=w).upload_completion.result(timeout=120)
+    assert uploads and all(while_written for _, while_written in uploads), uploads
+    assert_state_equal(state, load_from_store(url, state, s3.options))
