@@ -520,3 +520,22 @@ def test_a_copy_made_while_written_whose_checksums_differ_is_made_again(tmp_path
     out = zeros_like_state(state)
     dcp.load(out, storage_reader=DataStatesReader(str(durable)))
     assert_state_equal(state, out)
+
+
+def test_a_durable_tier_that_cannot_be_reached_while_writing_never_fails_the_local_save(tmp_path, monkeypatch):
+    """Starting the copies made while the files are written fails (the durable store unreachable
+    at that moment): the local save commits all the same, and the drain copies every file after
+    the local commit, verified."""
+    writes = _durable_writes(monkeypatch)
+
+    def unreachable(*args, **kwargs):
+        raise OSError(113, "No route to host", "durable")
+
+    monkeypatch.setattr(drain, "follow", unreachable)
+    durable, nv = tmp_path / "durable" / "step-1", tmp_path / "nv"
+    state = make_state(5)
+    w = save(state, durable, nv)
+    assert w.local_commit.result(timeout=0) == tiers.local_copy(str(nv), str(durable))
+    assert writes and not any(while_written for _, while_written in writes), writes
+    assert_state_equal(state, load(durable, nv, state))
+    assert commit.is_committed(str(durable))

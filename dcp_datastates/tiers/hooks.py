@@ -195,7 +195,12 @@ class LocalTier(NoTier):
         plan = staged.tier_plan
         # (Files staged into another folder are moved at the end of write_data: drained after.)
         if isinstance(plan, (RankDrain, SoloDrain)) and staged.storage is not None and staged.moved_from is None:
-            started = drain.follow(staged.storage, files, self.durable_path, plan.tag, self.config)
+            try:
+                started = drain.follow(staged.storage, files, self.durable_path, plan.tag, self.config)
+            except Exception as exc:  # noqa: BLE001 - the local save never fails for the durable tier
+                log.info("dcp_datastates: %s: files not copied while written (%s); drained after the local commit",
+                         self.durable_path, exc)
+                return
             staged.tier_state = {**(staged.tier_state or {}), **started}
 
     def rank_written(self, staged, results: list) -> list:
