@@ -336,3 +336,43 @@ def test_sigkill_mid_drain_restarts_from_the_local_copies_then_the_next_run_drai
     assert failure == "ranks exited abnormally: [(0, -9), (1, -9)]", failure
     assert os.path.exists(tmp_path / "ck" / "step-2" / ".pending.metadata")
     run_ranks(2, _restart_after_the_kill, str(tmp_path))
+
+
+def _local_tier_fills_while_copied(rank, world, root):
+    """The last rank's local tier fills up (ENOSPC on its local files) while every rank's files
+    are being copied to the durable tier as they are written: the save fails on every rank,
+    naming the full disk, within seconds; the durable tier keeps its previous commit, nothing
+    partial is committed, and the next save (disk freed) commits and loads."""
+    import time
+
+    from dcp_datastates.runtime import get_engine
+
+    nv = node_tier(root, rank, world)
+    durable = os.path.join(root, "step-1")
+    first, second = rank_state(rank, 1), rank_state(rank, 2)
+    w = save(first, durable, nv, asynchronous=True)
+    engine = get_engine(w.config)
+    if rank == world - 1:
+        engine.set_fault("enospc", 0, nv)
+    t0 = time.monotonic()
+    try:
+        with raises_through_dcp(r"No space left on device"):
+            save(second, durable, nv, asynchronous=True)
+    finally:
+        engine.set_fault("none", 0, "")
+    assert time.monotonic() - t0 < 30
+    dist.barrier()
+    out, _ = load(durable, None, first)  # the durable tier alone: still the first checkpoint
+    assert_state_equal(first, out)
+    dist.barrier()
+    save(second, durable, nv, asynchronous=True)
+    out, _ = load(durable, None, second)
+    assert_state_equal(second, out)
+    dist.barrier()
+    # The copies the failed save made of the other rank's files went with its commit's cleanup.
+    _, files = commit.read_commit(durable)
+    assert {n for n in os.listdir(durable) if n.endswith(".safetensors")} == set(files)
+
+
+def test_a_full_local_tier_on_one_rank_fails_the_save_on_every_rank(tmp_path):
+    run_ranks(2, _local_tier_fills_while_copied, str(tmp_path))
