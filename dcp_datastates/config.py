@@ -140,6 +140,22 @@ def default_cache_plan() -> CachePlan:
     return CachePlan(nbytes, memory, n, source)
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity where the OS tells it, else all of them)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def _default_copy_threads() -> int:
+    """2, or 1 where the process may use at most 2 CPUs: there a second copy worker takes the
+    training thread's core during ``stage()`` (1 GiB in 1,612 tensors: the call 11-15 ms of wall
+    for 6 ms of CPU with 2 workers, 6-9 ms with 1) without staging any faster (durable 0.57-0.58 s
+    with 2, 0.54-0.56 s with 1; docs/benchmarks.md, "Engine thread counts")."""
+    return 1 if _usable_cpus() <= 2 else 2
+
+
 def _default_read_threads() -> int:
     """min(4, 2 x CPUs): on 2 cores, 2 and 4 workers read a 1 GiB checkpoint equally fast, warm
     and cold (each streams its own part of the file), and more only add context switches."""
@@ -189,7 +205,8 @@ class DataStatesConfig:
         chunk_size: unit of copy, flush and checksum (bytes). Clamped to a quarter of the cache.
         cache_alignment: alignment in bytes (a power of two, at least 512) of the host cache and
             of every chunk slot in it: 4096 suits page-granular I/O and pinned DMA.
-        copy_threads: threads copying tensors into the cache (seeds: ``parser_threads``).
+        copy_threads: threads copying tensors into the cache (seeds: ``parser_threads``);
+            default 2, or 1 where the process may use at most 2 CPUs (the training thread keeps a core).
         flush_threads: threads writing chunks to storage (DCP: ``thread_count``).
         read_threads: threads reading files on load (default min(4, 2 x CPUs)); engine-wide,
             and a reader's value also caps the workers of its own loads.
@@ -225,7 +242,7 @@ class DataStatesConfig:
     gpu_cache_size: int = 0
     chunk_size: int = 16 << 20
     cache_alignment: int = 4096
-    copy_threads: int = 2
+    copy_threads: int = field(default_factory=_default_copy_threads)
     flush_threads: int = 2
     read_threads: int = field(default_factory=_default_read_threads)
     sync_files: bool = True

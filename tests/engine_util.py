@@ -10,7 +10,8 @@ from dcp_datastates import DataStatesConfig
 def engine_args(**overrides) -> dict:
     """DataStatesConfig's engine settings as Engine keyword arguments, with ``overrides``."""
     c = DataStatesConfig()
-    args = dict(chunk_bytes=c.chunk_size, copy_threads=c.copy_threads, flush_threads=c.flush_threads,
+    # Two copy workers whatever the machine's default (1 on 2 CPUs): these tests exercise their races.
+    args = dict(chunk_bytes=c.chunk_size, copy_threads=2, flush_threads=c.flush_threads,
                 read_threads=c.read_threads, alignment=c.cache_alignment,
                 cache_wait_timeout_s=float(c.cache_wait_timeout), pin=c.pin_host_cache, prefault=True)
     args.update(overrides)

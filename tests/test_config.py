@@ -273,3 +273,14 @@ def test_the_start_up_line_says_how_the_cache_was_chosen(small_engine, tmp_path,
     assert len(lines) == 2, lines
     assert "8 local rank(s) (LOCAL_WORLD_SIZE)" in lines[0] and str(default_cache_plan().nbytes) in lines[0]
     assert f"host cache {3 << 20} bytes" in lines[1] and "host_cache_size" in lines[1]
+
+
+def test_default_copy_threads_leave_the_training_thread_a_core_on_two_cpus(monkeypatch):
+    """One copy worker where the process may use at most 2 CPUs, 2 elsewhere; set, it is kept."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert DataStatesConfig().copy_threads == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert DataStatesConfig().copy_threads == 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    assert DataStatesConfig().copy_threads == 2
+    assert DataStatesConfig(copy_threads=3).copy_threads == 3

@@ -479,9 +479,11 @@ def test_files_are_copied_to_the_durable_tier_while_the_engine_writes_them(tmp_p
         while not writes and time.monotonic() < deadline:
             time.sleep(0.01)
         assert writes and writes[0][1], writes  # started by the follower, before the local commit
-        time.sleep(0.3)  # the follower has copied what the engine wrote so far
-        copied = [p for p in durable.iterdir() if p.name == writes[0][0]]
-        assert copied and 0 < copied[0].stat().st_size <= (256 << 10) + 4096  # the header and 4 chunks at most
+        copied = durable / writes[0][0]
+        while (not copied.exists() or copied.stat().st_size == 0) and time.monotonic() < deadline:
+            time.sleep(0.01)  # the follower copies what the engine wrote so far
+        time.sleep(0.2)  # (and would go on, were it not held to the written prefix)
+        assert 0 < copied.stat().st_size <= (256 << 10) + 4096  # the header and 4 chunks at most
         assert not w.local_commit.done()
     finally:
         engine_of.set_fault("none", 0, "")
