@@ -177,7 +177,8 @@ def _copy_all(local: Storage, durable: Storage, sizes: dict[str, int], pieces: d
         f.result()
 
 
-# Copies of files still being written: one thread each (they wait for the engine most of the time).
+# Copies of files still being written: a thread each, up to _FILES_AT_ONCE at once (a later file waits
+# for a thread; each mostly waits for the engine).
 _followers = ThreadPoolExecutor(max_workers=_FILES_AT_ONCE, thread_name_prefix="dcp-datastates-drain-follow")
 _FOLLOW_POLL_S = 1.0  # a follower waiting for the engine wakes this often (a failed job wakes it at once)
 
