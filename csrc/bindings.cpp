@@ -12,6 +12,7 @@
 #include "crc32c.h"
 #include "engine.h"
 #include "grid.h"
+#include "io_util.h"
 #include "write_job.h"
 
 namespace py = pybind11;
@@ -468,6 +469,15 @@ PYBIND11_MODULE(_engine, m) {
            "Idempotent: finish every submitted job, then stop the threads.")
       .def_property_readonly("is_shut_down", &Engine::is_shut_down);
 
+  m.def(
+      "start_writeback",
+      [](int fd, int64_t offset, int64_t nbytes) {
+        if (fd < 0 || offset < 0 || nbytes < 0) throw py::value_error("fd, offset and nbytes must be >= 0");
+        dcpds::start_writeback(fd, static_cast<uint64_t>(offset), static_cast<uint64_t>(nbytes));
+      },
+      py::arg("fd"), py::arg("offset"), py::arg("nbytes"),
+      "Start writing a just-written file range to the disk without waiting (a hint, as the engine\n"
+      "gives its own files: the final fsync then finds little left). Errors are ignored.");
   m.def("crc32c", &crc_of_buffer, py::arg("data"), py::arg("seed") = 0,
         "CRC32C of a contiguous buffer; pass a previous result as seed to continue it.");
   m.def("_crc32c_software", [](py::bytes data, long long seed) {

@@ -398,7 +398,7 @@ void Engine::flush_chunk(FileJob& job, Chunk& c) {
       job.fail(job.file_path() + ": " + err);
       return;
     }
-    if (job.sync()) start_writeback(job.fd(), c.file_off, c.span);
+    if (job.sync()) start_writeback(job.fd(), c.file_off, c.span);  // io_util.h
     bytes_flushed_.fetch_add(c.data_bytes, std::memory_order_relaxed);
     job.add_bytes_done(c.data_bytes);
     chunks_flushed_.fetch_add(1, std::memory_order_relaxed);
@@ -407,21 +407,6 @@ void Engine::flush_chunk(FileJob& job, Chunk& c) {
   } catch (...) {
     job.fail(internal_error(job.file_path(), "unknown exception"));
   }
-}
-
-// Starts the disk write of a chunk just written to the page cache, without waiting for it, so the
-// file's final fsync finds little left to write: without this the disk idles while the whole file
-// sits dirty, and the fsync alone took ~40 % of the time to durable (issue 26). Only a hint: an
-// error here (a file system that cannot do it) changes nothing, the final fsync reports real ones.
-void Engine::start_writeback(int fd, uint64_t off, uint64_t len) {
-#if defined(__linux__)
-  int rc;
-  do {
-    rc = ::sync_file_range(fd, static_cast<off64_t>(off), static_cast<off64_t>(len), SYNC_FILE_RANGE_WRITE);
-  } while (rc != 0 && errno == EINTR);
-#else
-  (void)fd, (void)off, (void)len;
-#endif
 }
 
 // Chains the CRC32C of each piece of chunk c over the bytes of file range [from, to) onto what

@@ -168,7 +168,6 @@ class Engine {
   void device_chunk_ready(ChunkRef&& ref, bool copied);
   void push_flush(ChunkRef&& ref);
   void flush_chunk(FileJob& job, Chunk& c);
-  static void start_writeback(int fd, uint64_t off, uint64_t len);
   // Returns the nanoseconds spent (0 with checksums off).
   uint64_t checksum_range(WriteJob& job, const Chunk& c, const char* base, uint64_t from, uint64_t to,
                           size_t* first_piece) const;

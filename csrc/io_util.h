@@ -33,4 +33,8 @@ int open_regular_for_read(const std::string& path, std::string* err, int* errnum
 // change another checkpoint that shares the inode). -1 with *err on failure.
 int open_regular_for_write(const std::string& path, std::string* err);
 
+// Starts the disk write of [off, off + len) of fd, just written, without waiting (Linux
+// sync_file_range; a no-op elsewhere): a hint, errors ignored, the final fsync reports real ones.
+void start_writeback(int fd, uint64_t off, uint64_t len);
+
 }  // namespace dcpds

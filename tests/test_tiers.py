@@ -480,10 +480,15 @@ def test_files_are_copied_to_the_durable_tier_while_the_engine_writes_them(tmp_p
             time.sleep(0.01)
         assert writes and writes[0][1], writes  # started by the follower, before the local commit
         copied = durable / writes[0][0]
+        deadline = time.monotonic() + 30
         while (not copied.exists() or copied.stat().st_size == 0) and time.monotonic() < deadline:
             time.sleep(0.01)  # the follower copies what the engine wrote so far
         time.sleep(0.2)  # (and would go on, were it not held to the written prefix)
-        assert 0 < copied.stat().st_size <= (256 << 10) + 4096  # the header and 4 chunks at most
+        from dcp_datastates.runtime import inflight
+
+        progress = [(f.name, f.job.written_prefix, f.job.error(), s.tier_state)
+                    for s in inflight.inflight() for f in s.files]
+        assert 0 < copied.stat().st_size <= (256 << 10) + 4096, progress  # the header and 4 chunks at most
         assert not w.local_commit.done()
     finally:
         engine_of.set_fault("none", 0, "")
@@ -541,3 +546,31 @@ def test_a_durable_tier_that_cannot_be_reached_while_writing_never_fails_the_loc
     assert writes and not any(while_written for _, while_written in writes), writes
     assert_state_equal(state, load(durable, nv, state))
     assert commit.is_committed(str(durable))
+
+
+def test_durable_local_files_start_their_writeback_as_they_are_written(tmp_path, monkeypatch):
+    """A local folder's file written by the drain (create with sync) starts each 8 MiB of it on
+    its way to the disk as it goes, like the engine's own files, so the final fsync finds little
+    left; the bytes are the ones written."""
+    from dcp_datastates.storage import local as local_storage
+    from dcp_datastates.storage import open_storage
+
+    started, real = [], local_storage.engine_module()
+
+    class Recording:
+        def start_writeback(self, fd, offset, nbytes):
+            started.append((offset, nbytes))
+            real.start_writeback(fd, offset, nbytes)
+
+    monkeypatch.setattr(local_storage, "engine_module", lambda: Recording())
+    data = os.urandom(20 << 20)
+    with open_storage(str(tmp_path)).create("f.bin", sync=True) as out:
+        for k in range(0, len(data), 3 << 20):
+            out.write(data[k: k + (3 << 20)])
+    assert (tmp_path / "f.bin").read_bytes() == data
+    assert started == [(0, 9 << 20), (9 << 20, 9 << 20)]  # every 8 MiB or more, in order, no gap
+    with open_storage(str(tmp_path)).create("g.bin", sync=False) as out:  # not durable: no hint
+        out.write(data)
+    assert len(started) == 2
+    with pytest.raises(ValueError, match="must be >= 0"):
+        real.start_writeback(-1, 0, 1)

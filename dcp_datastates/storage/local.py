@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from contextlib import contextmanager
 
 from ..errors import CheckpointFormatError, CheckpointWriteError
+from ..native import engine_module
 from .base import StartedDataFile, Storage
 
 __all__ = ["LocalStorage", "open_for_reading", "file_kind", "not_regular_error"]
@@ -228,7 +229,7 @@ class LocalStorage(Storage):
     def create(self, name: str, *, sync: bool):
         full = self.where(name)
         with open(full, "wb") as f:
-            yield f
+            yield _WritebackFile(f) if sync else f
             if sync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -258,6 +259,31 @@ class LocalStorage(Storage):
 
     def read_into(self, engine, name: str, ranges: list, checks: list | None, threads: int) -> tuple | None:
         return engine.read_into(self.where(name), ranges, checks, threads)
+
+
+class _WritebackFile:
+    """A file written front to back (the drain's copies) whose bytes start their way to the disk
+    every ``WRITEBACK_BYTES``, as the engine does for its own files: without it the whole file
+    sits dirty until the final fsync, which then alone took ~0.3 s of a 512 MiB copy."""
+
+    WRITEBACK_BYTES = 8 << 20
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self._written = 0  # bytes written so far
+        self._started = 0  # bytes whose writeback was started
+
+    def write(self, data) -> int:
+        n = self._f.write(data)
+        self._written += n
+        if self._written - self._started >= self.WRITEBACK_BYTES:
+            self._f.flush()
+            engine_module().start_writeback(self._f.fileno(), self._started, self._written - self._started)
+            self._started = self._written
+        return n
+
+    def __getattr__(self, name: str):
+        return getattr(self._f, name)
 
 
 def _retire(path: str, defer) -> None:
