@@ -1,12 +1,14 @@
 """Multi-level checkpoints (local_tier=): commit locally, drain to the durable path, read the
 nearest good copy back."""
 
+import contextlib
 import logging
 import os
 import shutil
 import signal
 import time
 import uuid
+from unittest import mock
 
 import pytest
 import torch
@@ -435,16 +437,30 @@ def test_drain_blocks_cover_the_file_in_order_and_never_split_a_piece(monkeypatc
 
 
 # ------------------------------------------------------------ drained while the files are written
-def _durable_writes(monkeypatch):
-    """Record each durable file write of the drain: (durable name, made while written)."""
-    writes = []
+def _recording(writes: list):
+    """drain._write_durable, recording (durable name, made while the file was written, i.e. by a
+    drain.Follower) into ``writes``."""
     real = drain._write_durable
 
     def recording(local, name, durable, durable_name, *args):
         writes.append((durable_name, len(args) > 4 and args[4] is not None))
         return real(local, name, durable, durable_name, *args)
 
-    monkeypatch.setattr(drain, "_write_durable", recording)
+    return recording
+
+
+@contextlib.contextmanager
+def durable_writes():
+    """The drain's durable file writes made in the block (``_recording``)."""
+    writes: list = []
+    with mock.patch.object(drain, "_write_durable", _recording(writes)):
+        yield writes
+
+
+def _durable_writes(monkeypatch) -> list:
+    """The drain's durable file writes made in the rest of the test (``_recording``)."""
+    writes: list = []
+    monkeypatch.setattr(drain, "_write_durable", _recording(writes))
     return writes
 
 

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from test_tiers import durable_writes
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, commit
 from dcp_datastates.errors import CheckpointWriteError
@@ -57,13 +58,7 @@ def _save_drain_load(rank, world, root, asynchronous):
     nv = node_tier(root, rank, world)
     durable = os.path.join(root, "step-1")
     states = [rank_state(rank, seed) for seed in (1, 2)]
-    copies, real = [], drain._write_durable
-
-    def recording(local, name, store, durable_name, *args):
-        copies.append((durable_name, len(args) > 4 and args[4] is not None))
-        return real(local, name, store, durable_name, *args)
-
-    with mock.patch.object(drain, "_write_durable", recording):
+    with durable_writes() as copies:
         for state in states:  # the second save goes into a committed durable folder: new names
             copies.clear()
             w = save(state, durable, nv, asynchronous)

@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from test_tiers import drain_fails_local_copy_loads
+from test_tiers import _durable_writes, drain_fails_local_copy_loads
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, commit
 from dcp_datastates.tiers import local_tier as tiers
@@ -84,15 +84,7 @@ if __name__ == "__main__":  # pragma: no cover
 def test_files_are_uploaded_while_the_engine_writes_them_locally(s3, tmp_path, monkeypatch):
     """With an object store as the durable tier too, each data file is streamed to the store as
     the engine writes its local copy (drain.Follower), and the drain uploads nothing again."""
-    from dcp_datastates.tiers import drain
-
-    uploads, real = [], drain._write_durable
-
-    def recording(local, name, store, durable_name, *args):
-        uploads.append((durable_name, len(args) > 4 and args[4] is not None))
-        return real(local, name, store, durable_name, *args)
-
-    monkeypatch.setattr(drain, "_write_durable", recording)
+    uploads = _durable_writes(monkeypatch)
     url = f"s3://{s3.bucket()}/run/step-1"
     state = make_state(3)
     w = DataStatesWriter(url, local_tier=str(tmp_path / "nvme"), storage_options=s3.options)

@@ -34,7 +34,7 @@ from . import local_tier as tiers
 log = logging.getLogger("dcp_datastates")
 
 __all__ = ["drain", "drain_pending", "drain_rank", "drain_pending_ranks", "durable_name", "follow", "prepare_durable",
-           "Follower"]
+           "Follower", "UNPREPARED"]
 
 _COPY_BLOCK = 16 << 20  # bytes read, verified and written at a time (at least one whole checksum piece)
 _BLOCKS_AHEAD = 3  # blocks read and verified ahead of the one being written, per file
@@ -243,19 +243,21 @@ _drain_locks: dict[str, threading.Lock] = {}
 _drain_locks_lock = threading.Lock()
 
 
-def drain(local: str, durable: str, config: DataStatesConfig, prepared: tuple | None = None,
-          followed: dict | None = None) -> None:
+UNPREPARED = object()  # drain(tag=...): the durable folder is not prepared yet
+
+
+def drain(local: str, durable: str, config: DataStatesConfig, tag=UNPREPARED, followed: dict | None = None) -> None:
     """Copy the committed checkpoint ``local`` to ``durable`` and commit it there with the same
     checkpoint id (nothing to do when it already holds it). Raises CheckpointWriteError naming
-    ``durable``; its previous commit stays. ``prepared``: (tag,) when the durable folder was
-    prepared already (``prepare_durable``), with the files ``followed`` there under that tag."""
+    ``durable``; its previous commit stays. ``tag``: the durable file names' tag when the folder
+    was prepared already (``prepare_durable``), with the files ``followed`` there under it."""
     with _drain_locks_lock:
         lock = _drain_locks.setdefault(durable, threading.Lock())
     with lock:
         local_id = checkpoint_id(local)
         if local_id is not None and checkpoint_id(durable, config.storage_options) == local_id:
             return
-        _drain_unlocked(local, durable, config, prepared, followed)
+        _drain_unlocked(local, durable, config, tag, followed)
 
 
 def prepare_durable(durable: str, config: DataStatesConfig) -> str | None:
@@ -265,13 +267,13 @@ def prepare_durable(durable: str, config: DataStatesConfig) -> str | None:
     return new_tag() if prepare_folder(store, overwrite=True) else None
 
 
-def _drain_unlocked(local: str, durable: str, config: DataStatesConfig, prepared: tuple | None,
-                    followed: dict | None) -> None:
+def _drain_unlocked(local: str, durable: str, config: DataStatesConfig, tag, followed: dict | None) -> None:
     try:
         md, files = read_commit(local)
         check_data_files(local, files)
         store = open_storage(durable, config.storage_options)
-        tag = prepared[0] if prepared is not None else prepare_durable(durable, config)
+        if tag is UNPREPARED:
+            tag = prepare_durable(durable, config)
         renamed = {name: durable_name(name, tag) for name in files}
         _copy_all(open_storage(local), store, {name: info.size for name, info in files.items()},
                   _pieces_by_file(md.storage_data), renamed, config, followed)

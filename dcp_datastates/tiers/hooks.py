@@ -233,10 +233,9 @@ class LocalTier(NoTier):
             staged.local_s = time.monotonic() - staged.requested
         self.local_commit.set_result(storage.location)
         plan = staged.tier_plan if staged is not None else None
-        if isinstance(plan, SoloDrain):
-            drain.drain(storage.location, self.durable_path, config, (plan.tag,), staged.tier_state)
-        else:
-            drain.drain(storage.location, self.durable_path, config)
+        prepared = isinstance(plan, SoloDrain)  # its files were copied while written (writing())
+        drain.drain(storage.location, self.durable_path, config, plan.tag if prepared else drain.UNPREPARED,
+                    staged.tier_state if prepared else None)
         # left by a killed run, under the same root (so on the store these options are for)
         drain.drain_pending_quietly(config.local_tier, config, root=tiers.root_of(self.durable_path))
         tiers.evict_drained(config.local_tier, config.keep_local, config.storage_options)
