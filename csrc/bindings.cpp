@@ -12,6 +12,7 @@
 #include "crc32c.h"
 #include "engine.h"
 #include "grid.h"
+#include "hash64.h"
 #include "io_util.h"
 #include "write_job.h"
 
@@ -480,6 +481,57 @@ PYBIND11_MODULE(_engine, m) {
       "gives its own files: the final fsync then finds little left). Errors are ignored.");
   m.def("crc32c", &crc_of_buffer, py::arg("data"), py::arg("seed") = 0,
         "CRC32C of a contiguous buffer; pass a previous result as seed to continue it.");
+  m.def("hash64", [](py::handle data) -> uint64_t {
+    Py_buffer view;
+    if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+    uint64_t out;
+    if (static_cast<uint64_t>(view.len) >= kReleaseGilBytes) {
+      py::gil_scoped_release nogil;
+      out = dcpds::hash64(view.buf, static_cast<size_t>(view.len));
+    } else {
+      out = dcpds::hash64(view.buf, static_cast<size_t>(view.len));
+    }
+    PyBuffer_Release(&view);
+    return out;
+  }, py::arg("data"),
+        "XXH64 with seed 0 of a contiguous buffer (bytes or any buffer-protocol object), as an int in\n"
+        "[0, 2**64): the content hash that tells whether a tensor's bytes are unchanged since an earlier\n"
+        "checkpoint (incremental saves). Equals hash64_segments([[(ptr, len)]])[0] over the same bytes.");
+  m.def("hash64_segments", [](py::handle items) {
+    py::object seq = py::reinterpret_steal<py::object>(
+        PySequence_Fast(items.ptr(), "items must be a list of [(ptr, nbytes), ...] segment lists"));
+    if (!seq) throw py::error_already_set();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+    PyObject** elems = PySequence_Fast_ITEMS(seq.ptr());
+    std::vector<std::vector<std::array<uint64_t, 2>>> segments;
+    segments.reserve(static_cast<size_t>(n));
+    for (Py_ssize_t i = 0; i < n; ++i) {  // all checks first, with the GIL
+      const std::string what = "item " + std::to_string(i) + " segment";
+      segments.push_back(parse_tuples<2>(elems[i], what.c_str(), {"ptr", "nbytes"}));
+      for (size_t j = 0; j < segments.back().size(); ++j) {
+        const auto& g = segments.back()[j];
+        if (g[0] == 0 && g[1] > 0)
+          throw py::value_error(what + " " + std::to_string(j) + ": ptr is null with nbytes " + std::to_string(g[1]));
+      }
+    }
+    std::vector<uint64_t> out(segments.size());
+    {
+      py::gil_scoped_release nogil;
+      for (size_t i = 0; i < segments.size(); ++i) {
+        dcpds::Hash64 h;
+        for (const auto& g : segments[i])
+          h.update(reinterpret_cast<const void*>(static_cast<uintptr_t>(g[0])), static_cast<size_t>(g[1]));
+        out[i] = h.digest();
+      }
+    }
+    return out;
+  }, py::arg("items"),
+        "XXH64 with seed 0 of each item, an item being a list of (ptr, nbytes) memory segments that\n"
+        "hash as their concatenation (an empty list hashes as the empty input), as ints in [0, 2**64):\n"
+        "the content hashes that tell whether tensors' bytes are unchanged since an earlier checkpoint\n"
+        "(incremental saves). Hashes with the GIL released; the memory must stay valid and unchanged\n"
+        "until it returns. ValueError naming the item and segment for a negative nbytes or a null ptr\n"
+        "with nbytes > 0.");
   m.def("_crc32c_software", [](py::bytes data, long long seed) {
     std::string_view v = data;
     return dcpds::crc32c_software(v.data(), v.size(), seed_arg(seed));

@@ -8,7 +8,7 @@
     dcp.load(state, storage_reader=DataStatesReader("ckpt/step-100"))
 """
 
-from .commit import check_commit, is_committed
+from .commit import check_commit, is_committed, referenced_by
 from .config import DataStatesConfig, parse_size
 from .errors import (
     CheckpointFormatError,
@@ -43,6 +43,7 @@ __all__ = [
     "latest_checkpoint",
     "is_committed",
     "check_commit",
+    "referenced_by",
     "validate_checkpoint",
     "validate_data_file",
     "checkpoint_error_cause",

@@ -108,7 +108,7 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
 # ------------------------------------------------------------------------------------ inspect
 def _cmd_inspect(args) -> int:
     from .convert import checkpoint_items
-    from .format.layout import FORMAT_NAME, FORMAT_VERSION
+    from .format.layout import FORMAT_NAME, FORMAT_VERSION, REFERENCES_VERSION, split_reference
     from .storage import file_kind
 
     path = _checkpoint_dir(args.path)
@@ -124,11 +124,14 @@ def _cmd_inspect(args) -> int:
         on_disk[name] = st.st_size if stat.S_ISREG(st.st_mode) else file_kind(st.st_mode)
     sm = md.storage_meta
     total_items = sum(i.nbytes for i in items)
+    # An incremental save's references: files of earlier checkpoints beside this one.
+    referenced = {name: ref[0] for name in files if (ref := split_reference(name)) is not None}
+    version = REFERENCES_VERSION if referenced else FORMAT_VERSION
     if args.json:
         doc = {
             "path": path,
             "format": FORMAT_NAME,
-            "version": FORMAT_VERSION,
+            "version": version,
             "dcp_version": md.version,
             "save_id": getattr(sm, "save_id", None),
             "checkpoint_id": None if sm is None or sm.checkpoint_id is None else str(sm.checkpoint_id),
@@ -136,6 +139,10 @@ def _cmd_inspect(args) -> int:
             "files": {
                 name: {"size": info.size, "size_on_disk": on_disk[name], "data_start": info.data_start, "piece_size": info.piece_size}
                 for name, info in files.items()
+            },
+            "references": {
+                checkpoint: sorted(n for n, c in referenced.items() if c == checkpoint)
+                for checkpoint in sorted(set(referenced.values()))
             },
             "items": {
                 i.fqn: (
@@ -159,11 +166,16 @@ def _cmd_inspect(args) -> int:
     ntensors = sum(1 for i in items if i.kind == "tensor")
     print(f"checkpoint: {_safe(path)}")
     dcp_version = f" (DCP metadata version {md.version})" if md.version else ""
-    print(f"format:     {FORMAT_NAME} version {FORMAT_VERSION}{dcp_version}")
+    print(f"format:     {FORMAT_NAME} version {version}{dcp_version}")
     if sm is not None and sm.save_id:
         print(f"save id:    {_safe(sm.save_id)}")
     print(f"items:      {len(items)} ({ntensors} tensors, {len(items) - ntensors} other values), {_human(total_items)}")
     print(f"files:      {len(files)}, {_human(sum(f.size for f in files.values()))}")
+    if referenced:
+        own = sum(info.size for name, info in files.items() if name not in referenced)
+        shown = ", ".join(_safe(c) for c in sorted(set(referenced.values())))
+        print(f"references: {len(referenced)} file(s) of earlier checkpoint(s) {shown} (incremental save; "
+              f"{_human(own)} written by this one)")
     print()
     rows = []
     for name, info in files.items():

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from .commit import check_data_files, file_size_error, is_committed, read_commit
+from .commit import by_folder, check_data_files, data_file, file_size_error, is_committed, read_commit
 from .config import DataStatesConfig
 from .errors import CheckpointFormatError, DataStatesError, IncompleteCheckpointError, record_metadata_read
 from .format.layout import FileInfo, ItemLocation, rank_marker_name
@@ -186,7 +186,7 @@ class DataStatesReader(StorageReader):
                 by_file[loc.file].append((req, loc))
             # The sizes of the durable files this rank reads: one listing on an object store, one
             # lstat per file here (never the other ranks' files).
-            self._sizes = self._storage.sizes(n for n in by_file if n not in self._local_files)
+            self._sizes = self._file_sizes([n for n in by_file if n not in self._local_files])
             staging = read.DeviceStaging()
             for name, items in by_file.items():
                 self._read_file(name, items, planner, staging)
@@ -255,9 +255,18 @@ class DataStatesReader(StorageReader):
             except (DataStatesError, OSError) as exc:
                 self._warn_local_unusable(local, name, exc)
                 self._check_file(name)
-        read.read_targets(self._storage, name, reading, engine, verify=self.config.verify,
+        folder, own = data_file(self._storage, name)  # an incremental save's reference: the earlier checkpoint's file
+        read.read_targets(folder, own, reading, engine, verify=self.config.verify,
                           threads=self.config.read_threads, checkpoint=self.path)
         return None
+
+    def _file_sizes(self, names: list[str]) -> dict[str, int]:
+        """Sizes of the durable data files ``names`` (as the metadata lists them): one listing per
+        folder on an object store, one lstat per file here."""
+        sizes: dict[str, int] = {}
+        for folder, own in by_folder(self._storage, names):
+            sizes.update((own[n], size) for n, size in folder.sizes(own).items())
+        return sizes
 
     def _warn_local_unusable(self, local: str, name: str, exc: BaseException) -> None:
         log.warning("dcp_datastates: rank %d: the local copy %s of %s is unusable (%s); reading it from "
@@ -269,8 +278,9 @@ class DataStatesReader(StorageReader):
         if info is None:
             return
         if name not in self._sizes:  # a local copy that failed, or absent: ask for this one
-            self._sizes.update(self._storage.sizes([name]))
-        exc = file_size_error(self.path, name, self._sizes.get(name), info.size, location=self._storage.where(name))
+            self._sizes.update(self._file_sizes([name]))
+        folder, own = data_file(self._storage, name)
+        exc = file_size_error(self.path, name, self._sizes.get(name), info.size, location=folder.where(own))
         if exc is not None:
             if self._plan.pending_id is None:
                 raise exc

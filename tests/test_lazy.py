@@ -149,11 +149,14 @@ def test_folder_work_runs_off_the_training_thread(tmp_path, monkeypatch):
     assert_state_equal(out, expected)
 
 
-def test_a_folder_that_cannot_be_prepared_fails_the_save_and_frees_the_cache(tmp_path):
+def test_a_folder_that_cannot_be_prepared_fails_the_save_and_frees_the_cache(tmp_path, small_engine):
     """The folder is prepared after the request started the copies: its error still fails the
     save (raised through DCP), nothing is written, and the cache slots come back."""
+    from dcp_datastates import start_engine
+
     from conftest import raises_through_dcp
 
+    start_engine(host_cache_size="4MB")  # running before the save (whose request may fail first)
     target = tmp_path / "not-a-folder"
     target.write_bytes(b"a file where the checkpoint folder should be")
     state = {"w": torch.randn(300_000)}

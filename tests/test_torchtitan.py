@@ -159,6 +159,33 @@ def test_async_lazy_save_keep_latest_k_and_resume(tt, tmp_path, monkeypatch):
     assert sorted(os.listdir(root)) == ["step-6", "step-8"]
 
 
+def test_incremental_keep_latest_k_keeps_what_kept_checkpoints_refer_to(tt, tmp_path, caplog):
+    model, optimizers, lrs, ts, manager = build(tt, tmp_path, incremental=True)
+    model[0].requires_grad_(False)  # a frozen first layer: written by step-2 only
+    assert manager.datastates_config.incremental is True
+    snaps = {}
+    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+        train(model, optimizers, lrs, ts, manager, steps=7, snapshots=snaps)
+        manager.maybe_wait_for_saving()
+        manager.close()
+    root = tmp_path / "checkpoint"
+    # keep_latest_k=2 keeps step-4 and step-6, and step-2 too: both refer to its frozen layer.
+    assert sorted(os.listdir(root)) == ["step-2", "step-4", "step-6"]
+    assert "keep_latest_k keeps" in caplog.text and "step-2" in caplog.text
+    doc = json.loads((root / "step-6" / ".metadata").read_bytes())
+    assert doc["items"]["0.weight"]["chunks"][0]["file"].startswith("../step-2/")
+    assert not doc["items"]["2.weight"]["chunks"][0]["file"].startswith("../")
+    model2, opt2, lrs2, ts2, manager2 = build(tt, tmp_path, seed=99, incremental=True)
+    model2[0].requires_grad_(False)
+    assert manager2.load() is True and ts2.step == 6
+    assert_matches(snaps[6], model2, opt2)
+    train(model2, opt2, lrs2, ts2, manager2, steps=2, start=7)
+    manager2.maybe_wait_for_saving()
+    manager2.close()
+    # step-4 is no longer kept and nothing refers to it: deleted; step-2 still referred to.
+    assert sorted(os.listdir(root)) == ["step-2", "step-6", "step-8"]
+
+
 def test_local_tier_option_commits_locally_drains_and_resumes_from_the_local_copy(tt, tmp_path, caplog):
     nv = tmp_path / "nvme"
     model, optimizers, lrs, ts, manager = build(tt, tmp_path, local_tier=str(nv), keep_local=1)

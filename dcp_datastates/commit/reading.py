@@ -3,6 +3,7 @@ load, ``verify``, ``convert``, the tiers, the commit itself before it writes a m
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -10,13 +11,21 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointFormatError, DataStatesError, IncompleteCheckpointError
-from ..format.layout import MAX_METADATA_BYTES, METADATA_NAME, STEP_NUMBER, FileInfo, decode_metadata, rank_marker_name
+from ..format.layout import (
+    MAX_METADATA_BYTES,
+    METADATA_NAME,
+    STEP_NUMBER,
+    FileInfo,
+    decode_metadata,
+    rank_marker_name,
+    split_reference,
+)
 from ..storage import Storage, open_storage
 
 log = logging.getLogger("dcp_datastates")
 
 __all__ = ["read_commit", "check_data_files", "file_size_error", "check_commit", "is_committed", "latest_checkpoint",
-           "checkpoint_id"]
+           "checkpoint_id", "data_file", "by_folder", "referenced_by"]
 
 Location = "str | os.PathLike | Storage"
 
@@ -82,17 +91,41 @@ def read_commit(location: Location, *, storage_options: Mapping[str, Any] | None
     return decode_metadata(raw, where)
 
 
+def data_file(storage: Storage, name: str) -> tuple[Storage, str]:
+    """(folder, file name in it) of data file ``name`` as a checkpoint's metadata lists it: a file
+    of the checkpoint itself, or (incremental saves) a reference to a file of the checkpoint
+    folder beside it that holds those bytes (``format.layout.reference_name``)."""
+    ref = split_reference(name)
+    return (storage, name) if ref is None else (storage.sibling(ref[0]), ref[1])
+
+
+def by_folder(storage: Storage, names) -> list[tuple[Storage, dict[str, str]]]:
+    """``names`` (as the metadata lists them) grouped by the folder holding them: (folder, {name
+    in that folder: name in the metadata}), the checkpoint's own folder first."""
+    groups: dict[str, tuple[Storage, dict[str, str]]] = {"": (storage, {})}
+    for name in names:
+        ref = split_reference(name)
+        key = "" if ref is None else ref[0]
+        if key not in groups:
+            groups[key] = (storage.sibling(key), {})
+        groups[key][1][name if ref is None else ref[1]] = name
+    return [g for g in groups.values() if g[1]]
+
+
 def file_size_error(where: str, name: str, size: int | None, expected: int, *,
                     location: str | None = None) -> IncompleteCheckpointError | None:
     """The error for data file ``name`` of checkpoint ``where`` found with ``size`` bytes (None:
     missing) where the metadata records ``expected``; None when they agree."""
+    what = f"data file {name}"
+    if split_reference(name) is not None:
+        what = f"data file {name} (an earlier checkpoint's file that this incremental checkpoint refers to)"
     if size is None:
         seen = f"{location}; " if location else ""
         return IncompleteCheckpointError(
-            f"incomplete checkpoint {where}: data file {name} is missing ({seen}the metadata lists it)"
+            f"incomplete checkpoint {where}: {what} is missing ({seen}the metadata lists it)"
         )
     if size != expected:
-        return IncompleteCheckpointError(f"incomplete checkpoint {where}: data file {name} {size_text(size, expected)}")
+        return IncompleteCheckpointError(f"incomplete checkpoint {where}: {what} {size_text(size, expected)}")
     return None
 
 
@@ -105,11 +138,13 @@ def check_data_files(location: Location, files: dict[str, FileInfo], *,
     """Every data file in ``files`` exists as a regular file inside the folder (not a symlink,
     FIFO or device) with the recorded size."""
     storage = open_storage(location, storage_options)
-    sizes = storage.sizes(files)
-    for name, info in files.items():
-        error = file_size_error(storage.location, name, sizes.get(name), info.size)
-        if error is not None:
-            raise error
+    for folder, names in by_folder(storage, files):
+        sizes = folder.sizes(names)
+        for own, name in names.items():
+            error = file_size_error(storage.location, name, sizes.get(own), files[name].size,
+                                    location=None if folder is storage else folder.where(own))
+            if error is not None:
+                raise error
 
 
 def check_commit(location: Location, *, storage_options: Mapping[str, Any] | None = None) -> None:
@@ -148,6 +183,35 @@ def checkpoint_id(location: Location, storage_options: Mapping[str, Any] | None 
         log.debug("dcp_datastates: cannot read the commit of %s: %s", storage.location, exc)
         return None
     return md.storage_meta.save_id if md.storage_meta is not None else None
+
+
+def referenced_by(location: Location, *, storage_options: Mapping[str, Any] | None = None) -> list[str]:
+    """The committed checkpoints beside ``location`` (same parent folder) whose metadata refers
+    to data files of it (incremental saves): deleting ``location`` would break them, so retention
+    keeps it while this list is not empty. Reads each sibling's marker (no decode: a marker that
+    names ``../<this folder>/`` refers to it; a damaged one that cannot be read counts as
+    referring, so nothing is deleted on a guess)."""
+    storage = open_storage(location, storage_options)
+    own = storage.location.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
+    needle = json.dumps(f"../{own}/")[:-1].encode()  # the JSON string's opening quote and text
+    parent = storage.parent()
+    found = []
+    for name in parent.subfolders():
+        if name == own:
+            continue
+        folder = parent.child(name)
+        try:
+            raw = folder.read_small(METADATA_NAME, limit=MAX_METADATA_BYTES, what="the commit marker")
+        except (FileNotFoundError, NotADirectoryError):
+            continue  # not a committed checkpoint
+        except (DataStatesError, OSError) as exc:
+            log.warning("dcp_datastates: cannot read %s (%s): keeping %s in case it refers to it",
+                        folder.where(METADATA_NAME), exc, storage.location)
+            found.append(folder.location)
+            continue
+        if needle in raw:
+            found.append(folder.location)
+    return found
 
 
 def latest_checkpoint(root: Location, *, check_files: bool = True,

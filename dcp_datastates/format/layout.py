@@ -52,6 +52,7 @@ __all__ = [
     "piece_ranges",
     # the commit marker
     "ItemLocation", "FileInfo", "encode_metadata", "encode_commit", "decode_metadata", "FORMAT_VERSION", "METADATA_NAME",
+    "REFERENCES_VERSION", "reference_name", "split_reference",
     "MAX_METADATA_BYTES", "STEP_NUMBER", "rank_marker_name", "PENDING_NAME",
 ]
 
@@ -180,6 +181,11 @@ def plan_file(entries: list[FileEntry], file_metadata: dict[str, str] | None = N
 
 # ==================================================================== the commit marker
 FORMAT_VERSION = 1
+# A commit whose items refer to data files of earlier checkpoints under the same root
+# (incremental saves): its document says version 2, so a reader that does not follow references
+# (dcp_datastates before them) refuses it by name instead of looking for those files here.
+REFERENCES_VERSION = 2
+_READABLE_VERSIONS = (FORMAT_VERSION, REFERENCES_VERSION)
 METADATA_NAME = ".metadata"
 # Several ranks with a local tier: the metadata of a checkpoint committed on the nodes' local tiers
 # and not yet on the durable one (tiers/local_tier.py); never read by DCP.
@@ -212,6 +218,9 @@ class ItemLocation:
     data_start: int  # first data byte of the file (the grid origin)
     piece_size: int  # grid step of the checksums
     file_size: int = 0  # size of the whole data file when written (0: not known, e.g. decoded)
+    # XXH64 (seed 0) of the item's bytes, recorded by incremental saves (save/incremental.py)
+    # to find unchanged items next time; None when not computed.
+    hash64: int | None = None
 
 
 def moved(loc: "ItemLocation", file: str, *, crc32c: tuple[int, ...] | None = None,
@@ -219,7 +228,27 @@ def moved(loc: "ItemLocation", file: str, *, crc32c: tuple[int, ...] | None = No
     """The same bytes in a file renamed to ``file`` (with its checksums and size, when given)."""
     # Built directly: dataclasses.replace costs ~4x more, once per item of a checkpoint.
     return ItemLocation(file, loc.offset, loc.length, loc.dtype, loc.shape, loc.crc32c if crc32c is None else crc32c,
-                        loc.data_start, loc.piece_size, loc.file_size if file_size is None else file_size)
+                        loc.data_start, loc.piece_size, loc.file_size if file_size is None else file_size,
+                        loc.hash64)
+
+
+# References. An item of an incremental save whose bytes are unchanged since an earlier committed
+# checkpoint under the same root is not written again: its location names that checkpoint's data
+# file as ``../<checkpoint folder>/<data file>``. Exactly that form and nothing else: one level up
+# to the root, one folder down, two plain names; the decoder refuses any other path, so a
+# metadata file can never make a load read outside the root.
+def reference_name(checkpoint: str, file: str) -> str:
+    """The name, in a checkpoint's metadata, of data file ``file`` of sibling checkpoint folder
+    ``checkpoint`` (both plain names)."""
+    return f"../{checkpoint}/{file}"
+
+
+def split_reference(name: str) -> tuple[str, str] | None:
+    """(checkpoint folder, file) of a reference name; None for a file of the checkpoint itself."""
+    if not name.startswith("../"):
+        return None
+    folder, _, file = name[3:].partition("/")
+    return folder, file
 
 
 @dataclass(frozen=True)
@@ -269,7 +298,7 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
             info = files[loc.file] = [0, loc.data_start, loc.piece_size]
             file_json[loc.file] = _json_str(loc.file)
             if c is not None:
-                _check_file_name(c, loc.file, loc.piece_size, f"files[{loc.file!r}]")
+                _check_file_name(c, loc.file, loc.piece_size, f"files[{loc.file!r}]", references=True)
         elif c is not None and (info[1] != loc.data_start or info[2] != loc.piece_size):
             raise c.fail(f"{_item_where(fqn, offsets)}: its checksum grid ({loc.data_start}, {loc.piece_size}) "
                          f"is not its file's ({info[1]}, {info[2]}) in {loc.file}")
@@ -286,8 +315,11 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
             _check_crcs(c, _item_where, (fqn, offsets), offset, length, crcs, info[1], info[2])
             if length:
                 spans.setdefault(loc.file, []).append((offset, end))
-        return (f'"file":{file_json[loc.file]},"offset":{offset},"length":{length},'
-                f'"crc32c":{list(map(int, crcs))}'), length
+        text = (f'"file":{file_json[loc.file]},"offset":{offset},"length":{length},'
+                f'"crc32c":{list(map(int, crcs))}')
+        if loc.hash64 is not None:
+            text += f',"hash64":"{int(loc.hash64):016x}"'
+        return text, length
 
     for fqn, smd in md.state_dict_metadata.items():
         if isinstance(smd, BytesStorageMetadata):
@@ -315,7 +347,7 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
     infos = {name: FileInfo(size=v[0], data_start=v[1], piece_size=v[2]) for name, v in files.items()}
     if c is not None:
         for name, info in infos.items():
-            _check_file(c, name, info, f"files[{name!r}]")
+            _check_file(c, name, info, f"files[{name!r}]", references=True)
         _check_spans(c, spans, lambda fname, start, end: _raise_shared(
             c, ((index.fqn, loc) for index, loc in locations.items()), fname, start, end))
     storage_meta = None
@@ -329,7 +361,7 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
         }
     head = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": REFERENCES_VERSION if any(name.startswith("../") for name in files) else FORMAT_VERSION,
         "dcp_version": md.version,
         "storage_meta": storage_meta,
         "planner_data": _jsonable_planner_data(md.planner_data),
@@ -455,10 +487,10 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
     if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
         raise c.fail("not a dcp_datastates metadata file (missing format marker)")
     version = c.get(doc, "version", int, "the document")
-    if version != FORMAT_VERSION:
+    if version not in _READABLE_VERSIONS:
         raise c.fail(
-            f"unknown format version {version}; this dcp_datastates reads version {FORMAT_VERSION} "
-            f"(upgrade dcp_datastates to load newer checkpoints)"
+            f"unknown format version {version}; this dcp_datastates reads versions "
+            f"{', '.join(map(str, _READABLE_VERSIONS))} (upgrade dcp_datastates to load newer checkpoints)"
         )
     files: dict[str, FileInfo] = {}
     for name, info in c.get(doc, "files", dict, "the document").items():
@@ -468,7 +500,7 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
             data_start=c.nonneg(info, "data_start", where),
             piece_size=c.nonneg(info, "piece_size", where),
         )
-        _check_file(c, name, files[name], where)
+        _check_file(c, name, files[name], where, references=version >= REFERENCES_VERSION)
 
     state: dict[str, Any] = {}
     storage: dict[MetadataIndex, ItemLocation] = {}
@@ -572,15 +604,24 @@ def _check_covered(c: _Check, where: str, covered: int, size, total: int) -> Non
         raise c.fail(f"{where}: its chunks hold {covered} elements, the tensor of size {list(size)} has {total}")
 
 
-def _check_file(c: _Check, name: str, info: FileInfo, where: str) -> None:
+def _check_file(c: _Check, name: str, info: FileInfo, where: str, *, references: bool = False) -> None:
     """What a data file's entry must satisfy (the decoder's and the commit's check)."""
-    _check_file_name(c, name, info.piece_size, where)
+    _check_file_name(c, name, info.piece_size, where, references=references)
     if info.data_start > info.size:
         raise c.fail(f"{where}: data_start {info.data_start} lies past the file size {info.size}")
 
 
-def _check_file_name(c: _Check, name: str, piece_size: int, where: str) -> None:
-    if "/" in name or "\\" in name or "\x00" in name or name in ("", ".", "..", METADATA_NAME):
+def _plain_name(name: str) -> bool:
+    return not ("/" in name or "\\" in name or "\x00" in name or name in ("", ".", "..", METADATA_NAME))
+
+
+def _check_file_name(c: _Check, name: str, piece_size: int, where: str, *, references: bool = False) -> None:
+    ref = split_reference(name)
+    if ref is not None and references:
+        if not (_plain_name(ref[0]) and _plain_name(ref[1])):
+            raise c.fail(f"{where}: a reference must name a data file of a checkpoint folder beside this one "
+                         f"(../<folder>/<file>, two plain names)")
+    elif not _plain_name(name):
         raise c.fail(f"{where}: file names must be plain names inside the checkpoint folder")
     if piece_size == 0:
         raise c.fail(f"{where}: piece_size must be positive")
@@ -620,7 +661,15 @@ def _location(c: _Check, entry: dict, where: str, files: dict[str, FileInfo], dt
     offset, length = c.nonneg(entry, "offset", where), c.nonneg(entry, "length", where)
     crcs = c.get(entry, "crc32c", list, where)
     _check_range(c, where, fname, offset, length, crcs, info)
-    return ItemLocation(fname, offset, length, dtype, shape, tuple(crcs), info.data_start, info.piece_size)
+    digest = entry.get("hash64")
+    if digest is not None:
+        if type(digest) is not str or len(digest) != 16 or not _HEX.fullmatch(digest):
+            raise c.fail(f"field 'hash64' in {where} should be 16 hex digits, found {digest!r}")
+        digest = int(digest, 16)
+    return ItemLocation(fname, offset, length, dtype, shape, tuple(crcs), info.data_start, info.piece_size, 0, digest)
+
+
+_HEX = re.compile(r"[0-9a-f]{16}")
 
 
 def _decode_tensor(

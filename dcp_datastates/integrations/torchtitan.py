@@ -38,6 +38,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from ..commit import referenced_by
 from ..config import DataStatesConfig, cache_size
 from ..format.layout import METADATA_NAME
 from ..format.safe_unpickle import restricted_pickle_loads
@@ -148,6 +149,12 @@ if TORCHTITAN_AVAILABLE:
             """Checkpoints kept in ``local_tier`` (newest first; older ones are removed once
             drained, never before). ``keep_latest_k`` still governs the durable folder. Default: 2."""
 
+            incremental: bool | None = None
+            """Write a tensor only when its bytes changed since the newest checkpoint in
+            ``checkpoint.folder`` (frozen weights, adapters' base model: written once); every
+            checkpoint still loads strictly. ``keep_latest_k`` then keeps an older checkpoint
+            for as long as a kept one refers to it. Not with ``local_tier``. Default: off."""
+
             trust_checkpoints: bool = False
             """Allow resuming from checkpoints whose values need arbitrary unpickling: stock DCP
             checkpoints (pickled .metadata) and values outside PyTorch's restricted unpickler.
@@ -182,6 +189,7 @@ if TORCHTITAN_AVAILABLE:
                     ("dedup_replicated", "dedup_replicated"),
                     ("local_tier", "local_tier"),
                     ("keep_local", "keep_local"),
+                    ("incremental", "incremental"),
                 ):
                     value = getattr(self, ours)
                     if value is not None:
@@ -207,6 +215,8 @@ if TORCHTITAN_AVAILABLE:
                 return
             self.datastates_config = config.to_datastates_config()
             self.staging_completion = None
+            if getattr(self, "purge_queue", None) is not None:
+                _keep_referenced(self.purge_queue)
             if self.async_mode == AsyncMode.DISABLED:
                 log.info(
                     "dcp_datastates: checkpoint.async_mode=disabled: saves are synchronous (training waits "
@@ -302,6 +312,32 @@ if TORCHTITAN_AVAILABLE:
             future (``maybe_wait_for_saving``), as TorchTitan expects."""
             wait_staged()
             self.staging_completion = None
+
+    def _keep_referenced(purge_queue) -> None:
+        """TorchTitan queues each folder ``keep_latest_k`` drops for its purge thread: a folder
+        that a kept incremental checkpoint refers to (``referenced_by``) is not queued.
+        TorchTitan lists it again at its next save and it goes once nothing refers to it. Asked
+        when the folder is queued, on the caller's thread (a read of the other checkpoints'
+        markers, once per save that purges): the purge thread is already waiting in the
+        queue's ``get`` when this manager is built, so a check there would miss the first one.
+        A save in flight builds on the newest committed checkpoint, which ``keep_latest_k`` >= 2
+        keeps, so it never refers to a folder queued here."""
+        put = purge_queue.put
+
+        def put_unreferenced(path, *args: Any, **kwargs: Any) -> None:
+            if path is not None:
+                try:
+                    users = referenced_by(path)
+                except Exception as exc:  # noqa: BLE001 - unknown: keep it rather than guess
+                    log.warning("dcp_datastates: keep_latest_k keeps %s: cannot tell what refers to it (%s)", path, exc)
+                    return
+                if users:
+                    log.info("dcp_datastates: keep_latest_k keeps %s: incremental checkpoint(s) %s refer to it",
+                             path, ", ".join(users))
+                    return
+            put(path, *args, **kwargs)
+
+        purge_queue.put = put_unreferenced
 
     class _RestrictedStateful:
         """Wraps TorchTitan's dataloader for a load: its ``load_state_dict`` calls

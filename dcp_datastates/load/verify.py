@@ -14,7 +14,7 @@ from ..commit import check_data_files, read_commit
 from ..commit.reading import size_text
 from ..errors import CheckpointFormatError, ChecksumMismatchError
 from ..format.header import MAX_HEADER_BYTES, DataFileHeader, DataFileItem, parse_header
-from ..format.layout import FileInfo, ItemLocation, piece_ranges, safetensors_dtype
+from ..format.layout import FileInfo, ItemLocation, piece_ranges, safetensors_dtype, split_reference
 from ..format.pieces import bad_pieces
 from ..storage import LocalStorage, file_kind, open_for_reading
 
@@ -177,6 +177,9 @@ def item_label(index) -> str:
 def checksum_mismatch(checkpoint: str, file: str, index, offset: int, length: int, expected: int,
                       got: int) -> ChecksumMismatchError:
     """The error for bytes [offset, offset + length) of ``file`` whose CRC32C is not the stored one."""
+    ref = split_reference(file)
+    if ref is not None:
+        file = f"{file} (data file {ref[1]} of the earlier checkpoint {ref[0]}, which this incremental checkpoint refers to)"
     return ChecksumMismatchError(
         f"checkpoint {checkpoint}: checksum mismatch in {file}, {item_label(index)}, "
         f"bytes [{offset}, {offset + length}): stored crc32c {expected:#010x}, read {got:#010x}"

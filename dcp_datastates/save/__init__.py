@@ -3,7 +3,8 @@
 1. ``request``: on the training thread, ``stage()``: flatten and scan the state once
    (``items``, ``ownership``, ``pipeline``), copy small items now, submit each
    planned file to the storage's engine job, hold what cannot be written yet (``held_file``),
-   register the save (``runtime.inflight``); a watcher seals the version guard
+   register the save (``runtime.inflight``) (``incremental``: an incremental save's held files
+   write only the items whose hashes changed since the base checkpoint); a watcher seals the version guard
    (``items.VersionGuard``) and resolves DCP's Future;
 2. ``request.name_folder`` / ``request.sync_save``: DCP names the folder;
 3. ``write``: on DCP's thread, ``write_data``: every file durable, late items, the planner's

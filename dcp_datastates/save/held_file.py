@@ -11,6 +11,11 @@ every data file: header, data, checksums on the final file's grid), and gives ev
 once that job copied them. Items not
 selected are dropped; when none is, no file is created.
 
+In an incremental save (``incremental.py``) the items are also hashed there, from the held
+chunks (XXH64, on this file's thread with the GIL released), and those whose bytes the base
+checkpoint already holds are dropped from the selection: their locations are the base's
+(references), and their slots are given back like the others'.
+
 The held bytes stay in the cache until the plan arrives, so the writer holds only what fits in
 half of it (the rest would stall other copies); a held file whose plan never comes (the save
 failed on another rank before writing) gives its slots back after ``timeout`` seconds, or at once
@@ -25,9 +30,13 @@ from concurrent.futures import Future
 
 from ..errors import CheckpointWriteError
 from ..format.layout import ItemLocation, plan_file
+from ..native import engine_module
 from ..storage import Storage
+from .incremental import Incremental
 from .items import ItemKey, SourceItem
 from .pipeline import item_location
+
+_engine = engine_module()  # hash64_segments: the incremental save's content hash
 
 __all__ = ["HeldFile"]
 
@@ -42,7 +51,7 @@ class HeldFile:
 
     def __init__(self, engine, items: list[SourceItem], device: int, stream: int, label: str,
                  selection: frozenset | None = None, selection_known: bool = False,
-                 timeout: float = 600.0) -> None:
+                 timeout: float = 600.0, incremental: Incremental | None = None) -> None:
         self.items = items
         self.keys = [it.key for it in items]
         self.layout = plan_file([it.entry for it in items])
@@ -51,6 +60,7 @@ class HeldFile:
         self.engine = engine
         self.device = device
         self._timeout = timeout
+        self._incremental = incremental
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
         self._dest: _Destination | None = None
@@ -153,30 +163,59 @@ class HeldFile:
         """Lay the kept items out anew and have the engine write that file from the held chunks
         (every byte of every data file comes from the engine, checksums included): take every
         piece the held job hands out, submit a job whose items are gathered from those chunks,
-        give the chunks back once it copied them."""
-        final = plan_file([it.entry for it, _ in kept])
+        give the chunks back once it copied them. In an incremental save, the items the base
+        holds unchanged are not written: their locations are the base's."""
         taken = []
+        found: dict[ItemKey, ItemLocation] = {}
+        digests: list[int | None] = [None] * len(kept)
+        job = upload = None
         try:
             while (chunk := self.job.next_chunk()) is not None:
                 taken.append(chunk)
             error = self.job.error()
             if error:
                 raise CheckpointWriteError(error)
-            items = [(_segments(taken, off, it.entry.nbytes) or 0, it.entry.nbytes, foff)
-                     for (it, off), foff in zip(kept, final.offsets)]
-            job, upload = self._submit(dest, final, items)
-            job.wait_staged()  # copied out of the held chunks
+            segments = [_segments(taken, off, it.entry.nbytes) for it, off in kept]
+            if self._incremental is not None:
+                digests, kept, segments, found = self._unchanged(kept, segments)
+            if kept:
+                final = plan_file([it.entry for it, _ in kept])
+                items = [(segs or 0, it.entry.nbytes, foff) for (it, _), segs, foff in zip(kept, segments, final.offsets)]
+                job, upload = self._submit(dest, final, items)
+                job.wait_staged()  # copied out of the held chunks
         finally:
             for off, _, _ in taken:
                 self.job.release(off)
+        if job is None:  # every item unchanged: no file
+            return found
         if upload is not None:
             upload.result()  # raises CheckpointWriteError naming the URL
         job.wait_done()
         if job.error():
             raise CheckpointWriteError(job.error())
         crcs, piece = job.checksums(), job.piece_size()
-        return {it.key: item_location(dest.name, it.entry, foff, final.data_start, piece, tuple(crcs[j]), final.file_size)
-                for j, ((it, _), foff) in enumerate(zip(kept, final.offsets))}
+        found.update(
+            (it.key, item_location(dest.name, it.entry, foff, final.data_start, piece, tuple(crcs[j]), final.file_size,
+                                   digest))
+            for j, ((it, _), foff, digest) in enumerate(zip(kept, final.offsets, digests)))
+        return found
+
+    def _unchanged(self, kept: list, segments: list) -> tuple[list, list, list, dict[ItemKey, ItemLocation]]:
+        """Hash the kept items' held bytes: (the digests, items and segments still to write, the
+        base's locations of the unchanged ones)."""
+        digests = _engine.hash64_segments(segments)  # the GIL released while it reads
+        same: dict[ItemKey, ItemLocation] = {}
+        write, write_segments, write_digests = [], [], []
+        for (it, off), segs, digest in zip(kept, segments, digests):
+            tensor = it.entry.kind == "tensor"
+            loc = self._incremental.unchanged(it.key, it.entry, digest) if tensor else None
+            if loc is not None:
+                same[it.key] = loc
+                continue
+            write.append((it, off))
+            write_segments.append(segs)
+            write_digests.append(digest if tensor else None)
+        return write_digests, write, write_segments, same
 
     def _submit(self, dest: _Destination, final, items: list):
         """(engine job, upload future or None) writing the final file at its destination."""

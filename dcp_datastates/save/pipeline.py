@@ -70,21 +70,23 @@ class RankPlan:
 
 
 def plan_stage(flat: dict, *, rank: int, world: int, dedup: bool, cuda: bool, folder_known: bool,
-               hold_limit: Callable[[], int], copied_at_request: int = 0) -> RankPlan:
+               hold_limit: Callable[[], int], copied_at_request: int = 0, incremental: bool = False) -> RankPlan:
     """This rank's plan for ``flat``. ``dedup``: replicated values are written by one rank;
     ``cuda``: the engine copies CUDA memory itself; ``folder_known``: files can be written now;
     ``hold_limit()``: the most bytes this rank may hold for DCP's plan (else it writes them);
     ``copied_at_request``: items up to this size are copied at the request (request.copy_small_at_request), so
-    the version guard leaves them out (their later changes cannot reach the checkpoint)."""
+    the version guard leaves them out (their later changes cannot reach the checkpoint);
+    ``incremental``: this rank's tensors are held (up to ``hold_limit()`` bytes) until their
+    hashes say which to write (incremental.py), and no cached plan is used."""
     scan = scan_state(flat)
     dkey = DecisionKey(rank, world, scan.plain_signature() if scan is not None else None) if dedup else None
     decision = decisions().get(dkey) if dkey is not None and dkey.plain is not None else None
     context = PlanContext(rank, world, dedup, cuda)
-    cached = find_plan(context, scan, decision) if folder_known else None
+    cached = find_plan(context, scan, decision) if folder_known and not incremental else None
     if cached is not None:
         plan = _from_cache(cached, scan, copied_at_request)
     else:
-        plan = _from_items(flat, scan, context, decision, folder_known, hold_limit, copied_at_request)
+        plan = _from_items(flat, scan, context, decision, folder_known, hold_limit, copied_at_request, incremental)
     if dedup and plan.decision_key is None and dkey is not None and dkey.plain is not None:
         plan.decision_key = dkey
     return plan
@@ -109,7 +111,8 @@ def _from_cache(cached: StagePlan, scan: Scan, copied_at_request: int) -> RankPl
 
 
 def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: frozenset | None,
-                folder_known: bool, hold_limit: Callable[[], int], copied_at_request: int) -> RankPlan:
+                folder_known: bool, hold_limit: Callable[[], int], copied_at_request: int,
+                incremental: bool = False) -> RankPlan:
     """Lay out every file from the items themselves; the plan is cacheable when the scan
     covered the state and nothing is held."""
     rank, world, dedup = context.rank, context.world, context.dedup
@@ -128,6 +131,9 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
     if not folder_known:  # nothing can be flushed before the folder is named
         held += [HeldGroup(group, True) for group in _by_device(own.owned)]
     else:
+        if incremental:  # held until their hashes are known; the rest (past the limit) written now
+            candidates, own.owned = _candidates(own.owned, hold_limit() - sum(it.entry.nbytes for it in own.held))
+            held += [HeldGroup(group, True) for group in _by_device(candidates)]
         for k, group in enumerate(_by_device(own.owned)):
             device, group = on_one_device(context.cuda, group)
             files.append(planned_file(k, device, group))
@@ -141,6 +147,18 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
         frozenset(it.key for it in items if it.kind == PLAIN), record,
         payloads={it.key[0]: it.keepalive for it in items if it.entry.kind == "bytes"},
     )
+
+
+def _candidates(items: list[SourceItem], room: int) -> tuple[list[SourceItem], list[SourceItem]]:
+    """(tensors an incremental save holds for their hashes, up to ``room`` bytes; the rest)."""
+    held, rest = [], []
+    for it in items:
+        if it.entry.kind == "tensor" and 0 < it.entry.nbytes <= room:
+            held.append(it)
+            room -= it.entry.nbytes
+        else:
+            rest.append(it)
+    return held, rest
 
 
 def _guards(flat: dict, own: Ownership, copied_at_request: int) -> tuple[VersionGuard, VersionGuard]:
@@ -243,10 +261,11 @@ def planned_file(index: int, device: int, items: list[SourceItem]) -> PlannedFil
 
 # ------------------------------------------------------------------------------ item locations
 def item_location(file: str, entry: FileEntry, offset: int, data_start: int, piece: int,
-                  crc32c: tuple[int, ...] = (), file_size: int = 0) -> ItemLocation:
+                  crc32c: tuple[int, ...] = (), file_size: int = 0, hash64: int | None = None) -> ItemLocation:
     """Where ``entry`` lives: bytes [offset, offset + nbytes) of ``file``, whose checksum grid
     starts at ``data_start`` with step ``piece``."""
-    return ItemLocation(file, offset, entry.nbytes, entry.dtype, entry.shape, crc32c, data_start, piece, file_size)
+    return ItemLocation(file, offset, entry.nbytes, entry.dtype, entry.shape, crc32c, data_start, piece, file_size,
+                        hash64)
 
 
 def with_piece(loc: ItemLocation, piece: int) -> ItemLocation:

@@ -37,6 +37,7 @@ from ..gcpause import pause_collector
 from ..runtime import get_engine, inflight
 from ..storage import Storage
 from .held_file import HeldFile
+from .incremental import Incremental
 from .items import SourceItem, flatten
 from .pipeline import PlannedFile, on_one_device, plan_stage, planned_file
 from .state import FileJob, StagedSave
@@ -99,6 +100,8 @@ def _request(state_dict: dict, path: str | None, storage: Storage | None, config
              check_launch) -> tuple[StagedSave, Future]:
     future: Future = Future()
     staged = StagedSave(path=path, storage=storage, requested=requested)
+    if config.incremental:
+        staged.incremental = Incremental(lambda: staged.storage)
     flat, mappings = None, None
     try:
         check_launch()
@@ -155,7 +158,7 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
     engine = get_engine(config)
     plan = plan_stage(flat, rank=rank, world=world, dedup=dedup, cuda=engine.cuda_devices > 0,
                       folder_known=staged.path is not None, hold_limit=lambda: _cache_bytes(config) // 2,
-                      copied_at_request=config.copy_at_request_max_bytes)
+                      copied_at_request=config.copy_at_request_max_bytes, incremental=config.incremental)
     staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
     staged.guard, staged.late_guard = plan.guard, plan.late_guard
     staged.decision_key, staged.learn, staged.plain_keys = plan.decision_key, plan.learn, plan.plain_keys
@@ -164,7 +167,8 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
         for pf in plan.files:  # (files are planned only when the folder is known)
             staged.files.append(start_file(engine, staged, *_copy_small_now(engine, pf, staged.path, config), config))
         for group in plan.held:
-            staged.held.append(hold(engine, group.items, known=group.known, config=config, label=staged.path))
+            staged.held.append(hold(engine, group.items, known=group.known, config=config, label=staged.path,
+                                    incremental=staged.incremental))
     finally:
         if staged.path is not None:  # also after an error: the started jobs are named or failed there
             def need() -> int:
@@ -206,7 +210,10 @@ def sync_save(path: str, storage: Storage, rank: int, config) -> StagedSave:
     except BaseException:
         pause.release()
         raise
-    return StagedSave(path=path, storage=storage, rank=rank, tag=tag, collector_pause=pause)
+    staged = StagedSave(path=path, storage=storage, rank=rank, tag=tag, collector_pause=pause)
+    if config.incremental:
+        staged.incremental = Incremental(lambda: staged.storage)
+    return staged
 
 
 def planned(engine, index: int, items: list[SourceItem]) -> PlannedFile:
@@ -254,8 +261,10 @@ def _name_file(f: FileJob, staged: StagedSave) -> None:
     f.name_it(f.name, _watchers.submit)  # an old file of that name is freed on a watcher
 
 
-def hold(engine, items: list[SourceItem], *, known: bool, config, label: str | None) -> HeldFile:
-    """Copy ``items`` into the host cache now and write them once the plan says where (held_file.py)."""
+def hold(engine, items: list[SourceItem], *, known: bool, config, label: str | None,
+         incremental: Incremental | None = None) -> HeldFile:
+    """Copy ``items`` into the host cache now and write them once the plan says where (held_file.py);
+    with ``incremental``, only those whose bytes changed since the base checkpoint."""
     device, items = on_one_device(engine.cuda_devices > 0, items)
     stream = current_stream(device) if device >= 0 else 0
     label = f"{label or 'checkpoint'} (held)"
@@ -265,7 +274,7 @@ def hold(engine, items: list[SourceItem], *, known: bool, config, label: str | N
     if side_buffer is not None:
         items = [dataclasses.replace(it, ptr=span[0], keepalive=owner) for it, span, owner in zip(items, spans, keep)]
     held = HeldFile(engine, items, device, stream, label, selection=None, selection_known=known,
-                    timeout=float(config.cache_wait_timeout))
+                    timeout=float(config.cache_wait_timeout), incremental=incremental)
     held.side_buffer = side_buffer  # what the items copied at the request point into
     return held
 

@@ -113,6 +113,7 @@ class StagedSave:
     payloads: dict = field(default_factory=dict)  # fqn -> a non-tensor value's bytes, serialized at the request
     destination: Future | None = None  # the folder prepared and the files named (request.prepare_destination)
     collector_pause: Any = None  # Python's cyclic GC paused for this save (gcpause.py), ended by end_collector_pause
+    incremental: Any = None  # incremental=True: the save's decisions (incremental.Incremental); None: off
 
     def end_collector_pause(self, after: float = 0.0) -> None:
         """The save's objects are about to be freed (``after`` seconds from now, once the

@@ -26,10 +26,11 @@ from ..errors import CheckpointWriteError
 from ..format.layout import ItemLocation, data_file_name, moved, name_to_dtype
 from ..runtime import get_engine
 from ..storage import Storage
+from .held_file import HeldFile
 from .items import ItemKey, item_key, source_for_resolved, torn_message
 from .ownership import decisions
 from .planner_hooks import items_to_rewrite, overridden_data_hooks
-from .request import planned, submit_file
+from .request import hold, planned, submit_file
 from .state import FileJob, StagedSave
 
 __all__ = ["write_rank", "check_rank_local", "skip_replicas"]
@@ -69,7 +70,8 @@ def write_rank(staged: StagedSave, plan: SavePlan, planner: SavePlanner, config,
     staged_keys = {k for f in staged.files for k in f.keys} | {k for h in staged.held for k in h.keys}
     late = [item for item, key in zip(plan.items, keys) if key not in staged_keys]
     if late:
-        staged.files.append(_write_late(staged, late, planner, config, tier))
+        job = _write_late(staged, late, planner, config, tier)
+        (staged.held if isinstance(job, HeldFile) else staged.files).append(job)
     locations = _wait_durable(staged)
     if staged.moved_from is not None:
         locations = _relocate(staged, locations)
@@ -105,9 +107,11 @@ def _wait_durable(staged: StagedSave) -> dict[ItemKey, ItemLocation]:
     return locations
 
 
-def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, tier) -> FileJob:
+def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, tier) -> FileJob | HeldFile:
     """Items the plan gives this rank that it did not stage: written now from live memory,
-    which for a lazy save is right only if the tensor did not change."""
+    which for a lazy save is right only if the tensor did not change. In an incremental save
+    (``dcp.save`` stages nothing) they are copied into the host cache first and written only
+    where their hashes changed, when they fit in half the cache."""
     guard = staged.late_guard
     for item in late:
         changed = guard.changed(item.index.fqn) if guard is not None else None
@@ -122,7 +126,14 @@ def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, ti
     taken: set[str] = set()
     sources = [source_for_resolved(item, planner.resolve_data(item), taken) for item in late]
     engine = get_engine(config)
-    return submit_file(engine, staged, planned(engine, len(staged.files) + len(staged.held), sources), config, tier)
+    index = len(staged.files) + len(staged.held)
+    if staged.incremental is not None and \
+            sum(s.entry.nbytes for s in sources) <= int(engine.stats()["cache_bytes"]) // 2:
+        tier.files_changing(staged.path, staged.rank)
+        held = hold(engine, sources, known=True, config=config, label=staged.path, incremental=staged.incremental)
+        held.set_destination(staged.storage, data_file_name(staged.rank, index, staged.tag), sync=config.sync_files)
+        return held
+    return submit_file(engine, staged, planned(engine, index, sources), config, tier)
 
 
 def _relocate(staged: StagedSave, locations: dict[ItemKey, ItemLocation]) -> dict[ItemKey, ItemLocation]:

@@ -41,6 +41,15 @@ class Storage(ABC):
         """The folder ``name`` directly inside this one."""
 
     @abstractmethod
+    def parent(self) -> "Storage":
+        """The folder holding this one."""
+
+    def sibling(self, name: str) -> "Storage":
+        """The folder ``name`` beside this one (same parent): the checkpoint an incremental
+        save's reference names."""
+        return self.parent().child(name)
+
+    @abstractmethod
     def subfolders(self) -> list[str]:
         """Names of the folders directly inside this one ([] when it does not exist)."""
 

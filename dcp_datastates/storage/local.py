@@ -103,6 +103,9 @@ class LocalStorage(Storage):
     def child(self, name: str) -> "LocalStorage":
         return LocalStorage(self.where(name))
 
+    def parent(self) -> "LocalStorage":
+        return LocalStorage(os.path.dirname(os.path.abspath(self.location)))
+
     def subfolders(self) -> list[str]:
         try:
             names = os.listdir(self.location)

@@ -109,6 +109,9 @@ class ObjectStorage(Storage):
     def child(self, name: str) -> "ObjectStorage":
         return ObjectStorage(self.where(name), _fs=self.fs, _root=self.fs_path(name))
 
+    def parent(self) -> "ObjectStorage":
+        return ObjectStorage(self.location.rsplit("/", 1)[0], _fs=self.fs, _root=self.root.rsplit("/", 1)[0])
+
     def _fresh(self, path: str) -> None:
         """Forget cached listings (s3fs and others cache them) before a check that must see the
         store as it is now."""

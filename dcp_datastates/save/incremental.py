@@ -1,0 +1,124 @@
+"""Incremental saves (``incremental=True``): which tensors of this save are unchanged since the
+checkpoint it builds on, and where their bytes already are.
+
+The base is the newest committed checkpoint beside this one (same parent folder, highest step
+number in the name, this folder excluded), looked up once per save, off the training thread,
+when the first held file is about to be written (so a save never refers to a checkpoint that
+was not committed by then). Its metadata records an XXH64 per item written by an earlier
+incremental save; a base without them (or none at all) makes this save a full one that records
+them.
+
+An item is unchanged when the base has an item of the same name and chunk offsets, with the
+same dtype, shape and length, whose recorded XXH64 equals the XXH64 of the bytes this save
+staged into the host cache (``held_file.HeldFile``: the engine copied them at ``stage()``; the
+hash is taken there, never from live memory that may already have moved on). Nothing else is
+trusted: no version counter, no ``requires_grad``, no pointer; so a tensor changed through
+``.data`` or by a kernel that bumps no version is written again like any changed one.
+
+An unchanged item gets the base's location with its file named as a reference
+(``format.layout.reference_name``: ``../<base>/<file>``); a base item that was itself a
+reference keeps the checkpoint it names, so a reference is always one hop to the checkpoint
+that wrote the bytes. The commit checks that every referenced file is there with its size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+from ..commit import check_data_files, read_commit
+from ..errors import DataStatesError
+from ..format.layout import STEP_NUMBER, FileEntry, ItemLocation, reference_name, split_reference
+from ..storage import Storage
+from .items import ItemKey
+
+__all__ = ["Incremental", "Base"]
+
+log = logging.getLogger("dcp_datastates")
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+    """The checkpoint a save builds on: its folder's name and, per item that carries a hash, its
+    location as the new checkpoint names it (a reference)."""
+
+    name: str
+    items: dict[ItemKey, ItemLocation]
+
+
+class Incremental:
+    """One save's decisions. ``storage()`` gives the save's folder once DCP named it."""
+
+    def __init__(self, storage) -> None:
+        self._storage = storage
+        self._lock = threading.Lock()
+        self._base: Base | None = None
+        self._looked = False
+        self.referenced_bytes = 0  # what this rank did not write again (checkpoint_stats)
+
+    def base(self) -> Base | None:
+        with self._lock:
+            if not self._looked:
+                self._looked = True
+                self._base = find_base(self._storage())
+            return self._base
+
+    def unchanged(self, key: ItemKey, entry: FileEntry, digest: int) -> ItemLocation | None:
+        """The base's location of item ``key`` when its bytes are these (same dtype, shape,
+        length and XXH64 ``digest``); None when it must be written."""
+        base = self.base()
+        if base is None or entry.kind != "tensor" or entry.nbytes == 0:
+            return None
+        loc = base.items.get(key)
+        if (loc is None or loc.hash64 != digest or loc.length != entry.nbytes or loc.dtype != entry.dtype
+                or tuple(loc.shape) != tuple(entry.shape)):
+            return None
+        with self._lock:
+            self.referenced_bytes += loc.length
+        return loc
+
+
+def find_base(storage: Storage) -> Base | None:
+    """The newest committed checkpoint beside ``storage`` whose data files are all present with
+    their sizes, as a ``Base``; None when there is none (the save writes everything)."""
+    own = _folder_name(storage)
+    parent = storage.parent()
+    candidates = []
+    for name in parent.subfolders():
+        m = STEP_NUMBER.search(name)
+        if name != own and m is not None:
+            candidates.append((int(m.group(1)), name))
+    for _, name in sorted(candidates, reverse=True):
+        folder = storage.sibling(name)
+        try:
+            md, files = read_commit(folder)
+            check_data_files(folder, files)
+        except (DataStatesError, OSError) as exc:
+            log.debug("dcp_datastates: %s is not a base for an incremental save: %s", folder.location, exc)
+            continue
+        return Base(name, _references(md.storage_data, files, name, own))
+    return None
+
+
+def _references(storage_data: dict, files: dict, base: str, own: str) -> dict[ItemKey, ItemLocation]:
+    """The base's hashed items, each located as the new checkpoint names it."""
+    out: dict[ItemKey, ItemLocation] = {}
+    for index, loc in storage_data.items():
+        if loc.hash64 is None or not loc.length:
+            continue
+        ref = split_reference(loc.file)
+        if ref is None:
+            name = reference_name(base, loc.file)
+        elif ref[0] == own:  # bytes of the folder being saved into: replaced by this save
+            continue
+        else:
+            name = loc.file  # already one hop to the checkpoint that wrote them
+        size = files[loc.file].size
+        out[(index.fqn, None if index.offset is None else tuple(index.offset))] = dataclasses.replace(
+            loc, file=name, file_size=size)
+    return out
+
+
+def _folder_name(storage: Storage) -> str:
+    return storage.location.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
