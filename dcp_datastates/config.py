@@ -238,8 +238,8 @@ class DataStatesConfig:
             beside this one (same parent folder) is not written again; the new checkpoint's
             metadata refers to that checkpoint's file, and stays complete for a strict load
             (``save/incremental.py``; docs/how-it-works.md, "Incremental saves"). Unchanged
-            means the same name, chunk, dtype, shape and XXH64 of the bytes staged now. Not
-            with ``local_tier``.
+            means the same name, chunk, dtype, shape and XXH64 of the bytes staged now. With
+            ``local_tier``, the base and the references are the durable checkpoints.
     """
 
     host_cache_size: int | None = None
@@ -297,10 +297,6 @@ class DataStatesConfig:
                 raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
         if self.prefault_host_cache is not None and not isinstance(self.prefault_host_cache, bool):
             raise ValueError(f"prefault_host_cache: expected true, false or null, got {self.prefault_host_cache!r}")
-        if self.incremental and self.local_tier is not None:
-            # The drain, the local tier's retention and its choice of copy do not follow
-            # references yet: refused rather than a durable copy that may lack bytes.
-            raise ValueError("incremental: not supported together with local_tier yet; turn one of them off")
 
     # ----------------------------------------------------------------- construction helpers
     @classmethod

@@ -85,6 +85,7 @@ class DataStatesReader(StorageReader):
     def _reset_load(self) -> None:
         self._plan = ReadPlan(self.path) if self.path is not None else None
         self._storage = None
+        self._beside = None  # where references resolve when not beside self.path (_read_metadata)
         self._sizes: dict[str, int] = {}  # the durable data files' sizes, read once per read_data
         # local_tier, several-rank saves: durable file name -> this node's local copy of it, and
         # how many files this load read from each tier (logged)
@@ -130,6 +131,10 @@ class DataStatesReader(StorageReader):
             self._plan = self.tier.choose(self.durable_path)
             self.path = self._plan.path
         self._storage = open_storage(self.path, self.config.storage_options)
+        # An incremental save's references name files of the durable checkpoints beside the
+        # durable path, also when this is a node-local copy.
+        self._beside = None if self.path == self.durable_path else open_storage(self.durable_path,
+                                                                                self.config.storage_options)
         if self._plan.pending is not None:  # several ranks: committed on the local tiers, not drained yet
             md, files = self._plan.pending
             self._local_files = self.tier.local_files(self._plan, self._plan.pending_id)
@@ -255,7 +260,7 @@ class DataStatesReader(StorageReader):
             except (DataStatesError, OSError) as exc:
                 self._warn_local_unusable(local, name, exc)
                 self._check_file(name)
-        folder, own = data_file(self._storage, name)  # an incremental save's reference: the earlier checkpoint's file
+        folder, own = data_file(self._storage, name, self._beside)  # a reference: an earlier checkpoint's file
         read.read_targets(folder, own, reading, engine, verify=self.config.verify,
                           threads=self.config.read_threads, checkpoint=self.path)
         return None
@@ -264,7 +269,7 @@ class DataStatesReader(StorageReader):
         """Sizes of the durable data files ``names`` (as the metadata lists them): one listing per
         folder on an object store, one lstat per file here."""
         sizes: dict[str, int] = {}
-        for folder, own in by_folder(self._storage, names):
+        for folder, own in by_folder(self._storage, names, self._beside):
             sizes.update((own[n], size) for n, size in folder.sizes(own).items())
         return sizes
 
@@ -279,7 +284,7 @@ class DataStatesReader(StorageReader):
             return
         if name not in self._sizes:  # a local copy that failed, or absent: ask for this one
             self._sizes.update(self._file_sizes([name]))
-        folder, own = data_file(self._storage, name)
+        folder, own = data_file(self._storage, name, self._beside)
         exc = file_size_error(self.path, name, self._sizes.get(name), info.size, location=folder.where(own))
         if exc is not None:
             if self._plan.pending_id is None:

@@ -215,7 +215,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self.tier.check_local_plan(self.path, self.use_collectives)
         if staged is None:  # dcp.save: nothing staged, the folder is prepared here
             self._check_launch()
-            staged = self._current = save.sync_save(self.path, self._storage(self.path), self.rank, self.config)
+            staged = self._current = save.sync_save(self.path, self._storage(self.path), self.rank, self.config,
+                                                    self.tier)
             staged.planner = threading.current_thread()
         report = RankReport(self.rank, self.tier.reported(self.path))
         if self.use_collectives:

@@ -302,9 +302,37 @@ def test_inspect_and_convert_follow_references(tmp_path):
     assert_state_equal({"t": t, "u": u2}, out)
 
 
-def test_incremental_with_a_local_tier_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="incremental: not supported together with local_tier yet"):
-        DataStatesWriter(tmp_path / "step-1", incremental=True, local_tier=str(tmp_path / "local"))
+def test_with_a_local_tier_references_name_durable_files_and_each_copy_holds_its_own(tmp_path, caplog):
+    import logging
+
+    durable, nvme = tmp_path / "durable", tmp_path / "nvme"
+    frozen, moving = torch.randn(256, 256), torch.zeros(64)
+    saved = {}
+    for step in (1, 2, 3):
+        moving += 1
+        state = {"frozen": frozen, "moving": moving, "step": step}
+        writer = DataStatesWriter(durable / f"step-{step}", incremental=True, local_tier=str(nvme), keep_local=2)
+        dcp.async_save(state, storage_writer=writer).upload_completion.result(timeout=120)
+        saved[step] = clone_state(state)
+    md = json.loads((durable / "step-3" / ".metadata").read_text())
+    assert md["items"]["frozen"]["chunks"][0]["file"] == "../step-1/" + md["items"]["frozen"]["chunks"][0]["file"][10:]
+    assert md["items"]["frozen"]["chunks"][0]["file"].startswith("../step-1/")
+    assert own_bytes(durable / "step-3") < frozen.numel() * 4 // 8  # the drain copied the small file only
+    copies = sorted(os.listdir(nvme))
+    assert len(copies) == 2 and copies[-1].startswith("step-3-")  # keep_local=2: step-1's copy evicted
+    assert own_bytes(nvme / copies[-1]) < frozen.numel() * 4 // 8  # a local copy holds its own files only
+    with caplog.at_level(logging.INFO, logger="dcp_datastates"):
+        out = load_with(durable / "step-3", saved[3], local_tier=str(nvme))
+    assert "from the local tier" in caplog.text
+    assert_state_equal(saved[3], out)
+    assert_state_equal(saved[3], load(durable / "step-3", saved[3]))  # the durable copy alone
+    assert referenced_by(durable / "step-1") == [str(durable / "step-2"), str(durable / "step-3")]
+
+
+def load_with(path, like, **options):
+    out = zeros_like_state(like)
+    dcp.load(out, storage_reader=DataStatesReader(path, **options), no_dist=True)
+    return out
 
 
 def test_a_state_larger_than_half_the_cache_writes_the_rest_every_time(tmp_path, small_engine):
@@ -345,3 +373,27 @@ def test_an_object_store_root_refers_and_loads_in_place(s3):
     dcp.load(out, storage_reader=DataStatesReader(f"{root}/step-2", storage_options=s3.options), no_dist=True)
     assert_state_equal({"frozen": frozen, "moving": moving}, out)
     assert referenced_by(f"{root}/step-1", storage_options=s3.options) == [f"{root}/step-2"]
+
+
+def test_a_base_whose_marker_changed_is_read_again(tmp_path):
+    a, b = torch.zeros(128, 128), torch.ones(128, 128)
+    save({"t": a}, tmp_path / "step-1")
+    save({"t": a}, tmp_path / "step-2")  # builds on step-1 (its decoded marker is kept)
+    dcp.save({"t": b}, storage_writer=DataStatesWriter(tmp_path / "step-1", incremental=True), no_dist=True)
+    save({"t": b}, tmp_path / "step-2")  # step-1 now holds b: found unchanged there, not a's hash
+    md = json.loads((tmp_path / "step-2" / ".metadata").read_text())
+    assert md["items"]["t"]["chunks"][0]["file"].startswith("../step-1/"), md["items"]["t"]
+    assert_state_equal({"t": b}, load(tmp_path / "step-2", {"t": b}))
+
+
+def test_overwriting_a_referenced_checkpoint_keeps_the_files_later_ones_need(tmp_path):
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    save({"t": a}, tmp_path / "step-1")
+    save({"t": a}, tmp_path / "step-2")  # refers to step-1's file
+    dcp.save({"t": b}, storage_writer=DataStatesWriter(tmp_path / "step-1"), no_dist=True)  # step-1 replaced
+    assert_state_equal({"t": b}, load(tmp_path / "step-1", {"t": b}))
+    assert_state_equal({"t": a}, load(tmp_path / "step-2", {"t": a}))  # its bytes are still there
+    shutil.rmtree(tmp_path / "step-2")
+    dcp.save({"t": a}, storage_writer=DataStatesWriter(tmp_path / "step-1"), no_dist=True)  # nothing refers now
+    assert sorted(n for n in os.listdir(tmp_path / "step-1") if n.endswith(".safetensors")) == [
+        next(n for n in os.listdir(tmp_path / "step-1") if n.endswith(".safetensors"))]  # the old files went

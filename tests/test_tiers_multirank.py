@@ -371,3 +371,27 @@ def _local_tier_fills_while_copied(rank, world, root):
 
 def test_a_full_local_tier_on_one_rank_fails_the_save_on_every_rank(tmp_path):
     run_ranks(2, _local_tier_fills_while_copied, str(tmp_path))
+
+
+def _incremental_through_the_tiers(rank, world, root):
+    nv = node_tier(root, rank, world)
+    frozen = torch.randn(128, 64, generator=torch.Generator().manual_seed(rank))
+    saved = {}
+    for step in (1, 2, 3):
+        state = {f"frozen{rank}": frozen, **rank_state(rank, step)}
+        save(state, os.path.join(root, f"step-{step}"), nv, asynchronous=step != 2, incremental=True)
+        saved[step] = clone_state(state)
+    md, files = commit.read_commit(os.path.join(root, "step-3"))
+    for r in range(world):  # every rank's frozen tensor: a reference to step-1's durable file
+        assert md.storage_data[next(i for i in md.storage_data if i.fqn == f"frozen{r}")].file.startswith("../step-1/")
+    assert any(not name.startswith("../") for name in files)  # the changing tensors: written again
+    # This node's copy of step-3 holds only the files it wrote; references are durable files.
+    local = tiers.local_copy(nv, os.path.join(root, "step-3"))
+    assert all(not name.startswith("../") for name in tiers.local_files(local, md.storage_meta.save_id))
+    out, reader = load(os.path.join(root, "step-3"), nv, saved[3])
+    assert_state_equal(saved[3], out)
+    assert reader.tier_reads["local"] >= 1 and reader.tier_reads["durable"] >= 1, reader.tier_reads
+
+
+def test_incremental_saves_through_the_tiers_refer_to_durable_files(tmp_path):
+    run_ranks(2, _incremental_through_the_tiers, str(tmp_path))

@@ -91,23 +91,26 @@ def read_commit(location: Location, *, storage_options: Mapping[str, Any] | None
     return decode_metadata(raw, where)
 
 
-def data_file(storage: Storage, name: str) -> tuple[Storage, str]:
+def data_file(storage: Storage, name: str, beside: Storage | None = None) -> tuple[Storage, str]:
     """(folder, file name in it) of data file ``name`` as a checkpoint's metadata lists it: a file
     of the checkpoint itself, or (incremental saves) a reference to a file of the checkpoint
-    folder beside it that holds those bytes (``format.layout.reference_name``)."""
+    folder beside it that holds those bytes (``format.layout.reference_name``), beside ``beside``
+    when given (a node-local copy refers to the durable checkpoints beside its durable path)."""
     ref = split_reference(name)
-    return (storage, name) if ref is None else (storage.sibling(ref[0]), ref[1])
+    return (storage, name) if ref is None else ((beside or storage).sibling(ref[0]), ref[1])
 
 
-def by_folder(storage: Storage, names) -> list[tuple[Storage, dict[str, str]]]:
+def by_folder(storage: Storage, names, beside: Storage | None = None) -> list[tuple[Storage, dict[str, str]]]:
     """``names`` (as the metadata lists them) grouped by the folder holding them: (folder, {name
-    in that folder: name in the metadata}), the checkpoint's own folder first."""
+    in that folder: name in the metadata}), the checkpoint's own folder first. References
+    resolve beside ``beside`` (default: the checkpoint's folder; a node-local copy's are its
+    durable checkpoint's)."""
     groups: dict[str, tuple[Storage, dict[str, str]]] = {"": (storage, {})}
     for name in names:
         ref = split_reference(name)
         key = "" if ref is None else ref[0]
         if key not in groups:
-            groups[key] = (storage.sibling(key), {})
+            groups[key] = ((beside or storage).sibling(key), {})
         groups[key][1][name if ref is None else ref[1]] = name
     return [g for g in groups.values() if g[1]]
 
@@ -134,11 +137,16 @@ def size_text(size: int, expected: int) -> str:
 
 
 def check_data_files(location: Location, files: dict[str, FileInfo], *,
-                     storage_options: Mapping[str, Any] | None = None) -> None:
+                     storage_options: Mapping[str, Any] | None = None, references: bool = True,
+                     beside: Storage | None = None) -> None:
     """Every data file in ``files`` exists as a regular file inside the folder (not a symlink,
-    FIFO or device) with the recorded size."""
+    FIFO or device) with the recorded size; an incremental save's references too (beside
+    ``beside`` when given), unless ``references`` is off (a node-local copy holds its own files
+    only: its references are durable files)."""
     storage = open_storage(location, storage_options)
-    for folder, names in by_folder(storage, files):
+    if not references:
+        files = {name: info for name, info in files.items() if split_reference(name) is None}
+    for folder, names in by_folder(storage, files, beside):
         sizes = folder.sizes(names)
         for own, name in names.items():
             error = file_size_error(storage.location, name, sizes.get(own), files[name].size,
@@ -170,13 +178,15 @@ def is_committed(location: Location, *, check_files: bool = False,
     return True
 
 
-def checkpoint_id(location: Location, storage_options: Mapping[str, Any] | None = None) -> str | None:
+def checkpoint_id(location: Location, storage_options: Mapping[str, Any] | None = None, *,
+                  references: bool = True) -> str | None:
     """The id (``storage_meta.save_id``) in the commit marker of a folder; None when it holds no
-    complete checkpoint (or the store cannot be reached)."""
+    complete checkpoint (or the store cannot be reached). ``references`` off: an incremental
+    save's references are not looked for (``check_data_files``)."""
     storage = open_storage(location, storage_options)
     try:
         md, files = read_commit(storage)
-        check_data_files(storage, files)
+        check_data_files(storage, files, references=references)
     except (DataStatesError, OSError):
         return None
     except Exception as exc:  # noqa: BLE001 - an unreachable store (botocore, aiohttp ...): no copy known there
@@ -196,7 +206,7 @@ def referenced_by(location: Location, *, storage_options: Mapping[str, Any] | No
     needle = json.dumps(f"../{own}/")[:-1].encode()  # the JSON string's opening quote and text
     parent = storage.parent()
     found = []
-    for name in parent.subfolders():
+    for name in sorted(parent.subfolders()):
         if name == own:
             continue
         folder = parent.child(name)

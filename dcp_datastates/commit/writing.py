@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from ..errors import CheckpointWriteError, DataStatesError
 from ..format.layout import METADATA_NAME, ItemLocation, encode_commit, rank_marker_name
 from ..storage import Storage, open_storage
-from .reading import check_data_files
+from .reading import check_data_files, referenced_by
 
 log = logging.getLogger("dcp_datastates")
 
@@ -56,12 +56,15 @@ def write_commit(
     rank_local: int | None = None,
     in_use: frozenset = frozenset(),
     marker: str | None = None,
+    references_beside: Storage | None = None,
 ) -> None:
     """Commit a checkpoint whose data files are all written: check that every data file the
     metadata lists is there with its size, write the marker atomically (``.metadata``,
     ``__<rank>.metadata`` for a rank-local save, or ``marker``), then remove what the new commit
     made obsolete (data files of this library that it does not reference, except ``in_use`` ones
-    of saves still running in this process; for a global commit, older rank-local markers).
+    of saves still running in this process; for a global commit, older rank-local markers). An
+    incremental save's references are checked beside ``references_beside`` (default: this
+    folder; a node-local copy's: its durable checkpoint's).
 
     Raises CheckpointWriteError naming the folder and the cause; on failure the previous commit
     (if any) is untouched and no temporary file is left behind."""
@@ -69,7 +72,7 @@ def write_commit(
     path = storage.location
     try:
         data, files = encode_commit(md, locations, f"{path}/{METADATA_NAME} (being committed)")
-        check_data_files(storage, files)
+        check_data_files(storage, files, beside=references_beside)
     except (DataStatesError, OSError) as exc:
         raise CheckpointWriteError(f"committing checkpoint {path} refused: {exc}") from exc
     marker = marker or (METADATA_NAME if rank_local is None else rank_marker_name(rank_local))
@@ -87,20 +90,34 @@ def write_commit(
         names = storage.names()
     except Exception:  # noqa: BLE001 - the commit is durable; cleanup waits for the next one
         return
-    _remove_obsolete(names, set(files) | set(in_use), rank_local, storage.remove)
+    _remove_obsolete(names, set(files) | set(in_use), rank_local, storage.remove, lambda: referenced_by(storage))
 
 
-def _remove_obsolete(names, keep: set, rank_local: int | None, remove) -> None:
+def _remove_obsolete(names, keep: set, rank_local: int | None, remove, referring) -> None:
     """Best effort: the commit is already durable; a file that cannot be removed now is removed
-    by the next commit into this folder."""
+    by the next commit into this folder. Data files stay while ``referring()`` names checkpoints
+    that refer to this folder (incremental saves beside it may need the old files), asked only
+    when there is one to remove."""
     own = None if rank_local is None else f"__{rank_local}_"
+    users = None
     for name in names:
         if name in keep:
             continue
-        obsolete = bool(_DATA_FILE.match(name)) and (own is None or name.startswith(own))
-        obsolete = obsolete or (rank_local is None and bool(_RANK_MARKER.match(name)))
+        data = bool(_DATA_FILE.match(name)) and (own is None or name.startswith(own))
+        obsolete = data or (rank_local is None and bool(_RANK_MARKER.match(name)))
         if not obsolete:
             continue
+        if data:
+            if users is None:
+                try:
+                    users = referring()
+                except Exception as exc:  # noqa: BLE001 - unknown: keep the files
+                    users = [f"(unknown: {exc})"]
+                if users:
+                    log.info("dcp_datastates: kept the replaced data files of this folder: %s refer to it",
+                             ", ".join(users))
+            if users:
+                continue
         try:
             remove(name)
         except Exception as exc:  # noqa: BLE001 - never fail a committed save over cleanup

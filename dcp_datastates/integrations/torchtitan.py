@@ -153,7 +153,8 @@ if TORCHTITAN_AVAILABLE:
             """Write a tensor only when its bytes changed since the newest checkpoint in
             ``checkpoint.folder`` (frozen weights, adapters' base model: written once); every
             checkpoint still loads strictly. ``keep_latest_k`` then keeps an older checkpoint
-            for as long as a kept one refers to it. Not with ``local_tier``. Default: off."""
+            for as long as a kept one refers to it. With ``local_tier``, references name durable
+            files (local copies hold what their save wrote). Default: off."""
 
             trust_checkpoints: bool = False
             """Allow resuming from checkpoints whose values need arbitrary unpickling: stock DCP

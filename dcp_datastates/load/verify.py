@@ -241,15 +241,19 @@ def _file_problem(path: str, name: str, info: FileInfo, locs: list) -> str | Non
     return f"{name}: data file {size_text(st.st_size, info.size)}{detail}"
 
 
-def verify_checkpoint(path: str | os.PathLike, *, engine, progress=None) -> VerifyReport:
+def verify_checkpoint(path: str | os.PathLike, *, engine, progress=None, references: bool = True) -> VerifyReport:
     """Read every stored piece of a committed local checkpoint and compare its CRC32C, after
     checking each data file's presence, size and header. Every problem is collected (the first
     one does not stop the check). ``engine`` reads and checksums; ``progress(total, desc)`` is
-    a context manager with ``update(nbytes)`` (as in ``convert``)."""
+    a context manager with ``update(nbytes)`` (as in ``convert``). An incremental save's
+    references (files of the checkpoints beside it) are checked too, unless ``references`` is
+    off (a node-local copy, whose references are durable files)."""
     import torch  # noqa: PLC0415 - the read buffer
 
     path = os.fspath(path)
     md, files = read_commit(path)
+    if not references:
+        files = {name: info for name, info in files.items() if split_reference(name) is None}
     problems: list[str] = []
     by_file: dict[str, list] = {}
     for index, loc in md.storage_data.items():

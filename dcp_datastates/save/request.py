@@ -101,7 +101,7 @@ def _request(state_dict: dict, path: str | None, storage: Storage | None, config
     future: Future = Future()
     staged = StagedSave(path=path, storage=storage, requested=requested)
     if config.incremental:
-        staged.incremental = Incremental(lambda: staged.storage)
+        staged.incremental = Incremental(lambda: tier.references_beside() or staged.storage)
     flat, mappings = None, None
     try:
         check_launch()
@@ -201,7 +201,7 @@ def name_folder(staged: StagedSave, path: str, storage: Storage, config, tier) -
             h.set_destination(storage, data_file_name(staged.rank, k, staged.tag), sync=config.sync_files)
 
 
-def sync_save(path: str, storage: Storage, rank: int, config) -> StagedSave:
+def sync_save(path: str, storage: Storage, rank: int, config, tier) -> StagedSave:
     """``dcp.save`` (nothing staged): the folder prepared at planning time; the save that
     ``write_data`` then writes from live memory."""
     pause = pause_collector(GC_PAUSE_MAX_S)  # DCP's write items live until the commit here too
@@ -212,7 +212,7 @@ def sync_save(path: str, storage: Storage, rank: int, config) -> StagedSave:
         raise
     staged = StagedSave(path=path, storage=storage, rank=rank, tag=tag, collector_pause=pause)
     if config.incremental:
-        staged.incremental = Incremental(lambda: staged.storage)
+        staged.incremental = Incremental(lambda: tier.references_beside() or staged.storage)
     return staged
 
 

@@ -26,7 +26,7 @@ import torch
 from ..commit import check_data_files, checkpoint_id, prepare_folder, read_commit, write_commit
 from ..config import DataStatesConfig
 from ..errors import CheckpointWriteError, ChecksumMismatchError
-from ..format.layout import data_file_name, data_file_parts, moved, new_tag, piece_ranges
+from ..format.layout import data_file_name, data_file_parts, moved, new_tag, piece_ranges, split_reference
 from ..runtime import get_engine
 from ..storage import Storage, open_storage
 from . import local_tier as tiers
@@ -254,7 +254,7 @@ def drain(local: str, durable: str, config: DataStatesConfig, tag=UNPREPARED, fo
     with _drain_locks_lock:
         lock = _drain_locks.setdefault(durable, threading.Lock())
     with lock:
-        local_id = checkpoint_id(local)
+        local_id = checkpoint_id(local, references=False)
         if local_id is not None and checkpoint_id(durable, config.storage_options) == local_id:
             return
         _drain_unlocked(local, durable, config, tag, followed)
@@ -270,21 +270,33 @@ def prepare_durable(durable: str, config: DataStatesConfig) -> str | None:
 def _drain_unlocked(local: str, durable: str, config: DataStatesConfig, tag, followed: dict | None) -> None:
     try:
         md, files = read_commit(local)
-        check_data_files(local, files)
+        check_data_files(local, files, references=False)
         store = open_storage(durable, config.storage_options)
         if tag is UNPREPARED:
             tag = prepare_durable(durable, config)
+        # An incremental save's references name durable files already (beside ``durable``): the
+        # commit there checks them; only the copy's own files are copied.
+        own = {name: info.size for name, info in files.items() if split_reference(name) is None}
         renamed = {name: durable_name(name, tag) for name in files}
-        _copy_all(open_storage(local), store, {name: info.size for name, info in files.items()},
-                  _pieces_by_file(md.storage_data), renamed, config, followed)
-        locations = {index: moved(loc, renamed[loc.file]) for index, loc in md.storage_data.items()}
-        write_commit(store, md, locations, sync=config.sync_files)
+        pieces = {name: p for name, p in _pieces_by_file(md.storage_data).items() if name in own}
+        _copy_all(open_storage(local), store, own, pieces, renamed, config, followed)
+        write_commit(store, md, _sized(md.storage_data, files, renamed), sync=config.sync_files)
     except CheckpointWriteError as exc:
         if str(exc).startswith(f"draining {local}"):
             raise
         raise CheckpointWriteError(f"draining {local} to the durable tier {durable} failed: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - the store's own errors too (botocore, aiohttp ...)
         raise _drain_failed(local, durable, exc, "the local copy stays committed (drain_pending retries)") from exc
+
+
+def _sized(storage_data: dict, files: dict, renamed: dict[str, str] | None = None) -> dict:
+    """The decoded locations of a commit as a new commit records them: each with its file's size
+    (a decoded location has none, and the size of a file is not always the end of the last item
+    that this commit references in it, e.g. an incremental save's reference into an earlier
+    checkpoint's file), under its ``renamed`` name."""
+    renamed = renamed or {}
+    return {index: moved(loc, renamed.get(loc.file, loc.file), file_size=files[loc.file].size)
+            for index, loc in storage_data.items()}
 
 
 def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str], save_id: str, rank: int,
@@ -336,7 +348,7 @@ def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, sk
         pending = tiers.read_pending(store)
         if pending is None or pending[0].storage_meta.save_id != record["save_id"]:
             continue
-        md, _ = pending
+        md, files = pending
         save_id = record["save_id"]
         try:
             if not tiers.drained_ok(store, rank, save_id):  # never rewrite a drained file
@@ -347,7 +359,7 @@ def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, sk
                 tiers.report_drained(store, rank, save_id, None)
             ranks = tiers.file_ranks(md.storage_data)
             if tiers.all_drained(store, save_id, ranks):
-                write_commit(store, md, dict(md.storage_data), sync=config.sync_files)
+                write_commit(store, md, _sized(md.storage_data, files), sync=config.sync_files)
                 tiers.clear_pending(store, ranks)
                 log.info("dcp_datastates: committed %s on the durable tier (its drain was interrupted)", durable)
         except Exception as exc:  # noqa: BLE001 - retried by the next save
@@ -362,8 +374,10 @@ def _drain_failed(local: str, durable: str, exc: Exception, outcome: str) -> Che
 
 
 def durable_name(name: str, tag: str | None) -> str:
-    """The durable name of a local data file: the same, or tagged when the durable folder holds a commit."""
-    if tag is None:
+    """The durable name of a local data file: the same, or tagged when the durable folder holds a
+    commit. An incremental save's reference names a durable file of another checkpoint already:
+    kept as it is."""
+    if tag is None or split_reference(name) is not None:
         return name
     parts = data_file_parts(name)
     if parts is None:
@@ -388,7 +402,7 @@ def drain_pending(local_tier: str, config: DataStatesConfig | None = None, *, ro
         durable = tiers.durable_of(local)
         if durable is None or not _under(durable, root):
             continue
-        local_id = checkpoint_id(local)
+        local_id = checkpoint_id(local, references=False)
         if local_id is None or checkpoint_id(durable, config.storage_options) == local_id:
             continue
         try:

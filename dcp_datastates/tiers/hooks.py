@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from ..commit import prepare_folder, write_commit
 from ..errors import CheckpointWriteError
-from ..format.layout import moved, new_tag
+from ..format.layout import moved, new_tag, split_reference
 from ..storage import Storage, open_storage
 from . import drain
 from . import local_tier as tiers
@@ -115,7 +115,13 @@ class NoTier:
 
     def commit(self, storage: Storage, metadata, locations, staged, *, rank_local: int | None,
                in_use: frozenset) -> None:
-        write_commit(storage, metadata, locations, sync=self.config.sync_files, rank_local=rank_local, in_use=in_use)
+        write_commit(storage, metadata, locations, sync=self.config.sync_files, rank_local=rank_local, in_use=in_use,
+                     references_beside=self.references_beside())
+
+    def references_beside(self) -> Storage | None:
+        """The checkpoint folder an incremental save's references resolve beside, when it is not
+        the folder written (None: that folder's own neighbours)."""
+        return None
 
     def failed(self, exc: BaseException) -> None:
         pass
@@ -144,6 +150,13 @@ class LocalTier(NoTier):
 
     def reported(self, path: str | None) -> str | None:
         return self.durable_path or path
+
+    def references_beside(self) -> Storage | None:
+        """The durable checkpoint: an incremental save builds on the durable checkpoints beside
+        it, and its references name their (durable) files, so a local copy holds only its own
+        files, the drain copies only those, and evicting local copies never removes bytes a
+        kept checkpoint refers to."""
+        return open_storage(self.durable_path, self.config.storage_options) if self.durable_path else None
 
     def reserve(self, folder: str, need) -> None:
         tiers.make_room(self.config.local_tier, need(), folder, self.config.storage_options)
@@ -212,7 +225,9 @@ class LocalTier(NoTier):
             return results
         # The rank in the data file names (global: the coordinator waits for the writers of the
         # files it commits, local_tier.file_ranks), not the rank in DCP's process group.
-        locations = {r.index: r.storage_data for r in results}
+        # (An incremental save's references name durable files already: not this rank's to drain.)
+        locations = {i: loc for r in results if split_reference((loc := r.storage_data).file) is None
+                     for i in (r.index,)}
         renamed = {loc.file: drain.durable_name(loc.file, plan.tag) for loc in locations.values()}
         tiers.record_rank_files(staged.path, staged.rank, self.durable_path, plan.save_id, renamed)
         staged.local_s = time.monotonic() - staged.requested
@@ -220,7 +235,9 @@ class LocalTier(NoTier):
             self.local_commit.set_result(staged.path)
         _drainers.submit(drain.drain_rank, staged.path, self.durable_path, locations, renamed, plan.save_id,
                          staged.rank, self.config, staged.tier_state)
-        return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed[r.storage_data.file])) for r in results]
+        return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed.get(r.storage_data.file,
+                                                                                        r.storage_data.file)))
+                for r in results]
 
     def commit(self, storage: Storage, metadata, locations, staged, *, rank_local: int | None,
                in_use: frozenset) -> None:

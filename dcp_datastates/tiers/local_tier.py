@@ -167,7 +167,7 @@ def _local_state(local: str) -> tuple[int, str | None, bool] | None:
     checkpoint whose only commit is the durable one); None when it holds neither."""
     try:
         committed = os.stat(os.path.join(local, METADATA_NAME)).st_mtime_ns
-        return committed, checkpoint_id(local), True
+        return committed, checkpoint_id(local, references=False), True
     except OSError:
         pass
     records = _rank_records(local)
@@ -221,7 +221,7 @@ def choose_copy(durable: str, config) -> str:
     """The folder to load ``durable`` from: its local copy when complete, verified and tied to
     the durable commit, else ``durable`` itself. Logs the choice and why."""
     local = local_copy(config.local_tier, durable)
-    local_id = checkpoint_id(local)
+    local_id = checkpoint_id(local, references=False)
     if local_id is None:
         if not _rank_records(local):  # a several-rank copy is used file by file (the reader logs it)
             log.info("dcp_datastates: reading %s from the durable tier (no complete local copy in %s)", durable, local)
@@ -232,7 +232,7 @@ def choose_copy(durable: str, config) -> str:
                     "the durable tier %s", durable, local, local_id, durable_id)
         return durable
     try:
-        problems = verify_checkpoint(local, engine=get_engine(config)).problems
+        problems = verify_checkpoint(local, engine=get_engine(config), references=False).problems
     except (DataStatesError, OSError) as exc:
         problems = [str(exc)]
     if problems:
@@ -306,7 +306,7 @@ def newest_local(root: str, local_tier: str, step_of) -> tuple[tuple, str] | Non
         if durable is None or os.path.dirname(durable.rstrip("/")) != root.rstrip("/"):
             continue
         key = step_of(os.path.basename(durable.rstrip("/")))
-        if key is not None and checkpoint_id(local) is not None:
+        if key is not None and checkpoint_id(local, references=False) is not None:
             found.append((key, durable))
     return max(found) if found else None
 
