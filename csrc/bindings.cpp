@@ -7,6 +7,7 @@
 #include <chrono>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "crc32c.h"
@@ -21,6 +22,37 @@ using dcpds::Engine;
 using dcpds::WriteJob;
 
 namespace {
+
+#if PY_VERSION_HEX >= 0x030D0000
+inline bool interpreter_finalizing() { return Py_IsFinalizing() != 0; }
+#else
+inline bool interpreter_finalizing() { return _Py_IsFinalizing() != 0; }
+#endif
+
+// Releases the GIL around a blocking or long call and takes it back after: every binding uses
+// this, not py::gil_scoped_release. A daemon thread (ours, DCP's) that is still in such a call
+// when the interpreter finalizes is ended by PyEval_RestoreThread with pthread_exit; from
+// pybind11's destructor (implicitly noexcept) that forced unwind calls std::terminate
+// ("terminate called without an active exception"), aborting a process that had finished its
+// work (the sliced waits below take the GIL back every 0.1 s, so a waiting thread hit it now and
+// then). This guard does not take the GIL back once finalization has started: the thread parks
+// until the process exits, as Python 3.14 parks such threads itself; and if finalization starts
+// between the check and the call, its destructor lets the forced unwind through (noexcept(false)),
+// the way pthread_exit leaves plain C frames.
+class NoGil {
+ public:
+  NoGil() : state_(PyEval_SaveThread()) {}
+  ~NoGil() noexcept(false) {
+    if (interpreter_finalizing())
+      for (;;) std::this_thread::sleep_for(std::chrono::hours(1));
+    PyEval_RestoreThread(state_);
+  }
+  NoGil(const NoGil&) = delete;
+  NoGil& operator=(const NoGil&) = delete;
+
+ private:
+  PyThreadState* state_;
+};
 
 // Large checksums release the GIL; small ones are cheaper than the release itself.
 constexpr uint64_t kReleaseGilBytes = 1 << 20;
@@ -145,7 +177,7 @@ bool wait_interruptible(Wait wait, std::optional<double> timeout) {
     }
     bool ok;
     {
-      py::gil_scoped_release nogil;
+      NoGil nogil;
       ok = wait(slice);
     }
     if (ok) return true;
@@ -165,7 +197,7 @@ uint32_t crc_of_buffer(py::handle data, long long seed) {
   if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
   uint32_t out;
   if (static_cast<uint64_t>(view.len) >= kReleaseGilBytes) {
-    py::gil_scoped_release nogil;
+    NoGil nogil;
     out = dcpds::crc32c(view.buf, static_cast<size_t>(view.len), s);
   } else {
     out = dcpds::crc32c(view.buf, static_cast<size_t>(view.len), s);
@@ -214,7 +246,7 @@ PYBIND11_MODULE(_engine, m) {
           [](WriteJob& j, const std::string& path) {
             auto* f = dynamic_cast<dcpds::FileJob*>(&j);
             if (f == nullptr) throw std::logic_error(j.path() + ": set_destination on a streaming job");
-            py::gil_scoped_release nogil;
+            NoGil nogil;
             f->set_destination(path);
           },
           py::arg("path"),
@@ -244,7 +276,7 @@ PYBIND11_MODULE(_engine, m) {
               }
               WriteJob::Next r;
               {
-                py::gil_scoped_release nogil;
+                NoGil nogil;
                 r = j.next_chunk(slice, &c);
               }
               if (r == WriteJob::Next::kChunk)
@@ -308,7 +340,7 @@ PYBIND11_MODULE(_engine, m) {
              cfg.cache_wait_timeout_s = cache_wait_timeout_s;
              cfg.pin = pin;
              cfg.prefault = prefault;
-             py::gil_scoped_release nogil;  // a large allocation (and pinning it) can take a while
+             NoGil nogil;  // a large allocation (and pinning it) can take a while
              return std::make_unique<Engine>(cfg);
            }),
            py::arg("cache_bytes"), py::kw_only(), py::arg("chunk_bytes"), py::arg("copy_threads"),
@@ -384,7 +416,7 @@ PYBIND11_MODULE(_engine, m) {
             std::vector<dcpds::ReadCheck> wanted = parse_read_checks(checks);
             std::optional<dcpds::ReadMismatch> bad;
             {
-              py::gil_scoped_release nogil;
+              NoGil nogil;
               bad = e.read_into(path, parsed, wanted, threads);
             }
             if (!bad) return py::none();
@@ -404,7 +436,7 @@ PYBIND11_MODULE(_engine, m) {
             const uint32_t s = seed_arg(seed);
             const void* p = reinterpret_cast<const void*>(static_cast<uintptr_t>(ptr));
             if (static_cast<uint64_t>(nbytes) >= kReleaseGilBytes) {
-              py::gil_scoped_release nogil;
+              NoGil nogil;
               return dcpds::crc32c(p, static_cast<size_t>(nbytes), s);
             }
             return dcpds::crc32c(p, static_cast<size_t>(nbytes), s);
@@ -418,7 +450,7 @@ PYBIND11_MODULE(_engine, m) {
             if (ptr == 0 && !ranges.empty()) throw py::value_error("ptr is null");
             std::vector<uint32_t> out(ranges.size());
             {
-              py::gil_scoped_release nogil;  // many small pieces: one call, no GIL
+              NoGil nogil;  // many small pieces: one call, no GIL
               const char* base = reinterpret_cast<const char*>(static_cast<uintptr_t>(ptr));
               for (size_t i = 0; i < ranges.size(); ++i)
                 out[i] = dcpds::crc32c(base + ranges[i].first, static_cast<size_t>(ranges[i].second), 0);
@@ -466,7 +498,7 @@ PYBIND11_MODULE(_engine, m) {
            "Benchmark hook: False skips the per-piece CRC32C (checksums then read 0), to measure its cost.")
       .def("set_fault", &Engine::set_fault, py::arg("kind"), py::arg("after_bytes") = 0,
            py::arg("path_substring") = "", "Test hook: none, eio, enospc, short_write or fsync_eio.")
-      .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>(),
+      .def("shutdown", &Engine::shutdown, py::call_guard<NoGil>(),
            "Idempotent: finish every submitted job, then stop the threads.")
       .def_property_readonly("is_shut_down", &Engine::is_shut_down);
 
@@ -486,7 +518,7 @@ PYBIND11_MODULE(_engine, m) {
     if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_SIMPLE) != 0) throw py::error_already_set();
     uint64_t out;
     if (static_cast<uint64_t>(view.len) >= kReleaseGilBytes) {
-      py::gil_scoped_release nogil;
+      NoGil nogil;
       out = dcpds::hash64(view.buf, static_cast<size_t>(view.len));
     } else {
       out = dcpds::hash64(view.buf, static_cast<size_t>(view.len));
@@ -516,7 +548,7 @@ PYBIND11_MODULE(_engine, m) {
     }
     std::vector<uint64_t> out(segments.size());
     {
-      py::gil_scoped_release nogil;
+      NoGil nogil;
       for (size_t i = 0; i < segments.size(); ++i) {
         dcpds::Hash64 h;
         for (const auto& g : segments[i])

@@ -119,7 +119,10 @@ def test_a_model_95_percent_frozen_writes_its_frozen_bytes_once_and_resumes_bitw
     assert refs == {"step-1"}, refs  # one hop to the checkpoint that wrote them
 
 
-def test_frozen_tensors_changed_in_place_are_written(tmp_path):
+def test_frozen_tensors_changed_in_place_are_written(tmp_path, monkeypatch):
+    from dcp_datastates.save import incremental
+
+    monkeypatch.setattr(incremental, "PROBE_EVERY", 1)  # every tensor hashed at every save (no hint)
     g = torch.Generator().manual_seed(3)
     frozen = torch.nn.Parameter(torch.randn(256, 64, generator=g), requires_grad=False)
     other = torch.randn(128, 64, generator=g)
@@ -397,3 +400,38 @@ def test_overwriting_a_referenced_checkpoint_keeps_the_files_later_ones_need(tmp
     dcp.save({"t": a}, storage_writer=DataStatesWriter(tmp_path / "step-1"), no_dist=True)  # nothing refers now
     assert sorted(n for n in os.listdir(tmp_path / "step-1") if n.endswith(".safetensors")) == [
         next(n for n in os.listdir(tmp_path / "step-1") if n.endswith(".safetensors"))]  # the old files went
+
+
+def test_what_changed_is_written_without_a_hash_until_the_next_probe(tmp_path, monkeypatch):
+    from dcp_datastates.save import held_file, incremental
+
+    hashed = []
+    real = held_file._engine
+
+    class Counting:
+        def hash64_segments(self, items):
+            hashed.append(len(items))
+            return real.hash64_segments(items)
+
+    monkeypatch.setattr(held_file, "_engine", Counting())
+    frozen, moving = torch.randn(64, 64), torch.zeros(32, 32)
+    probe = incremental.PROBE_EVERY
+    per_save = []
+    for step in range(1, probe + 4):
+        if step <= 3:
+            moving += 1  # changes at saves 1-3, then never again
+        hashed.clear()
+        save({"frozen": frozen, "moving": moving}, tmp_path / f"step-{step}")
+        per_save.append(sum(hashed))
+        md = json.loads((tmp_path / f"step-{step}" / ".metadata").read_text())
+        if step > 1:
+            assert md["items"]["frozen"]["chunks"][0]["file"].startswith("../step-1/"), step  # always found
+    # Save 1 (the first: a probe) and 2 hash both tensors; 3..probe write `moving` without a hash
+    # (it changed at save 2); save probe+1 probes again (both hashed: `moving` unchanged since 3, but
+    # its base has no hash for it), and from then on `moving` is found unchanged too.
+    assert per_save[:3] == [2, 2, 1] and set(per_save[2:probe]) == {1}, per_save
+    assert per_save[probe] == 2, per_save
+    md = json.loads((tmp_path / f"step-{probe + 3}" / ".metadata").read_text())
+    assert md["items"]["moving"]["chunks"][0]["file"].startswith(f"../step-{probe + 1}/"), md["items"]["moving"]
+    assert_state_equal({"frozen": frozen, "moving": moving},
+                       load(tmp_path / f"step-{probe + 3}", {"frozen": frozen, "moving": moving}))

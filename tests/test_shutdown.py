@@ -247,3 +247,31 @@ def test_ctrl_c_in_training_loop(runs):
     # only the last save can have been cut short
     steps = sorted(int(n.split("-")[1]) for n in outcomes)
     assert all(outcomes[f"step-{s}"] == "exact" for s in steps[:-1]), outcomes
+
+
+def test_threads_waiting_in_the_engine_at_exit_never_abort_the_process(tmp_path):
+    """Daemon threads still inside an engine call that released the GIL (here: sliced waits,
+    which take the GIL back every 0.1 s) when the interpreter finalizes: the process exits with
+    its own status. (With pybind11's gil_scoped_release, Python ended such a thread with
+    pthread_exit inside a noexcept destructor: "terminate called without an active exception",
+    SIGABRT, every time for this script.)"""
+    script = tmp_path / "exit_while_waiting.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, threading, time
+        sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})
+        import torch
+        from engine_util import build_engine
+
+        eng = build_engine(1 << 20, chunk_bytes=64 << 10)
+        data = torch.zeros(256 << 10, dtype=torch.uint8)
+        job = eng.submit_write({str(tmp_path / "never-named.bin")!r}, b"h" * 64, 64 + data.numel(),
+                               [(data.data_ptr(), data.numel(), 64)], named=False)
+        for _ in range(4):
+            threading.Thread(target=job.wait_written, args=(10**9, 30.0), daemon=True).start()
+        time.sleep(0.3)
+        print("exiting", flush=True)
+    """))
+    for _ in range(3):
+        r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and r.stdout == "exiting\n", (r.returncode, r.stderr[-2000:])
+        assert "terminate called" not in r.stderr

@@ -15,6 +15,13 @@ hash is taken there, never from live memory that may already have moved on). Not
 trusted: no version counter, no ``requires_grad``, no pointer; so a tensor changed through
 ``.data`` or by a kernel that bumps no version is written again like any changed one.
 
+Which tensors are held for that decision (the candidates) is a hint, never the decision: every
+tensor at this process's first incremental save into a folder of checkpoints and at every
+``PROBE_EVERY``-th one after it; between those, the tensors whose bytes differed from the base at
+the last decision are written directly (copied and flushed as any file, no hash), since what
+changed once (trainable parameters, optimizer state) almost always changes again. A tensor that
+stops changing is found at the next probe. A tensor that is not a candidate is always written.
+
 An unchanged item gets the base's location with its file named as a reference
 (``format.layout.reference_name``: ``../<base>/<file>``); a base item that was itself a
 reference keeps the checkpoint it names, so a reference is always one hop to the checkpoint
@@ -45,7 +52,20 @@ from .items import ItemKey
 
 _engine = engine_module()  # hash64: a base's marker is decoded again only when its bytes changed
 
-__all__ = ["Incremental", "Base"]
+__all__ = ["Incremental", "Base", "PROBE_EVERY", "hint_key"]
+
+# Every tensor is a candidate at this save of a folder of checkpoints and at every PROBE_EVERY-th
+# one after it (the module docstring).
+PROBE_EVERY = 8
+# (folder of checkpoints, rank) -> (saves decided so far, the tensors written without a hash next
+# time: those that changed at the last decision or were written directly then).
+_hints: dict[tuple[str, int], tuple[int, frozenset]] = {}
+_hints_lock = threading.Lock()
+
+
+def hint_key(path: str, rank: int) -> tuple[str, int]:
+    """The key of this rank's hints for checkpoint ``path`` (its folder of checkpoints)."""
+    return (path.rstrip("/").rsplit("/", 1)[0], rank)
 
 log = logging.getLogger("dcp_datastates")
 
@@ -69,6 +89,28 @@ class Incremental:
         self._base: Base | None = None
         self._looked = False
         self.referenced_bytes = 0  # what this rank did not write again (checkpoint_stats)
+        self._key: tuple[str, int] | None = None
+        self._count = 0
+        self.direct: frozenset = frozenset()  # written without a hash this time (a hint)
+        self._changed: set = set()  # found changed by their hash this time
+
+    def written_directly(self, key: tuple[str, int]) -> frozenset:
+        """At the request: the tensors this save writes without holding and hashing them (see
+        the module docstring); the save's outcome becomes the hint of ``key`` (``learn``)."""
+        with _hints_lock:
+            count, changed = _hints.get(key, (0, frozenset()))
+        self._key, self._count = key, count
+        self.direct = frozenset() if count % PROBE_EVERY == 0 else changed
+        return self.direct
+
+    def learn(self) -> None:
+        """The save is durable: its outcome is the next save's hint."""
+        if self._key is None:
+            return
+        with self._lock:
+            changed = frozenset(self._changed) | self.direct
+        with _hints_lock:
+            _hints[self._key] = (self._count + 1, changed)
 
     def base(self) -> Base | None:
         with self._lock:
@@ -84,8 +126,12 @@ class Incremental:
         if base is None or entry.kind != "tensor" or entry.nbytes == 0:
             return None
         loc = base.items.get(key)
-        if (loc is None or loc.hash64 != digest or loc.length != entry.nbytes or loc.dtype != entry.dtype
+        if loc is None:
+            return None  # new, or written without a hash last time: a candidate again next time
+        if (loc.hash64 != digest or loc.length != entry.nbytes or loc.dtype != entry.dtype
                 or tuple(loc.shape) != tuple(entry.shape)):
+            with self._lock:
+                self._changed.add(key)
             return None
         with self._lock:
             self.referenced_bytes += loc.length

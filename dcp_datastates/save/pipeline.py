@@ -70,19 +70,21 @@ class RankPlan:
 
 
 def plan_stage(flat: dict, *, rank: int, world: int, dedup: bool, cuda: bool, folder_known: bool,
-               hold_limit: Callable[[], int], copied_at_request: int = 0, incremental: bool = False) -> RankPlan:
+               hold_limit: Callable[[], int], copied_at_request: int = 0,
+               incremental: frozenset | None = None) -> RankPlan:
     """This rank's plan for ``flat``. ``dedup``: replicated values are written by one rank;
     ``cuda``: the engine copies CUDA memory itself; ``folder_known``: files can be written now;
     ``hold_limit()``: the most bytes this rank may hold for DCP's plan (else it writes them);
     ``copied_at_request``: items up to this size are copied at the request (request.copy_small_at_request), so
     the version guard leaves them out (their later changes cannot reach the checkpoint);
-    ``incremental``: this rank's tensors are held (up to ``hold_limit()`` bytes) until their
-    hashes say which to write (incremental.py), and no cached plan is used."""
+    ``incremental`` (None: off): this rank's tensors but these keys are held (up to
+    ``hold_limit()`` bytes) until their hashes say which to write (incremental.py), and no
+    cached plan is used."""
     scan = scan_state(flat)
     dkey = DecisionKey(rank, world, scan.plain_signature() if scan is not None else None) if dedup else None
     decision = decisions().get(dkey) if dkey is not None and dkey.plain is not None else None
     context = PlanContext(rank, world, dedup, cuda)
-    cached = find_plan(context, scan, decision) if folder_known and not incremental else None
+    cached = find_plan(context, scan, decision) if folder_known and incremental is None else None
     if cached is not None:
         plan = _from_cache(cached, scan, copied_at_request)
     else:
@@ -112,7 +114,7 @@ def _from_cache(cached: StagePlan, scan: Scan, copied_at_request: int) -> RankPl
 
 def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: frozenset | None,
                 folder_known: bool, hold_limit: Callable[[], int], copied_at_request: int,
-                incremental: bool = False) -> RankPlan:
+                incremental: frozenset | None = None) -> RankPlan:
     """Lay out every file from the items themselves; the plan is cacheable when the scan
     covered the state and nothing is held."""
     rank, world, dedup = context.rank, context.world, context.dedup
@@ -131,8 +133,9 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
     if not folder_known:  # nothing can be flushed before the folder is named
         held += [HeldGroup(group, True) for group in _by_device(own.owned)]
     else:
-        if incremental:  # held until their hashes are known; the rest (past the limit) written now
-            candidates, own.owned = _candidates(own.owned, hold_limit() - sum(it.entry.nbytes for it in own.held))
+        if incremental is not None:  # held until their hashes are known; the rest written now
+            room = hold_limit() - sum(it.entry.nbytes for it in own.held)
+            candidates, own.owned = _candidates(own.owned, room, incremental)
             held += [HeldGroup(group, True) for group in _by_device(candidates)]
         for k, group in enumerate(_by_device(own.owned)):
             device, group = on_one_device(context.cuda, group)
@@ -149,11 +152,12 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
     )
 
 
-def _candidates(items: list[SourceItem], room: int) -> tuple[list[SourceItem], list[SourceItem]]:
-    """(tensors an incremental save holds for their hashes, up to ``room`` bytes; the rest)."""
+def _candidates(items: list[SourceItem], room: int, direct: frozenset) -> tuple[list[SourceItem], list[SourceItem]]:
+    """(tensors an incremental save holds for their hashes, up to ``room`` bytes, but those it
+    writes ``direct``ly; the rest)."""
     held, rest = [], []
     for it in items:
-        if it.entry.kind == "tensor" and 0 < it.entry.nbytes <= room:
+        if it.entry.kind == "tensor" and 0 < it.entry.nbytes <= room and it.key not in direct:
             held.append(it)
             room -= it.entry.nbytes
         else:

@@ -37,7 +37,7 @@ from ..gcpause import pause_collector
 from ..runtime import get_engine, inflight
 from ..storage import Storage
 from .held_file import HeldFile
-from .incremental import Incremental
+from .incremental import Incremental, hint_key
 from .items import SourceItem, flatten
 from .pipeline import PlannedFile, on_one_device, plan_stage, planned_file
 from .state import FileJob, StagedSave
@@ -156,9 +156,13 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
     staged.rank = rank
     dedup = world > 1 and config.dedup_replicated
     engine = get_engine(config)
+    direct = None  # incremental: the tensors written without a hash this time (a hint)
+    if staged.incremental is not None:
+        durable = tier.reported(staged.path)
+        direct = staged.incremental.written_directly(hint_key(durable, rank)) if durable else frozenset()
     plan = plan_stage(flat, rank=rank, world=world, dedup=dedup, cuda=engine.cuda_devices > 0,
                       folder_known=staged.path is not None, hold_limit=lambda: _cache_bytes(config) // 2,
-                      copied_at_request=config.copy_at_request_max_bytes, incremental=config.incremental)
+                      copied_at_request=config.copy_at_request_max_bytes, incremental=direct)
     staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
     staged.guard, staged.late_guard = plan.guard, plan.late_guard
     staged.decision_key, staged.learn, staged.plain_keys = plan.decision_key, plan.learn, plan.plain_keys

@@ -73,6 +73,8 @@ def write_rank(staged: StagedSave, plan: SavePlan, planner: SavePlanner, config,
         job = _write_late(staged, late, planner, config, tier)
         (staged.held if isinstance(job, HeldFile) else staged.files).append(job)
     locations = _wait_durable(staged)
+    if staged.incremental is not None:
+        staged.incremental.learn()  # what changed: the next save's hint
     if staged.moved_from is not None:
         locations = _relocate(staged, locations)
     if staged.flat is not None and overridden_data_hooks(planner):  # lazy save, custom planner: its hooks now
