@@ -23,6 +23,7 @@ everything acyclic, as always.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 import heapq
@@ -44,6 +45,7 @@ _paused_since = 0.0  # when the collector was last paused or young-collected by 
 YOUNG_COLLECTION_EVERY_S = 1.0
 MIDDLE_COLLECTION_EVERY = 5  # of those young collections, every 5th also collects generation 1
 _young_collections = 0
+_exiting = False  # set at exit: the watchdog collects nothing more and ends (_stop_at_exit)
 
 
 class CollectorPause:
@@ -120,7 +122,7 @@ def _end(pause_id: int) -> None:
 
 def _ensure_watchdog() -> None:
     global _watchdog
-    if _watchdog is None or not _watchdog.is_alive():
+    if (_watchdog is None or not _watchdog.is_alive()) and not _exiting:
         _watchdog = threading.Thread(target=_expire, name="dcp-datastates-gc-pause", daemon=True)
         _watchdog.start()
 
@@ -134,6 +136,8 @@ def _expire() -> None:
     while True:
         collect: int | None = None
         with _lock:
+            if _exiting:
+                return
             while _deadlines and _deadlines[0][1] not in _held:
                 heapq.heappop(_deadlines)  # released already
             now = time.monotonic()
@@ -154,6 +158,24 @@ def _expire() -> None:
                 _lock.wait(min(wake) - now if wake else None)
         if collect is not None:  # outside the lock: a finalizer run by the collection may pause or release
             gc.collect(collect)
+
+
+def _stop_at_exit() -> None:
+    """atexit (registered before the engine's, so it runs after the checkpoints are committed):
+    end the watchdog before the interpreter finalizes. A collection it ran then, on a daemon
+    thread, could free an object whose C++ destructor releases the GIL (torch's bindings do); the
+    finalizing interpreter ends such a thread with pthread_exit when it takes the GIL back, inside
+    a noexcept destructor: std::terminate, an aborted exit."""
+    global _exiting
+    with _lock:
+        _exiting = True
+        _lock.notify_all()
+    watchdog = _watchdog
+    if watchdog is not None and watchdog is not threading.current_thread():
+        watchdog.join(5.0)
+
+
+atexit.register(_stop_at_exit)
 
 
 def _forget_in_child() -> None:

@@ -227,3 +227,25 @@ def test_a_load_that_fails_ends_its_pause_at_once(tmp_path):
     with raises_through_dcp("empty"):
         dcp.load(_state(3), storage_reader=DataStatesReader(str(tmp_path / "empty")))
     assert gcpause.paused_count() == 0 and gc.isenabled()
+
+
+def test_the_watchdog_ends_at_exit_before_the_interpreter_finalizes():
+    """At exit the watchdog collects nothing more and ends (a collection on a daemon thread while
+    the interpreter finalizes could end that thread inside a C++ destructor: an aborted exit)."""
+    import subprocess
+    import sys
+
+    script = (
+        "import time\n"
+        "from dcp_datastates import gcpause\n"
+        "pause = gcpause.pause_collector(60)\n"
+        "time.sleep(0.1)\n"
+        "assert gcpause._watchdog.is_alive()\n"
+        "gcpause._stop_at_exit()\n"
+        "assert not gcpause._watchdog.is_alive()\n"
+        "gcpause._ensure_watchdog()\n"
+        "assert not gcpause._watchdog.is_alive()  # none started at exit\n"
+        "print('ok')\n"
+    )
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == "ok\n", r.stderr[-2000:]

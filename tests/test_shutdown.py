@@ -33,7 +33,8 @@ COMMON = textwrap.dedent(
 
 PRELUDE = COMMON + textwrap.dedent(
     """
-    import os, sys, time, signal, threading, warnings
+    import faulthandler, os, sys, time, signal, threading, warnings
+    faulthandler.enable(all_threads=True)  # an abort at exit names every thread's Python stack
     # Ctrl-C raises KeyboardInterrupt as in a terminal, even when pytest itself runs where SIGINT
     # is ignored (a background job), which Python would otherwise pass on to this script.
     signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -226,8 +226,7 @@ class LocalTier(NoTier):
         # The rank in the data file names (global: the coordinator waits for the writers of the
         # files it commits, local_tier.file_ranks), not the rank in DCP's process group.
         # (An incremental save's references name durable files already: not this rank's to drain.)
-        locations = {i: loc for r in results if split_reference((loc := r.storage_data).file) is None
-                     for i in (r.index,)}
+        locations = {r.index: r.storage_data for r in results if split_reference(r.storage_data.file) is None}
         renamed = {loc.file: drain.durable_name(loc.file, plan.tag) for loc in locations.values()}
         tiers.record_rank_files(staged.path, staged.rank, self.durable_path, plan.save_id, renamed)
         staged.local_s = time.monotonic() - staged.requested
