@@ -1,5 +1,5 @@
 """Ranks of the incremental-save tests (importable by spawned processes): a Hugging Face Llama
-built from a config, mostly frozen, trained under FSDP2 and saved incrementally."""
+built from a config, 96 % of its parameters frozen, trained under FSDP2 and saved incrementally."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, protect_optimizer
 
-TRAINABLE = ("model.norm.weight", "model.layers.1.self_attn.o_proj.weight")
+TRAINABLE = ("model.norm.weight", "model.layers.1.self_attn.o_proj.weight")  # 4,160 of 106,816 parameters
+SAVES = 20
 
 
 def _llama():
@@ -56,7 +57,7 @@ def save_frozen_llama(rank: int, world: int, root: str) -> None:
     protect_optimizer(opt)
     ckpt_group = dist.new_group(backend="gloo")  # the save's collectives run beside training's (DCP's advice)
     written, response = {}, None
-    for step in range(1, 4):
+    for step in range(1, SAVES + 1):
         g = torch.Generator().manual_seed(step)
         ids = torch.randint(0, 256, (4, 16), generator=g)[rank * 2:(rank + 1) * 2]
         model(input_ids=ids, labels=ids).loss.backward()
@@ -67,7 +68,7 @@ def save_frozen_llama(rank: int, world: int, root: str) -> None:
         msd, osd = get_state_dict(model, opt)
         # Collectives of the test's own, before the save's start on DCP's thread (same group).
         full = _full({"model": msd, "optim": osd})
-        if rank == 0:
+        if rank == 0 and step in (1, SAVES // 2, SAVES):
             torch.save(full, os.path.join(root, f"expected-{step}.pt"))
         state = {"model": msd, "optim": osd, "step": step}
         path = os.path.join(root, f"step-{step}")
@@ -76,7 +77,7 @@ def save_frozen_llama(rank: int, world: int, root: str) -> None:
     response.upload_completion.result(timeout=120)
     dist.barrier()
     if rank == 0:
-        for step in range(1, 4):
+        for step in range(1, SAVES + 1):
             path = os.path.join(root, f"step-{step}")
             written[step] = sum(os.path.getsize(os.path.join(path, n)) for n in os.listdir(path)
                                 if n.endswith(".safetensors"))
