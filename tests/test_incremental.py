@@ -298,6 +298,9 @@ def test_inspect_and_convert_follow_references(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dcp_datastates", "inspect", str(tmp_path / "step-2")],
                        capture_output=True, text=True, env=env, check=True)
     assert "references: 1 file(s) of earlier checkpoint(s) step-1 (incremental save;" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "dcp_datastates", "verify", "--no-progress", str(tmp_path / "step-2")],
+                       capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "1 of the files are earlier checkpoints' (step-1), checked too" in r.stdout, r
     r = subprocess.run([sys.executable, "-m", "dcp_datastates", "convert", "--to", "torch", "--no-progress",
                         str(tmp_path / "step-2"), str(tmp_path / "out.pt")], capture_output=True, text=True, env=env)
     assert r.returncode == 0, r.stderr
