@@ -222,14 +222,10 @@ def _cmd_verify(args) -> int:
             print(f"FAILED {_safe(p)}", file=sys.stderr)
         print(f"{PROG} verify: {path} is damaged: {len(report.problems)} problem(s) found", file=sys.stderr)
         return 1
-    from .format.layout import split_reference
-
     extra = f"; {report.unchecked_items} item(s) carry no checksum" if report.unchecked_items else ""
-    _, files = _read_metadata(path)
-    refs = [ref for name in files if (ref := split_reference(name)) is not None]
-    if refs:  # an incremental save: files of earlier checkpoints, read and checked too
-        extra += (f"; {len(refs)} of the files are earlier checkpoints' "
-                  f"({', '.join(_safe(c) for c in sorted({c for c, _ in refs}))}), checked too")
+    if report.referenced:  # an incremental save: files of earlier checkpoints, read and checked too
+        extra += (f"; {len(report.referenced)} of the files are earlier checkpoints' "
+                  f"({', '.join(_safe(c) for c in sorted(set(report.referenced)))}), checked too")
     print(
         f"OK {path}: {report.items} items in {report.files} file(s); "
         f"{report.checked_items} stored chunk(s), {_human(report.checked_bytes)}, match their CRC32C{extra}"

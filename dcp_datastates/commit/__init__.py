@@ -22,8 +22,9 @@ from .reading import (
     latest_checkpoint,
     read_commit,
     referenced_by,
+    step_folders,
 )
 from .writing import prepare_folder, write_commit
 
 __all__ = ["read_commit", "check_data_files", "file_size_error", "check_commit", "is_committed", "latest_checkpoint",
-           "checkpoint_id", "prepare_folder", "write_commit", "data_file", "by_folder", "referenced_by"]
+           "checkpoint_id", "prepare_folder", "write_commit", "data_file", "by_folder", "referenced_by", "step_folders"]

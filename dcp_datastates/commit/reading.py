@@ -17,6 +17,7 @@ from ..format.layout import (
     STEP_NUMBER,
     FileInfo,
     decode_metadata,
+    own_files,
     rank_marker_name,
     split_reference,
 )
@@ -25,7 +26,7 @@ from ..storage import Storage, open_storage
 log = logging.getLogger("dcp_datastates")
 
 __all__ = ["read_commit", "check_data_files", "file_size_error", "check_commit", "is_committed", "latest_checkpoint",
-           "checkpoint_id", "data_file", "by_folder", "referenced_by"]
+           "checkpoint_id", "data_file", "by_folder", "referenced_by", "step_folders"]
 
 Location = "str | os.PathLike | Storage"
 
@@ -145,7 +146,7 @@ def check_data_files(location: Location, files: dict[str, FileInfo], *,
     only: its references are durable files)."""
     storage = open_storage(location, storage_options)
     if not references:
-        files = {name: info for name, info in files.items() if split_reference(name) is None}
+        files = own_files(files)
     for folder, names in by_folder(storage, files, beside):
         sizes = folder.sizes(names)
         for own, name in names.items():
@@ -202,7 +203,7 @@ def referenced_by(location: Location, *, storage_options: Mapping[str, Any] | No
     names ``../<this folder>/`` refers to it; a damaged one that cannot be read counts as
     referring, so nothing is deleted on a guess)."""
     storage = open_storage(location, storage_options)
-    own = storage.location.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]
+    own = storage.name
     needle = json.dumps(f"../{own}/")[:-1].encode()  # the JSON string's opening quote and text
     parent = storage.parent()
     found = []
@@ -224,6 +225,12 @@ def referenced_by(location: Location, *, storage_options: Mapping[str, Any] | No
     return found
 
 
+def step_folders(root: Storage) -> list[str]:
+    """The folders directly under ``root`` with a step number in their name, the highest first."""
+    candidates = [(int(m.group(1)), name) for name in root.subfolders() if (m := STEP_NUMBER.search(name))]
+    return [name for _, name in sorted(candidates, reverse=True)]
+
+
 def latest_checkpoint(root: Location, *, check_files: bool = True,
                       storage_options: Mapping[str, Any] | None = None) -> str | None:
     """The newest complete checkpoint folder directly under ``root`` (``step-100``, ``ckpt_7`` ...):
@@ -236,8 +243,7 @@ def latest_checkpoint(root: Location, *, check_files: bool = True,
     ``local_tier``: ``tiers.latest_checkpoint``.)
     """
     storage = open_storage(root, storage_options)
-    candidates = [(int(m.group(1)), name) for name in storage.subfolders() if (m := STEP_NUMBER.search(name))]
-    for _, name in sorted(candidates, reverse=True):
+    for name in step_folders(storage):
         folder = storage.child(name)
         if is_committed(folder, check_files=check_files):
             return folder.location

@@ -52,7 +52,7 @@ __all__ = [
     "piece_ranges",
     # the commit marker
     "ItemLocation", "FileInfo", "encode_metadata", "encode_commit", "decode_metadata", "FORMAT_VERSION", "METADATA_NAME",
-    "REFERENCES_VERSION", "reference_name", "split_reference",
+    "REFERENCES_VERSION", "reference_name", "split_reference", "own_files",
     "MAX_METADATA_BYTES", "STEP_NUMBER", "rank_marker_name", "PENDING_NAME",
 ]
 
@@ -217,7 +217,7 @@ class ItemLocation:
     crc32c: tuple[int, ...]  # one per piece of the file's checksum grid; () when not computed
     data_start: int  # first data byte of the file (the grid origin)
     piece_size: int  # grid step of the checksums
-    file_size: int = 0  # size of the whole data file when written (0: not known, e.g. decoded)
+    file_size: int = 0  # size of the whole data file (written, or as the metadata records it; 0: not known)
     # XXH64 (seed 0) of the item's bytes, recorded by incremental saves (save/incremental.py)
     # to find unchanged items next time; None when not computed.
     hash64: int | None = None
@@ -249,6 +249,12 @@ def split_reference(name: str) -> tuple[str, str] | None:
         return None
     folder, _, file = name[3:].partition("/")
     return folder, file
+
+
+def own_files(files: dict) -> dict:
+    """The entries of ``files`` (keyed by the names a metadata lists) that are files of the
+    checkpoint itself, not references."""
+    return {name: v for name, v in files.items() if split_reference(name) is None}
 
 
 @dataclass(frozen=True)
@@ -666,7 +672,10 @@ def _location(c: _Check, entry: dict, where: str, files: dict[str, FileInfo], dt
         if type(digest) is not str or len(digest) != 16 or not _HEX.fullmatch(digest):
             raise c.fail(f"field 'hash64' in {where} should be 16 hex digits, found {digest!r}")
         digest = int(digest, 16)
-    return ItemLocation(fname, offset, length, dtype, shape, tuple(crcs), info.data_start, info.piece_size, 0, digest)
+    # With its file's recorded size: a commit re-encoding these locations (the drain's) records the
+    # file as it is, also where the items it references end before the file does.
+    return ItemLocation(fname, offset, length, dtype, shape, tuple(crcs), info.data_start, info.piece_size, info.size,
+                        digest)
 
 
 _HEX = re.compile(r"[0-9a-f]{16}")

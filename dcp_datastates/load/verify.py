@@ -14,7 +14,7 @@ from ..commit import check_data_files, read_commit
 from ..commit.reading import size_text
 from ..errors import CheckpointFormatError, ChecksumMismatchError
 from ..format.header import MAX_HEADER_BYTES, DataFileHeader, DataFileItem, parse_header
-from ..format.layout import FileInfo, ItemLocation, piece_ranges, safetensors_dtype, split_reference
+from ..format.layout import FileInfo, ItemLocation, own_files, piece_ranges, safetensors_dtype, split_reference
 from ..format.pieces import bad_pieces
 from ..storage import LocalStorage, file_kind, open_for_reading
 
@@ -201,6 +201,7 @@ class VerifyReport:
     checked_items: int  # stored chunks whose checksums were compared
     unchecked_items: int  # stored chunks without checksums
     checked_bytes: int
+    referenced: tuple[str, ...] = ()  # per file that is a reference: the earlier checkpoint holding it
 
 
 def _header_problems(full: str, name: str, info: FileInfo, locs: list) -> list[str]:
@@ -253,7 +254,7 @@ def verify_checkpoint(path: str | os.PathLike, *, engine, progress=None, referen
     path = os.fspath(path)
     md, files = read_commit(path)
     if not references:
-        files = {name: info for name, info in files.items() if split_reference(name) is None}
+        files = own_files(files)
     problems: list[str] = []
     by_file: dict[str, list] = {}
     for index, loc in md.storage_data.items():
@@ -301,8 +302,9 @@ def verify_checkpoint(path: str | os.PathLike, *, engine, progress=None, referen
                     problems.append(str(checksum_mismatch(path, name, batch[k][0], off, n, expected, got)))
                 checked_bytes += pos
                 bar.update(pos)
+    referenced = tuple(ref[0] for name in files if (ref := split_reference(name)) is not None)
     return VerifyReport(path, len(md.state_dict_metadata), len(files), problems, checked_items, unchecked_items,
-                        checked_bytes)
+                        checked_bytes, referenced)
 
 
 def no_progress(total: int, desc: str) -> "_NoBar":

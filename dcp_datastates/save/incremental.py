@@ -34,25 +34,27 @@ import dataclasses
 import logging
 import threading
 
-from ..commit import check_data_files
+from ..commit import check_data_files, step_folders
 from ..errors import CheckpointFormatError, DataStatesError
 from ..format.layout import (
     MAX_METADATA_BYTES,
     METADATA_NAME,
-    STEP_NUMBER,
     FileEntry,
     ItemLocation,
     decode_metadata,
+    moved,
     reference_name,
     split_reference,
 )
 from ..native import engine_module
-from ..storage import Storage
-from .items import ItemKey
+from ..storage import Storage, root_of
+from .items import ItemKey, item_key
 
 _engine = engine_module()  # hash64: a base's marker is decoded again only when its bytes changed
 
 __all__ = ["Incremental", "Base", "PROBE_EVERY", "hint_key"]
+
+log = logging.getLogger("dcp_datastates")
 
 # Every tensor is a candidate at this save of a folder of checkpoints and at every PROBE_EVERY-th
 # one after it (the module docstring).
@@ -65,9 +67,7 @@ _hints_lock = threading.Lock()
 
 def hint_key(path: str, rank: int) -> tuple[str, int]:
     """The key of this rank's hints for checkpoint ``path`` (its folder of checkpoints)."""
-    return (path.rstrip("/").rsplit("/", 1)[0], rank)
-
-log = logging.getLogger("dcp_datastates")
+    return (root_of(path), rank)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +88,6 @@ class Incremental:
         self._lock = threading.Lock()
         self._base: Base | None = None
         self._looked = False
-        self.referenced_bytes = 0  # what this rank did not write again (checkpoint_stats)
         self._key: tuple[str, int] | None = None
         self._count = 0
         self.direct: frozenset = frozenset()  # written without a hash this time (a hint)
@@ -133,22 +132,16 @@ class Incremental:
             with self._lock:
                 self._changed.add(key)
             return None
-        with self._lock:
-            self.referenced_bytes += loc.length
         return loc
 
 
 def find_base(storage: Storage) -> Base | None:
     """The newest committed checkpoint beside ``storage`` whose data files are all present with
     their sizes, as a ``Base``; None when there is none (the save writes everything)."""
-    own = _folder_name(storage)
-    parent = storage.parent()
-    candidates = []
-    for name in parent.subfolders():
-        m = STEP_NUMBER.search(name)
-        if name != own and m is not None:
-            candidates.append((int(m.group(1)), name))
-    for _, name in sorted(candidates, reverse=True):
+    own = storage.name
+    for name in step_folders(storage.parent()):
+        if name == own:
+            continue
         folder = storage.sibling(name)
         try:
             return _base(folder, name, own)
@@ -178,7 +171,7 @@ def _base(folder: Storage, name: str, own: str) -> Base:
         base = known[1]
     else:
         md, files = decode_metadata(raw, folder.where(METADATA_NAME))
-        base = Base(name, _references(md.storage_data, files, name, own), files)
+        base = Base(name, _references(md.storage_data, name, own), files)
         with _decoded_lock:
             _decoded.pop(key, None)
             _decoded[key] = (digest, base)
@@ -188,7 +181,7 @@ def _base(folder: Storage, name: str, own: str) -> Base:
     return base
 
 
-def _references(storage_data: dict, files: dict, base: str, own: str) -> dict[ItemKey, ItemLocation]:
+def _references(storage_data: dict, base: str, own: str) -> dict[ItemKey, ItemLocation]:
     """The base's hashed items, each located as the new checkpoint names it."""
     out: dict[ItemKey, ItemLocation] = {}
     for index, loc in storage_data.items():
@@ -201,11 +194,5 @@ def _references(storage_data: dict, files: dict, base: str, own: str) -> dict[It
             continue
         else:
             name = loc.file  # already one hop to the checkpoint that wrote them
-        size = files[loc.file].size
-        out[(index.fqn, None if index.offset is None else tuple(index.offset))] = dataclasses.replace(
-            loc, file=name, file_size=size)
+        out[item_key(index)] = moved(loc, name)  # its file's recorded size and the hash kept
     return out
-
-
-def _folder_name(storage: Storage) -> str:
-    return storage.location.rstrip("/").replace("\\", "/").rsplit("/", 1)[-1]

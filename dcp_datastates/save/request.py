@@ -43,7 +43,7 @@ from .pipeline import PlannedFile, on_one_device, plan_stage, planned_file
 from .state import FileJob, StagedSave
 
 __all__ = ["request_save", "name_folder", "sync_save", "submit_file", "start_file", "prepare_destination", "hold", "claim_folder", "current_stream",
-           "global_rank_world", "finish_staging", "planned", "copy_small_at_request", "give_back"]
+           "global_rank_world", "finish_staging", "planned", "copy_small_at_request", "give_back", "hold_limit"]
 
 log = logging.getLogger("dcp_datastates")
 
@@ -100,8 +100,7 @@ def _request(state_dict: dict, path: str | None, storage: Storage | None, config
              check_launch) -> tuple[StagedSave, Future]:
     future: Future = Future()
     staged = StagedSave(path=path, storage=storage, requested=requested)
-    if config.incremental:
-        staged.incremental = Incremental(lambda: tier.references_beside() or staged.storage)
+    _decide_incrementally(staged, config, tier)
     flat, mappings = None, None
     try:
         check_launch()
@@ -117,7 +116,7 @@ def _request(state_dict: dict, path: str | None, storage: Storage | None, config
     if flat is None:
         future.set_result(state_dict)
         return staged, future
-    if staged.path is None and sum(h.job.nbytes for h in staged.held) > _cache_bytes(config) // 2:
+    if staged.path is None and sum(h.job.nbytes for h in staged.held) > hold_limit(config):
         # The folder is named after staging (reset()); until then nothing can be flushed, so a
         # save larger than half the cache cannot be staged whole first: hand DCP the state now
         # (the version guard still fails the save if a source changes too early).
@@ -161,7 +160,7 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
         durable = tier.reported(staged.path)
         direct = staged.incremental.written_directly(hint_key(durable, rank)) if durable else frozenset()
     plan = plan_stage(flat, rank=rank, world=world, dedup=dedup, cuda=engine.cuda_devices > 0,
-                      folder_known=staged.path is not None, hold_limit=lambda: _cache_bytes(config) // 2,
+                      folder_known=staged.path is not None, hold_limit=lambda: hold_limit(config),
                       copied_at_request=config.copy_at_request_max_bytes, incremental=direct)
     staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
     staged.guard, staged.late_guard = plan.guard, plan.late_guard
@@ -183,8 +182,10 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
         plan.remember(staged.files[0].job.piece_size())
 
 
-def _cache_bytes(config) -> int:
-    return int(get_engine(config).stats()["cache_bytes"])
+def hold_limit(config) -> int:
+    """The most bytes a save may hold in the host cache before writing them (held files): half
+    of it; the rest keeps the other copies going."""
+    return int(get_engine(config).stats()["cache_bytes"]) // 2
 
 
 def name_folder(staged: StagedSave, path: str, storage: Storage, config, tier) -> None:
@@ -215,9 +216,15 @@ def sync_save(path: str, storage: Storage, rank: int, config, tier) -> StagedSav
         pause.release()
         raise
     staged = StagedSave(path=path, storage=storage, rank=rank, tag=tag, collector_pause=pause)
+    _decide_incrementally(staged, config, tier)
+    return staged
+
+
+def _decide_incrementally(staged: StagedSave, config, tier) -> None:
+    """``incremental``: the save's decisions, made against the checkpoints beside its (durable)
+    folder, which DCP may name only later."""
     if config.incremental:
         staged.incremental = Incremental(lambda: tier.references_beside() or staged.storage)
-    return staged
 
 
 def planned(engine, index: int, items: list[SourceItem]) -> PlannedFile:

@@ -30,7 +30,7 @@ from .held_file import HeldFile
 from .items import ItemKey, item_key, source_for_resolved, torn_message
 from .ownership import decisions
 from .planner_hooks import items_to_rewrite, overridden_data_hooks
-from .request import hold, planned, submit_file
+from .request import hold, hold_limit, planned, submit_file
 from .state import FileJob, StagedSave
 
 __all__ = ["write_rank", "check_rank_local", "skip_replicas"]
@@ -129,8 +129,7 @@ def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, ti
     sources = [source_for_resolved(item, planner.resolve_data(item), taken) for item in late]
     engine = get_engine(config)
     index = len(staged.files) + len(staged.held)
-    if staged.incremental is not None and \
-            sum(s.entry.nbytes for s in sources) <= int(engine.stats()["cache_bytes"]) // 2:
+    if staged.incremental is not None and sum(s.entry.nbytes for s in sources) <= hold_limit(config):
         tier.files_changing(staged.path, staged.rank)
         held = hold(engine, sources, known=True, config=config, label=staged.path, incremental=staged.incremental)
         held.set_destination(staged.storage, data_file_name(staged.rank, index, staged.tag), sync=config.sync_files)

@@ -16,10 +16,10 @@ from typing import Any
 from .base import Storage
 from .local import LocalStorage, file_kind, not_regular_error, open_for_reading
 from .objectstore import ObjectStorage
-from .paths import is_remote, is_supported_url, local_path, normalize
+from .paths import is_remote, is_supported_url, local_path, normalize, root_of
 
 __all__ = ["Storage", "LocalStorage", "ObjectStorage", "open_storage", "normalize", "is_supported_url",
-           "open_for_reading", "file_kind", "not_regular_error"]
+           "open_for_reading", "file_kind", "not_regular_error", "root_of"]
 
 
 def open_storage(location: "str | os.PathLike | Storage", storage_options: Mapping[str, Any] | None = None) -> Storage:

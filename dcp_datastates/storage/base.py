@@ -40,6 +40,11 @@ class Storage(ABC):
     def child(self, name: str) -> "Storage":
         """The folder ``name`` directly inside this one."""
 
+    @property
+    def name(self) -> str:
+        """The folder's own name (the last part of its location)."""
+        return self.location.rstrip("/").rsplit("/", 1)[-1]
+
     @abstractmethod
     def parent(self) -> "Storage":
         """The folder holding this one."""

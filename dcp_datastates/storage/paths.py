@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["normalize", "is_supported_url", "local_path", "is_remote"]
+__all__ = ["normalize", "is_supported_url", "local_path", "is_remote", "root_of"]
 
 _FILE_PREFIX = "file://"
 
@@ -56,3 +56,8 @@ def is_supported_url(path: str | os.PathLike) -> bool:
     # Chained URLs (simplecache::s3://...) name one protocol per link.
     protocols = [link.split("://", 1)[0] for link in s.split("::") if link]
     return all(p in known_implementations or p in registry for p in protocols)
+
+
+def root_of(path: str) -> str:
+    """The folder of checkpoints that checkpoint ``path`` (normalized) is directly under."""
+    return path.rstrip("/").rsplit("/", 1)[0]

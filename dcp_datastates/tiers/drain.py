@@ -26,9 +26,9 @@ import torch
 from ..commit import check_data_files, checkpoint_id, prepare_folder, read_commit, write_commit
 from ..config import DataStatesConfig
 from ..errors import CheckpointWriteError, ChecksumMismatchError
-from ..format.layout import data_file_name, data_file_parts, moved, new_tag, piece_ranges, split_reference
+from ..format.layout import data_file_name, data_file_parts, moved, new_tag, own_files, piece_ranges, split_reference
 from ..runtime import get_engine
-from ..storage import Storage, open_storage
+from ..storage import Storage, open_storage, root_of
 from . import local_tier as tiers
 
 log = logging.getLogger("dcp_datastates")
@@ -276,27 +276,18 @@ def _drain_unlocked(local: str, durable: str, config: DataStatesConfig, tag, fol
             tag = prepare_durable(durable, config)
         # An incremental save's references name durable files already (beside ``durable``): the
         # commit there checks them; only the copy's own files are copied.
-        own = {name: info.size for name, info in files.items() if split_reference(name) is None}
+        own = {name: info.size for name, info in own_files(files).items()}
         renamed = {name: durable_name(name, tag) for name in files}
         pieces = {name: p for name, p in _pieces_by_file(md.storage_data).items() if name in own}
         _copy_all(open_storage(local), store, own, pieces, renamed, config, followed)
-        write_commit(store, md, _sized(md.storage_data, files, renamed), sync=config.sync_files)
+        locations = {index: moved(loc, renamed[loc.file]) for index, loc in md.storage_data.items()}
+        write_commit(store, md, locations, sync=config.sync_files)
     except CheckpointWriteError as exc:
         if str(exc).startswith(f"draining {local}"):
             raise
         raise CheckpointWriteError(f"draining {local} to the durable tier {durable} failed: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - the store's own errors too (botocore, aiohttp ...)
         raise _drain_failed(local, durable, exc, "the local copy stays committed (drain_pending retries)") from exc
-
-
-def _sized(storage_data: dict, files: dict, renamed: dict[str, str] | None = None) -> dict:
-    """The decoded locations of a commit as a new commit records them: each with its file's size
-    (a decoded location has none, and the size of a file is not always the end of the last item
-    that this commit references in it, e.g. an incremental save's reference into an earlier
-    checkpoint's file), under its ``renamed`` name."""
-    renamed = renamed or {}
-    return {index: moved(loc, renamed.get(loc.file, loc.file), file_size=files[loc.file].size)
-            for index, loc in storage_data.items()}
 
 
 def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str], save_id: str, rank: int,
@@ -318,7 +309,7 @@ def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str
     except Exception as exc:  # noqa: BLE001 - the coordinator then times out naming this rank
         log.warning("dcp_datastates: rank %d could not report its drain to %s: %s", rank, durable, exc)
     if error is None:
-        drain_pending_ranks(config.local_tier, rank, config, skip=local, root=tiers.root_of(durable))
+        drain_pending_ranks(config.local_tier, rank, config, skip=local, root=root_of(durable))
         tiers.evict_drained(config.local_tier, config.keep_local, config.storage_options)
 
 
@@ -348,7 +339,7 @@ def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, sk
         pending = tiers.read_pending(store)
         if pending is None or pending[0].storage_meta.save_id != record["save_id"]:
             continue
-        md, files = pending
+        md, _ = pending
         save_id = record["save_id"]
         try:
             if not tiers.drained_ok(store, rank, save_id):  # never rewrite a drained file
@@ -359,7 +350,7 @@ def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, sk
                 tiers.report_drained(store, rank, save_id, None)
             ranks = tiers.file_ranks(md.storage_data)
             if tiers.all_drained(store, save_id, ranks):
-                write_commit(store, md, _sized(md.storage_data, files), sync=config.sync_files)
+                write_commit(store, md, dict(md.storage_data), sync=config.sync_files)
                 tiers.clear_pending(store, ranks)
                 log.info("dcp_datastates: committed %s on the durable tier (its drain was interrupted)", durable)
         except Exception as exc:  # noqa: BLE001 - retried by the next save
@@ -417,7 +408,7 @@ def drain_pending(local_tier: str, config: DataStatesConfig | None = None, *, ro
 
 
 def _under(durable: str, root: str | None) -> bool:
-    return root is None or tiers.root_of(durable) == root.rstrip("/")
+    return root is None or root_of(durable) == root.rstrip("/")
 
 
 def drain_pending_quietly(local_tier: str, config: DataStatesConfig, root: str | None = None) -> None:

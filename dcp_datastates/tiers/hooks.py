@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from ..commit import prepare_folder, write_commit
 from ..errors import CheckpointWriteError
 from ..format.layout import moved, new_tag, split_reference
-from ..storage import Storage, open_storage
+from ..storage import Storage, open_storage, root_of
 from . import drain
 from . import local_tier as tiers
 
@@ -253,7 +253,7 @@ class LocalTier(NoTier):
         drain.drain(storage.location, self.durable_path, config, plan.tag if prepared else drain.UNPREPARED,
                     staged.tier_state if prepared else None)
         # left by a killed run, under the same root (so on the store these options are for)
-        drain.drain_pending_quietly(config.local_tier, config, root=tiers.root_of(self.durable_path))
+        drain.drain_pending_quietly(config.local_tier, config, root=root_of(self.durable_path))
         tiers.evict_drained(config.local_tier, config.keep_local, config.storage_options)
 
     def _commit_drained(self, metadata, locations: dict, plan: RankDrain) -> None:

@@ -190,11 +190,6 @@ def _removable(local: str, local_id: str | None, committed_here: bool, storage_o
     return pending is None or pending[0].storage_meta.save_id != local_id
 
 
-def root_of(durable: str) -> str:
-    """The folder of checkpoints a durable checkpoint path is directly under."""
-    return durable.rstrip("/").rsplit("/", 1)[0]
-
-
 def _copies(local_tier: str, exclude: str | None = None) -> list[tuple[int, str, str | None, bool]]:
     """(commit time, folder, checkpoint id, committed here) of every local copy in ``local_tier``
     that names its durable path (``_local_state``), but ``exclude``."""
