@@ -127,7 +127,7 @@ std::shared_ptr<WriteJob> Engine::submit_write(std::string path, std::string hea
   if (is_shut_down()) throw std::runtime_error("engine is shut down");
   check_copy_device(device, cuda_devices_, cuda_status_);
   auto job = std::make_shared<FileJob>(std::move(path), std::move(header), file_size, items, chunk_bytes(), sync, device,
-                                       named, [this](ChunkRef&& ref) { push_flush(std::move(ref)); });
+                                       named, [this](std::vector<ChunkRef>&& refs) { push_flush_front(std::move(refs)); });
   if (!named) {
     std::lock_guard<std::mutex> g(unnamed_mu_);
     unnamed_.erase(std::remove_if(unnamed_.begin(), unnamed_.end(),
@@ -213,6 +213,15 @@ void Engine::push_flush(ChunkRef&& ref) {
     flush_q_.push_back(std::move(ref));
   }
   flush_cv_.notify_one();
+}
+
+// A named (or failed) job's parked chunks, in file order, ahead of everything queued.
+void Engine::push_flush_front(std::vector<ChunkRef>&& refs) {
+  {
+    std::lock_guard<std::mutex> g(flush_mu_);
+    flush_q_.insert(flush_q_.begin(), std::make_move_iterator(refs.begin()), std::make_move_iterator(refs.end()));
+  }
+  flush_cv_.notify_all();
 }
 
 // Borrows a cache slot for chunk c (backpressure); -1 after failing the job on timeout, or at

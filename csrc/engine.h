@@ -22,8 +22,9 @@
 //   Python caller (bindings)    copy_mu_ (submit), DeviceStager::       streaming jobs: the consumer
 //                               init_mu_ (first use of a device),       releases each chunk's slot
 //                               read_mu_, shutdown_mu_ (shutdown);      (StreamJob::release); failed
-//                               StreamJob::smu_ (next_chunk, release)   or aborted jobs release the
-//                                                                       slots they hold (drop_held)
+//                               StreamJob::smu_ (next_chunk, release);  or aborted jobs release the
+//                               FileJob::open_mu_ > flush_mu_ (set_     slots they hold (drop_held)
+//                               destination, fail: parked chunks back)
 //
 // Jobs (write_job.h): FileJob (the engine writes the file) and StreamJob (a consumer takes the
 // bytes) share WriteJob, whose "engine side" methods are how the workers drive either.
@@ -167,6 +168,7 @@ class Engine {
   void stage_device_chunk(ChunkRef ref);
   void device_chunk_ready(ChunkRef&& ref, bool copied);
   void push_flush(ChunkRef&& ref);
+  void push_flush_front(std::vector<ChunkRef>&& refs);
   void flush_chunk(FileJob& job, Chunk& c);
   // Returns the nanoseconds spent (0 with checksums off).
   uint64_t checksum_range(WriteJob& job, const Chunk& c, const char* base, uint64_t from, uint64_t to,

@@ -154,7 +154,7 @@ void WriteJob::release(uint64_t) { throw std::logic_error(path_ + ": release on 
 // File jobs.
 
 FileJob::FileJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
-                 uint64_t grid, bool sync, int device, bool named, std::function<void(ChunkRef&&)> requeue)
+                 uint64_t grid, bool sync, int device, bool named, std::function<void(std::vector<ChunkRef>&&)> requeue)
     : WriteJob(std::move(path), std::move(header), file_size, items, grid, device),
       sync_(sync),
       file_path_(named ? path_ : std::string()),
@@ -175,13 +175,16 @@ void FileJob::set_destination(const std::string& path) {
     if (path.empty()) throw std::invalid_argument(path_ + ": set_destination needs a path");
     file_path_ = path;
     named_ = true;
+    // Still under open_mu_: a flush worker admits no chunk of this job before the parked ones
+    // are back at the head of the queue.
+    requeue_parked_locked();
   }
-  requeue_parked();
 }
 
 void FileJob::fail(const std::string& msg) {
   WriteJob::fail(msg);
-  requeue_parked();  // admit() lets every later chunk through now: they are dropped
+  std::lock_guard<std::mutex> g(open_mu_);
+  requeue_parked_locked();  // admit() lets every later chunk through now: they are dropped
 }
 
 bool FileJob::awaiting_name() const {
@@ -189,13 +192,14 @@ bool FileJob::awaiting_name() const {
   return !named_ && !failed();
 }
 
-void FileJob::requeue_parked() {
+// Under open_mu_ (the engine takes flush_mu_ inside it; no flush worker holds flush_mu_ while it
+// takes open_mu_).
+void FileJob::requeue_parked_locked() {
+  if (parked_.empty()) return;
   std::vector<ChunkRef> parked;
-  {
-    std::lock_guard<std::mutex> g(open_mu_);
-    parked.swap(parked_);
-  }
-  for (auto& ref : parked) requeue_(std::move(ref));
+  parked.swap(parked_);
+  std::sort(parked.begin(), parked.end(), [](const ChunkRef& a, const ChunkRef& b) { return a.index < b.index; });
+  requeue_(std::move(parked));
 }
 
 FileJob::~FileJob() {

@@ -206,9 +206,11 @@ class WriteJob {
 // then, and a failure hands them back so that their slots are freed.
 class FileJob final : public WriteJob {
  public:
-  // `requeue` puts a parked chunk back on the flush queue (the engine's).
+  // `requeue` puts the parked chunks back at the head of the engine's flush queue, ahead of the
+  // job's later chunks queued meanwhile, in file order and in one step: flushed in any other
+  // order, the written prefix (what the local tier's drain may copy) would stall behind them.
   FileJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
-          uint64_t grid, bool sync, int device, bool named, std::function<void(ChunkRef&&)> requeue);
+          uint64_t grid, bool sync, int device, bool named, std::function<void(std::vector<ChunkRef>&&)> requeue);
   ~FileJob() override;
 
   bool sync() const { return sync_; }
@@ -234,7 +236,7 @@ class FileJob final : public WriteJob {
   void close_file();
 
  private:
-  void requeue_parked();
+  void requeue_parked_locked();
 
   const bool sync_;
   mutable std::mutex open_mu_;
@@ -243,7 +245,7 @@ class FileJob final : public WriteJob {
   std::string file_path_;  // guarded by open_mu_ until named_
   bool named_;             // guarded by open_mu_
   std::vector<ChunkRef> parked_;  // guarded by open_mu_
-  const std::function<void(ChunkRef&&)> requeue_;
+  const std::function<void(std::vector<ChunkRef>&&)> requeue_;
 };
 
 // A data file handed to a consumer instead (Engine::submit_stream): each chunk, once copied and

@@ -1006,6 +1006,39 @@ def test_backpressure_waits_for_the_name_then_drains(tmp_path):
         eng.shutdown()
 
 
+def test_a_named_job_writes_its_parked_chunks_ahead_of_chunks_queued_meanwhile(tmp_path):
+    """One flush worker. B is submitted unnamed (its chunks parked), then A's chunk stalls the
+    worker and C's chunk queues behind it; B is named. Its parked chunks go back to the head of
+    the flush queue: once A is let through (the stall moves on to C), B is written in full while
+    C waits. Put back behind C, as they once were, B would wait for C, and a named file's written
+    prefix (what the drain copies) for whatever was queued before it was named."""
+    rng = np.random.default_rng(11)
+    eng = build_engine(1 * MiB, chunk_bytes=16 * KiB, copy_threads=1, flush_threads=1, cache_wait_timeout_s=600)
+    b = Layout(b"B" * 32, [rand_array(rng, 64 * KiB)])
+    one = Layout(b"", [rand_array(rng, 16 * KiB)])
+    try:
+        eng.set_fault("stall", 0, "XSTALLA")
+        job_b = eng.submit_write(str(tmp_path / "b-label"), b.header, b.file_size, b.items(), named=False)
+        assert job_b.wait_staged(20)
+        job_a = eng.submit_write(str(tmp_path / "XSTALLA"), one.header, one.file_size, one.items())
+        job_c = eng.submit_write(str(tmp_path / "XSTALLC"), one.header, one.file_size, one.items())
+        assert job_a.wait_staged(20) and job_c.wait_staged(20)
+        time.sleep(0.2)  # the worker parks B's chunks and stalls in A's
+        assert job_a.written_prefix == 0 and not job_b.is_done()
+        job_b.set_destination(str(tmp_path / "b"))
+        eng.set_fault("stall", 0, "XSTALLC")  # A goes through; C's chunk stalls the worker
+        wait(job_a)
+        wait(job_b, 10)  # behind C, B would wait for C's stall
+        assert job_b.error() is None and job_c.written_prefix == 0 and not job_c.is_done()
+        check_file(tmp_path / "b", b)
+        eng.set_fault("none", 0, "")
+        wait(job_c)
+        check_file(tmp_path / "XSTALLC", one)
+    finally:
+        eng.set_fault("none", 0, "")
+        eng.shutdown()
+
+
 def test_shutdown_fails_a_job_never_named(tmp_path):
     rng = np.random.default_rng(10)
     big = Layout(b"", [rand_array(rng, 1 * MiB)])
