@@ -240,6 +240,13 @@ class DataStatesConfig:
             (``save/incremental.py``; docs/how-it-works.md, "Incremental saves"). Unchanged
             means the same name, chunk, dtype, shape and XXH64 of the bytes staged now. With
             ``local_tier``, the base and the references are the durable checkpoints.
+        peer_copies: with ``local_tier`` and several ranks, 1 gives each rank's data files of
+            every save a verified copy in the local tier of a rank on another node, after the
+            local commit, in the background over a gloo group of the library's own
+            (``tiers/peers.py``); a node lost then loses no file the other nodes cannot serve.
+            Nodes are told apart by the host name, or by ``DCPDS_NODE``. 0 (default): off.
+        peer_timeout: seconds a peer copy may wait for its peer before this process stops
+            making peer copies (the checkpoints themselves are saved and drained as usual).
     """
 
     host_cache_size: int | None = None
@@ -263,6 +270,8 @@ class DataStatesConfig:
     keep_local: int = 2
     drain_timeout: float = 3600.0
     incremental: bool = False
+    peer_copies: int = 0
+    peer_timeout: float = 300.0
 
     def __post_init__(self) -> None:
         if self.local_tier is not None:
@@ -289,6 +298,13 @@ class DataStatesConfig:
         if isinstance(self.drain_timeout, bool) or not isinstance(self.drain_timeout, (int, float)) \
                 or not (self.drain_timeout > 0):
             raise ValueError(f"drain_timeout: expected seconds > 0, got {self.drain_timeout!r}")
+        if isinstance(self.peer_copies, bool) or self.peer_copies not in (0, 1):
+            raise ValueError(f"peer_copies: expected 0 or 1 (copies on other nodes), got {self.peer_copies!r}")
+        if self.peer_copies and self.local_tier is None:
+            raise ValueError("peer_copies: needs local_tier (the copies are kept in the other nodes' local tiers)")
+        if isinstance(self.peer_timeout, bool) or not isinstance(self.peer_timeout, (int, float)) \
+                or not (self.peer_timeout > 0):
+            raise ValueError(f"peer_timeout: expected seconds > 0, got {self.peer_timeout!r}")
         if not (self.cache_wait_timeout > 0):
             raise ValueError(f"cache_wait_timeout: expected seconds > 0, got {self.cache_wait_timeout!r}")
         for name in ("pin_host_cache", "sync_files", "overwrite", "verify", "dedup_replicated", "hierarchical_consolidation",

@@ -74,7 +74,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                  per_process: bool = False, **options: Any) -> None:
         super().__init__()
         self.config = DataStatesConfig.resolve(config, options)
-        self.tier = tier_for(self.config)
+        self.tier = tier_for(self.config, saving=True)
         self._storages: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.path = self._target(path)
@@ -104,6 +104,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def local_commit(self) -> Future:
         """local_tier: resolves when the local copy is committed."""
         return self.tier.local_commit
+
+    @property
+    def peer_copy(self) -> Future:
+        """peer_copies: resolves when this rank's peer copies of the last save are made
+        ({"sent": ..., "kept": ...}: file names), or fails saying why they are not."""
+        return self.tier.peer_copy
 
     def _target(self, path: str | os.PathLike | None) -> str | None:
         """The folder this writer writes for checkpoint ``path`` (the tier's choice); its storage

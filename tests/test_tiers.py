@@ -420,7 +420,7 @@ def test_a_failing_durable_write_stops_the_read_ahead(tmp_path, monkeypatch):
 
     out = Full()
     with pytest.raises(OSError, match="No space left"):
-        drain._copy_file(open_storage(str(tmp_path / "local")), "f0.bin", out, sizes["f0.bin"], pieces["f0.bin"],
+        drain.copy_verified(open_storage(str(tmp_path / "local")), "f0.bin", out, sizes["f0.bin"], pieces["f0.bin"],
                          drain.get_engine(DataStatesConfig()))
     assert out.writes == 3 and _drain_readers_alive() == []
 

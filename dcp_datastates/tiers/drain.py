@@ -3,7 +3,7 @@
 Every byte is copied; each checksum piece the local marker records is verified while it is in
 memory, so the durable tier never receives (or commits) a local file damaged after its commit.
 Files are copied in parallel and, in each, the local reads and checks run ahead of the store's
-writes (``_copy_file``), so the store is kept busy. See ``local_tier.py`` for the design.
+writes (``copy_verified``), so the store is kept busy. See ``local_tier.py`` for the design.
 
 A file may be copied earlier, while the engine still writes it (``follow``): the copy reads
 what the engine's ``written_prefix`` says is final and computes each piece's CRC32C as it
@@ -34,14 +34,14 @@ from . import local_tier as tiers
 log = logging.getLogger("dcp_datastates")
 
 __all__ = ["drain", "drain_pending", "drain_rank", "drain_pending_ranks", "durable_name", "follow", "prepare_durable",
-           "Follower", "UNPREPARED"]
+           "Follower", "UNPREPARED", "copy_verified", "pieces_by_file"]
 
 _COPY_BLOCK = 16 << 20  # bytes read, verified and written at a time (at least one whole checksum piece)
 _BLOCKS_AHEAD = 3  # blocks read and verified ahead of the one being written, per file
 _FILES_AT_ONCE = 4  # data files copied in parallel (memory: files x (ahead + 1) x block)
 
 
-def _pieces_by_file(locations) -> dict[str, list[tuple[int, int, int, str]]]:
+def pieces_by_file(locations) -> dict[str, list[tuple[int, int, int, str]]]:
     """file -> sorted (offset, length, crc32c, item) of every checksum piece of ``locations``
     ({MetadataIndex: ItemLocation}: a marker's storage_data, or one rank's write results)."""
     out: dict[str, list] = {}
@@ -79,8 +79,8 @@ def _blocks(size: int, pieces: list) -> list[tuple[int, int, list]]:
     return blocks
 
 
-def _copy_file(local: Storage, name: str, out, size: int, pieces: list, engine, written=None,
-               computed: dict | None = None) -> None:
+def copy_verified(local: Storage, name: str, out, size: int, pieces: list, engine, written=None,
+                  computed: dict | None = None) -> None:
     """Copy the data file ``name`` of the local folder into the binary file object ``out``, in
     order, verifying every piece's CRC32C while its bytes are in memory (``Storage.read_into``,
     the reader's routine). A thread reads and verifies up to ``_BLOCKS_AHEAD`` blocks ahead, into
@@ -151,9 +151,9 @@ def _read_verified(local: Storage, name: str, where: str, buf, off: int, length:
 def _write_durable(local: Storage, name: str, durable: Storage, durable_name: str, size: int, pieces: list, engine,
                    config, written=None, computed: dict | None = None) -> None:
     """Copy the local data file ``name`` to ``durable_name`` in the durable folder, verifying it
-    (following it while it is written: see ``_copy_file``)."""
+    (following it while it is written: see ``copy_verified``)."""
     with durable.create(durable_name, sync=config.sync_files) as out:
-        _copy_file(local, name, out, size, pieces, engine, written, computed)
+        copy_verified(local, name, out, size, pieces, engine, written, computed)
 
 
 def _copy_all(local: Storage, durable: Storage, sizes: dict[str, int], pieces: dict[str, list],
@@ -278,7 +278,7 @@ def _drain_unlocked(local: str, durable: str, config: DataStatesConfig, tag, fol
         # commit there checks them; only the copy's own files are copied.
         own = {name: info.size for name, info in own_files(files).items()}
         renamed = {name: durable_name(name, tag) for name in files}
-        pieces = {name: p for name, p in _pieces_by_file(md.storage_data).items() if name in own}
+        pieces = {name: p for name, p in pieces_by_file(md.storage_data).items() if name in own}
         _copy_all(open_storage(local), store, own, pieces, renamed, config, followed)
         locations = {index: moved(loc, renamed[loc.file]) for index, loc in md.storage_data.items()}
         write_commit(store, md, locations, sync=config.sync_files)
@@ -317,7 +317,7 @@ def _copy_files(local: str, durable: Storage, locations: dict, renamed: dict[str
                 followed: dict | None = None) -> None:
     """One rank's data files of ``locations`` in the local copy ``local``, copied to ``durable``."""
     store = open_storage(local)
-    pieces = _pieces_by_file(locations)
+    pieces = pieces_by_file(locations)
     _copy_all(store, durable, {name: os.stat(store.where(name)).st_size for name in pieces}, pieces, renamed, config,
               followed)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from ..commit import prepare_folder, write_commit
 from ..errors import CheckpointWriteError
 from ..format.layout import moved, new_tag, split_reference
 from ..storage import Storage, open_storage, root_of
-from . import drain
+from . import drain, peers
 from . import local_tier as tiers
 
 log = logging.getLogger("dcp_datastates")
@@ -76,9 +77,11 @@ class NoTier:
     # without entering this module.
     folder_at_request = True
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, *, saving: bool = False) -> None:
         self.config = config
         self.local_commit: Future = Future()  # resolves when the local copy is committed (LocalTier only)
+        # resolves with what the save's peer copies did (LocalTier with peer_copies, several ranks)
+        self.peer_copy: Future = Future()
 
     # ---------------------------------------------------------------------------------- save
     def folder(self, path: str | None) -> str | None:
@@ -91,6 +94,8 @@ class NoTier:
     def new_save(self) -> None:
         if self.local_commit.done():
             self.local_commit = Future()
+        if self.peer_copy.done():
+            self.peer_copy = Future()
 
     def reserve(self, folder: str, need) -> None:
         """Room for a save of ``need()`` bytes (computed only by a tier that keeps copies)."""
@@ -141,6 +146,11 @@ class LocalTier(NoTier):
 
     # The local copy's folder is made after reserve() made room for it (off the training thread).
     folder_at_request = False
+
+    def __init__(self, config, *, saving: bool = False) -> None:
+        super().__init__(config, saving=saving)
+        if saving and config.peer_copies:
+            peers.join(config)  # a writer: every rank makes one, on its training thread
 
     def folder(self, path: str | None) -> str | None:
         if path is None:
@@ -234,9 +244,19 @@ class LocalTier(NoTier):
             self.local_commit.set_result(staged.path)
         _drainers.submit(drain.drain_rank, staged.path, self.durable_path, locations, renamed, plan.save_id,
                          staged.rank, self.config, staged.tier_state)
+        if self.config.peer_copies:
+            self._copy_to_peer(staged.path, plan.save_id, locations, renamed)
         return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed.get(r.storage_data.file,
                                                                                         r.storage_data.file)))
                 for r in results]
+
+    def _copy_to_peer(self, local: str, save_id: str, locations: dict, renamed: dict[str, str]) -> None:
+        """This rank's files, durable in the local copy, go to its peer (peers.py); ``peer_copy``
+        says how that went. The save never waits for it."""
+        pieces = drain.pieces_by_file(locations)
+        files = {name: (renamed[name], os.stat(os.path.join(local, name)).st_size, pieces.get(name, []))
+                 for name in renamed}
+        self.peer_copy = peers.exchange(local, self.durable_path, save_id, files, self.config)
 
     def commit(self, storage: Storage, metadata, locations, staged, *, rank_local: int | None,
                in_use: frozenset) -> None:
@@ -295,6 +315,6 @@ class LocalTier(NoTier):
         return tiers.local_files(plan.local, save_id) if plan.local is not None else {}
 
 
-def tier_for(config) -> NoTier:
-    """The tier object of a writer or reader with this configuration."""
-    return NoTier(config) if config.local_tier is None else LocalTier(config)
+def tier_for(config, *, saving: bool = False) -> NoTier:
+    """The tier object of a writer (``saving``) or reader with this configuration."""
+    return NoTier(config, saving=saving) if config.local_tier is None else LocalTier(config, saving=saving)

@@ -99,12 +99,17 @@ def record_durable(local: str, durable: str) -> None:
     os.replace(tmp, os.path.join(local, TIER_FILE))
 
 
-def record_rank_files(local: str, rank: int, durable: str, save_id: str, renamed: dict[str, str]) -> None:
+def record_rank_files(local: str, rank: int, durable: str, save_id: str, renamed: dict[str, str], *,
+                      peer_of: str | None = None) -> None:
     """Several ranks: record in the local copy which durable files of checkpoint ``save_id`` this
-    rank's local files are ({local name: durable name})."""
+    rank's local files are ({local name: durable name}). ``peer_of``: the files are the peer
+    copies of rank ``rank``, which runs on that node (peers.py)."""
     tmp = os.path.join(local, f".tier-{rank}.json.tmp-{os.getpid()}")
+    record = {"durable": durable, "save_id": save_id, "rank": rank, "files": {d: n for n, d in renamed.items()}}
+    if peer_of is not None:
+        record["peer_of"] = peer_of
     with open(tmp, "w") as f:
-        json.dump({"durable": durable, "save_id": save_id, "rank": rank, "files": {d: n for n, d in renamed.items()}}, f)
+        json.dump(record, f)
     os.replace(tmp, os.path.join(local, f".tier-{rank}.json"))
 
 

@@ -1,0 +1,365 @@
+"""Peer copies (``peer_copies=1`` with ``local_tier``, several ranks): once a rank's data files of a
+save are durable on its node's local tier, they get a verified copy in the local tier of a rank
+on another node. A node that dies then takes no file with it that another node cannot serve: the
+reader finds the copy like any other file of that node's local copy (``local_tier.local_files``).
+
+Who sends to whom (``PeerMap``). Nodes are named by ``DCPDS_NODE`` when set (tests run several
+"nodes" on one machine, each with its own local tier), else by the host name. With the nodes in
+sorted order, the j-th rank of a node sends to the j-th rank (modulo their count) of the next
+node, the last node to the first; a rank receives from every rank that sends to it. One node
+alone has no peer: nothing is copied (a warning says so once).
+
+The group. Copies travel over a gloo process group of the library's own, made once per process
+when the first writer with ``peer_copies`` is constructed (``join``; every rank constructs its
+writers in the same order, on its training thread, so the group is made in the same order
+everywhere), with ``peer_timeout`` as its timeout. Nothing travels inside DCP's collectives nor
+on the training thread: one thread per process runs the exchanges, one per save, in save order
+(``exchange``); every rank takes part in each, with or without files to send.
+
+The wire, per exchange and per sender: a length-prefixed JSON manifest (checkpoint id, durable
+path, sender rank and node, per file: local and durable name, size, and every checksum piece as
+the save recorded it), then per file its bytes in blocks (each prefixed with its length; -1: the
+sender could not read its own file, which it verifies piece by piece while reading as the drain
+does), then the CRC32C of the whole file as sent. Memory in flight: the sender's read-ahead
+blocks and one block on the receiver (16 MiB each).
+
+The receiver writes each file under a temporary name in its own local copy of the checkpoint,
+checks every checksum piece in the block that holds it and the whole file's CRC32C, fsyncs, and
+only then renames it into place; it then records the files it accepted as that rank's
+(``.tier-<sender>.json``, with ``peer_of``: the sender's node), which is what makes them
+readable. A file that fails a check is dropped with a warning naming the sender, the file and
+the piece; the others stand.
+
+Failures never reach training nor the save: the save's durable commit does not wait for its peer
+copies (``peer_copy``, a Future per save, says how they went). A peer that is slow or gone fails
+the exchange after ``peer_timeout`` seconds; the group is then out of step, so this process stops
+making peer copies (a warning says why) and later saves are committed as without them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from ..runtime import get_engine
+from ..storage import open_storage
+from . import local_tier as tiers
+from .drain import copy_verified
+
+log = logging.getLogger("dcp_datastates")
+
+__all__ = ["NODE_ENV", "node_name", "PeerMap", "join", "exchange", "peer_map", "reset"]
+
+NODE_ENV = "DCPDS_NODE"
+_TAG = 0x5EE  # every message of an exchange: per (sender, receiver) pair they arrive in order
+_ABORT = -1  # a block length: the sender could not read the rest of this file
+_MAX_MANIFEST = 64 << 20
+
+
+def node_name() -> str:
+    """This process's node: ``DCPDS_NODE`` when set, else the host name."""
+    return os.environ.get(NODE_ENV) or socket.gethostname()
+
+
+@dataclass(frozen=True)
+class PeerMap:
+    """The node of every global rank, and who sends its files to whom."""
+
+    nodes: tuple[str, ...]
+
+    def ranks_on(self, node: str) -> list[int]:
+        return [r for r, n in enumerate(self.nodes) if n == node]
+
+    def target(self, rank: int) -> int | None:
+        """The rank that keeps ``rank``'s copies (on the next node); None with one node."""
+        order = sorted(set(self.nodes))
+        if len(order) < 2:
+            return None
+        node = self.nodes[rank]
+        mine = self.ranks_on(node)
+        theirs = self.ranks_on(order[(order.index(node) + 1) % len(order)])
+        return theirs[mine.index(rank) % len(theirs)]
+
+    def sources(self, rank: int) -> list[int]:
+        """The ranks whose copies ``rank`` keeps, in rank order."""
+        return [r for r in range(len(self.nodes)) if self.target(r) == rank]
+
+
+@dataclass
+class _Peers:
+    group: object
+    map: PeerMap
+    rank: int
+    broken: str | None = None  # why this process stopped making peer copies
+
+
+_peers: _Peers | None = None
+_peers_lock = threading.Lock()
+# The exchanges, one at a time, in save order (every rank runs the same sequence).
+_exchanges = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-datastates-peers")
+
+
+def join(config) -> None:
+    """Every rank, on its training thread, when a writer with ``peer_copies`` is made: the
+    library's gloo group and every rank's node, once per process (a collective on the default
+    group's store). Without an initialized process group there is nothing to join."""
+    global _peers
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    with _peers_lock:
+        if _peers is not None:
+            return
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.peer_timeout))
+        nodes: list = [None] * dist.get_world_size()
+        dist.all_gather_object(nodes, node_name(), group=group)
+        _peers = _Peers(group, PeerMap(tuple(str(n) for n in nodes)), dist.get_rank())
+    if _peers.map.target(_peers.rank) is None:
+        log.warning("dcp_datastates: peer_copies: every rank runs on node %r, so there is no other node to keep "
+                    "copies (set %s to tell nodes apart); local copies are not replicated", node_name(), NODE_ENV)
+
+
+def peer_map() -> PeerMap | None:
+    """The node map of this process's peer group (None before ``join``)."""
+    return _peers.map if _peers is not None else None
+
+
+def reset() -> None:
+    """Forget the peer group (tests that make a new default group)."""
+    global _peers
+    with _peers_lock:
+        _peers = None
+
+
+def exchange(local: str, durable: str, save_id: str, files: dict, config) -> Future:
+    """After this rank's files of checkpoint ``save_id`` are durable in its local copy ``local``:
+    send them to its peer and keep the copies its peers send, on the peer thread. ``files``:
+    {local name: (durable name, size, pieces)} with pieces (offset, length, crc32c, item). The
+    Future resolves with {"sent": [...], "kept": [...]} (file names), or fails with the reason
+    the copies could not be made (the save itself is not affected)."""
+    done: Future = Future()
+    _exchanges.submit(_run, local, durable, save_id, files, config, done)
+    return done
+
+
+def _run(local: str, durable: str, save_id: str, files: dict, config, done: Future) -> None:
+    peers = _peers
+    try:
+        if peers is None:
+            raise RuntimeError("peer_copies: no peer group (torch.distributed was not initialized when the writer "
+                               "was made)")
+        if peers.broken is not None:
+            raise RuntimeError(f"peer_copies: stopped earlier in this process: {peers.broken}")
+        done.set_result(_exchange(peers, local, durable, save_id, files, config))
+    except Exception as exc:  # noqa: BLE001 - reported on the Future and logged; training goes on
+        if peers is not None and peers.broken is None and isinstance(exc, _OutOfStep):
+            peers.broken = str(exc)
+            log.warning("dcp_datastates: peer copies stop in this process (checkpoints are still saved and drained): "
+                        "%s", exc)
+        done.set_exception(exc)
+
+
+class _OutOfStep(RuntimeError):
+    """The peer group can no longer be trusted to carry the next exchange (a peer timed out or
+    sent something other than this exchange)."""
+
+
+def _exchange(peers: _Peers, local: str, durable: str, save_id: str, files: dict, config) -> dict:
+    target = peers.map.target(peers.rank)
+    sent: list[str] = []
+    send_error: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            sent.extend(_send(peers, target, local, durable, save_id, files, config))
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the receives
+            send_error.append(exc)
+
+    sender = threading.Thread(target=send, name="dcp-datastates-peers-send") if target is not None else None
+    if sender is not None:
+        sender.start()
+    kept: list[str] = []
+    try:
+        for source in peers.map.sources(peers.rank):
+            kept.extend(_receive(peers, source, save_id, config))
+    finally:
+        if sender is not None:
+            sender.join()
+    if send_error:
+        raise send_error[0]
+    return {"sent": sent, "kept": kept}
+
+
+# ------------------------------------------------------------------------------- the wire
+def _send_tensor(peers: _Peers, dst: int, t: torch.Tensor, what: str) -> None:
+    try:
+        dist.send(t, dst, group=peers.group, tag=_TAG)
+    except Exception as exc:  # noqa: BLE001 - gloo's own errors (timeout, connection closed)
+        raise _OutOfStep(f"sending {what} to rank {dst}: {exc}") from exc
+
+
+def _recv_tensor(peers: _Peers, src: int, t: torch.Tensor, what: str) -> torch.Tensor:
+    try:
+        dist.recv(t, src, group=peers.group, tag=_TAG)
+    except Exception as exc:  # noqa: BLE001 - gloo's own errors (timeout, connection closed)
+        raise _OutOfStep(f"receiving {what} from rank {src}: {exc}") from exc
+    return t
+
+
+def _send_int(peers: _Peers, dst: int, value: int, what: str) -> None:
+    _send_tensor(peers, dst, torch.tensor([value], dtype=torch.int64), what)
+
+
+def _recv_int(peers: _Peers, src: int, what: str) -> int:
+    return int(_recv_tensor(peers, src, torch.zeros(1, dtype=torch.int64), what)[0])
+
+
+class _Wire:
+    """A binary file object (for ``drain.copy_verified``) that sends each block it is given to
+    ``dst``, length first, and chains the CRC32C of everything sent."""
+
+    def __init__(self, peers: _Peers, dst: int, name: str, engine) -> None:
+        self._peers, self._dst, self._name, self._engine = peers, dst, name, engine
+        self.crc = 0
+        self.out_of_step: BaseException | None = None
+
+    def write(self, block) -> int:
+        data = torch.frombuffer(block, dtype=torch.uint8) if len(block) else torch.empty(0, dtype=torch.uint8)
+        self.crc = self._engine.crc32c(data.data_ptr(), data.numel(), self.crc)
+        try:
+            _send_int(self._peers, self._dst, data.numel(), f"a block of {self._name}")
+            _send_tensor(self._peers, self._dst, data, f"a block of {self._name}")
+        except _OutOfStep as exc:
+            self.out_of_step = exc
+            raise
+        return data.numel()
+
+
+def _send(peers: _Peers, dst: int, local: str, durable: str, save_id: str, files: dict, config) -> list[str]:
+    order = sorted(files)
+    manifest = json.dumps({
+        "save_id": save_id, "durable": durable, "rank": peers.rank, "node": peers.map.nodes[peers.rank],
+        "files": [{"name": n, "durable": files[n][0], "size": files[n][1],
+                   "pieces": [[p[0], p[1], p[2], p[3]] for p in files[n][2]]} for n in order],
+    }).encode()
+    _send_int(peers, dst, len(manifest), "the manifest")
+    _send_tensor(peers, dst, torch.frombuffer(bytearray(manifest), dtype=torch.uint8), "the manifest")
+    engine = get_engine(config)
+    store = open_storage(local)
+    sent = []
+    for name in order:
+        _durable_name, size, pieces = files[name]
+        wire = _Wire(peers, dst, name, engine)
+        try:
+            copy_verified(store, name, wire, size, pieces, engine)
+        except Exception as exc:  # noqa: BLE001 - a damaged or vanished local file: the peer drops it
+            if wire.out_of_step is not None:
+                raise wire.out_of_step from None
+            log.warning("dcp_datastates: peer copy of %s to rank %d not made: %s", store.where(name), dst, exc)
+            _send_int(peers, dst, _ABORT, f"the end of {name}")
+            continue
+        _send_int(peers, dst, wire.crc, f"the checksum of {name}")
+        sent.append(name)
+    return sent
+
+
+def _receive(peers: _Peers, src: int, save_id: str, config) -> list[str]:
+    """Keep the copies rank ``src`` sends in this exchange; the names of the files accepted."""
+    size = _recv_int(peers, src, "a manifest's length")
+    if not 0 < size <= _MAX_MANIFEST:
+        raise _OutOfStep(f"rank {src} sent a manifest length of {size} bytes")
+    raw = _recv_tensor(peers, src, torch.empty(size, dtype=torch.uint8), "a manifest")
+    try:
+        manifest = json.loads(bytes(raw.numpy()))
+        files, durable, sender = manifest["files"], manifest["durable"], int(manifest["rank"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise _OutOfStep(f"rank {src} sent a manifest that does not read: {exc}") from exc
+    if manifest.get("save_id") != save_id or sender != src:
+        raise _OutOfStep(f"rank {src} sent the copies of checkpoint {manifest.get('save_id')} (rank {sender}) "
+                         f"while this rank is at checkpoint {save_id}")
+    folder = tiers.local_copy(config.local_tier, durable)
+    os.makedirs(folder, exist_ok=True)
+    if tiers.durable_of(folder) is None:
+        tiers.record_durable(folder, durable)
+    tiers.forget_rank_files(folder, sender)  # its record never names a file being replaced
+    engine = get_engine(config)
+    kept = {}
+    for f in files:
+        name = f["name"]
+        if os.path.basename(name) != name or name.startswith("."):
+            raise _OutOfStep(f"rank {src} sent a copy named {name!r}")
+        if _receive_file(peers, src, folder, name, int(f["size"]), f["pieces"], engine, config):
+            kept[name] = f["durable"]
+    if kept:
+        tiers.record_rank_files(folder, sender, durable, save_id, kept, peer_of=manifest.get("node"))
+    return sorted(kept)
+
+
+def _receive_file(peers: _Peers, src: int, folder: str, name: str, size: int, pieces: list, engine, config) -> bool:
+    """One file's blocks from ``src``, checked and written under a temporary name, renamed into
+    ``folder`` when every check holds. Every block is read off the wire even after a check
+    failed (the next file follows it)."""
+    pending = sorted((int(p[0]), int(p[1]), int(p[2]), str(p[3])) for p in pieces)
+    problem: str | None = None
+    crc, got = 0, 0
+    tmp = f".{name}.peer-{uuid.uuid4().hex[:8]}.tmp"
+    store = open_storage(folder)
+    try:
+        with store.create(tmp, sync=config.sync_files) as out:
+            while got < size:
+                n = _recv_int(peers, src, f"a block of {name}")
+                if n == _ABORT:
+                    return _dropped(folder, name, src, "the sender could not read its own file", store, tmp)
+                if not 0 < n <= size - got:
+                    raise _OutOfStep(f"rank {src} sent a block of {n} bytes at offset {got} of {name} ({size} bytes)")
+                block = _recv_tensor(peers, src, torch.empty(n, dtype=torch.uint8), f"a block of {name}")
+                crc = engine.crc32c(block.data_ptr(), n, crc)
+                if problem is None:
+                    problem = _check_pieces(block, got, pending, engine, name)
+                if problem is None:
+                    out.write(memoryview(block.numpy()))
+                got += n
+            sent_crc = _recv_int(peers, src, f"the checksum of {name}")
+        if problem is None and pending:
+            problem = f"piece of item {pending[0][3]!r} at offset {pending[0][0]} did not arrive whole in one block"
+        if problem is None and sent_crc != crc:
+            problem = f"the file's crc32c as sent is {sent_crc:#010x}, as received {crc:#010x}"
+        if problem is not None:
+            return _dropped(folder, name, src, problem, store, tmp)
+        store.move(tmp, store, name)
+        return True
+    except BaseException:
+        store.remove_quietly(tmp)
+        raise
+
+
+def _check_pieces(block: torch.Tensor, start: int, pending: list, engine, name: str) -> str | None:
+    """Check the pieces that lie wholly in ``block`` (file bytes [start, start + len)), taking
+    them off ``pending``; the first mismatch, described, or None."""
+    end = start + block.numel()
+    inside = [p for p in pending if p[0] >= start and p[0] + p[1] <= end]
+    if not inside:
+        return None
+    crcs = engine.crc32c_ranges(block.data_ptr(), [(off - start, length) for off, length, _, _ in inside])
+    for (off, length, want, item), got in zip(inside, crcs):
+        if got != want:
+            return (f"item {item!r}, bytes [{off}, {off + length}) of {name}: recorded crc32c {want:#010x}, "
+                    f"received {got:#010x}")
+    done = set(inside)
+    pending[:] = [p for p in pending if p not in done]
+    return None
+
+
+def _dropped(folder: str, name: str, src: int, why: str, store, tmp: str) -> bool:
+    store.remove_quietly(tmp)
+    log.warning("dcp_datastates: the peer copy of %s from rank %d was not kept in %s: %s", name, src, folder, why)
+    return False

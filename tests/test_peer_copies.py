@@ -1,0 +1,186 @@
+"""Peer copies (``peer_copies=1``, tiers/peers.py): 4 ranks as 2 emulated nodes (``DCPDS_NODE``,
+one local tier each); every rank's files of a save are copied, verified, into a rank of the other
+node, so that either node alone holds every file of the checkpoint."""
+
+import logging
+import os
+import shutil
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from dcp_datastates import DataStatesReader, DataStatesWriter, commit
+from dcp_datastates.config import DataStatesConfig
+from dcp_datastates.tiers import local_tier as tiers
+from dcp_datastates.tiers import peers
+
+from conftest import assert_state_equal, clone_state, zeros_like_state
+from dist_harness import run_ranks
+
+WORLD = 4
+
+
+def node_of(rank: int) -> str:
+    return "nodeA" if rank < WORLD // 2 else "nodeB"
+
+
+def as_node(rank: int, root: str) -> str:
+    """Emulate this rank's node: its name and its local tier."""
+    os.environ[peers.NODE_ENV] = node_of(rank)
+    return os.path.join(root, node_of(rank))
+
+
+def rank_state(rank, seed):
+    g = torch.Generator().manual_seed(100 * seed + rank)
+    return {
+        f"own{rank}": torch.randn(300, 64, generator=g),  # written by this rank only
+        "shared": torch.arange(64, dtype=torch.float32) + seed,  # the same on every rank: written once
+        "step": seed,
+    }
+
+
+def save(state, durable, nv, **options):
+    w = DataStatesWriter(durable, local_tier=nv, peer_copies=1, **options)
+    dcp.async_save(clone_state(state), storage_writer=w).upload_completion.result(timeout=120)
+    return w
+
+
+def recorded(nv: str, durable: str) -> dict[str, dict]:
+    """{durable file name: the record naming it} in this node's local copy of ``durable``."""
+    out = {}
+    for _, record in tiers._rank_records(tiers.local_copy(nv, durable)):
+        for name in record["files"]:
+            out[name] = record
+    return out
+
+
+def _copies_on_the_other_node(rank, world, root):
+    nv = as_node(rank, root)
+    durable = os.path.join(root, "step-1")
+    state = rank_state(rank, 1)
+    w = save(state, durable, nv)
+    done = w.peer_copy.result(timeout=60)
+    assert peers.peer_map().target(rank) == (rank + world // 2) % world
+    assert done["sent"] and done["kept"], done  # every rank wrote its own tensor, and keeps its source's
+    dist.barrier()
+    md, files = commit.read_commit(durable)
+    held = recorded(nv, durable)
+    assert set(held) == set(files), (sorted(held), sorted(files))  # this node holds every file
+    local = tiers.local_copy(nv, durable)
+    for name, record in held.items():
+        assert record["save_id"] == md.storage_meta.save_id
+        peer_made = "peer_of" in record
+        assert peer_made == (node_of(record["rank"]) != node_of(rank)), record
+        with open(os.path.join(local, record["files"][name]), "rb") as a, open(os.path.join(durable, name), "rb") as b:
+            assert a.read() == b.read(), name
+    assert not [n for n in os.listdir(local) if n.endswith(".tmp")]
+    # Node B lost (its tier wiped): node A's ranks still read every file locally, its own and B's.
+    dist.barrier()
+    if rank == world // 2:
+        shutil.rmtree(os.path.join(root, "nodeB"))
+    dist.barrier()
+    out = zeros_like_state(state)
+    reader = DataStatesReader(durable, local_tier=nv)
+    dcp.load(out, storage_reader=reader)
+    assert_state_equal(state, out)
+    if node_of(rank) == "nodeA":
+        assert reader.tier_reads["durable"] == 0 and reader.tier_reads["local"] >= 1, reader.tier_reads
+
+
+def test_each_rank_s_files_are_kept_verified_on_the_other_node(tmp_path):
+    run_ranks(WORLD, _copies_on_the_other_node, str(tmp_path))
+
+
+def _damaged_in_transit(rank, world, root):
+    """Rank 0's blocks arrive with one bit flipped (after the sender's CRC): its peer drops the
+    file, naming the piece, and records nothing of it; everything else stands."""
+    nv = as_node(rank, root)
+    durable = os.path.join(root, "step-2")
+    if rank == 0:
+        real_send = peers._send_tensor
+
+        def flipping(p, dst, t, what):
+            if what.startswith("a block of") and t.numel() > 100:
+                t = t.clone()
+                t[t.numel() // 2] ^= 1
+            return real_send(p, dst, t, what)
+
+        peers._send_tensor = flipping
+    logging.getLogger("dcp_datastates").setLevel(logging.WARNING)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("dcp_datastates").addHandler(handler)
+    w = save(rank_state(rank, 2), durable, nv)
+    done = w.peer_copy.result(timeout=60)
+    dist.barrier()
+    md, files = commit.read_commit(durable)
+    held = recorded(nv, durable)
+    if rank == world // 2:  # rank 0's peer
+        assert done["kept"] == [], done
+        warned = [r.getMessage() for r in records if "was not kept" in r.getMessage()]
+        assert warned and "recorded crc32c" in warned[0] and "from rank 0" in warned[0], warned
+    if node_of(rank) == "nodeB":
+        rank0_files = {n for n in files if n.startswith("__0_")}
+        assert rank0_files and not rank0_files & set(held), (sorted(held), rank0_files)
+        assert set(files) - rank0_files <= set(held)
+    else:
+        assert set(held) == set(files)
+    assert commit.is_committed(durable)
+
+
+def test_a_copy_damaged_in_transit_is_not_kept(tmp_path):
+    run_ranks(WORLD, _damaged_in_transit, str(tmp_path))
+
+
+def _a_peer_that_never_answers(rank, world, root):
+    """Rank 3 takes no part in the exchanges: its peers' copies fail after peer_timeout, the
+    saves commit durably all the same, training goes on, and later saves skip peer copies."""
+    nv = as_node(rank, root)
+    if rank == 3:
+        peers._exchange = lambda *args: (_ for _ in ()).throw(RuntimeError("this rank is gone"))
+    states = [rank_state(rank, s) for s in (3, 4)]
+    for k, state in enumerate(states):
+        durable = os.path.join(root, f"step-{3 + k}")
+        t0 = time.monotonic()
+        w = save(state, durable, nv, peer_timeout=3)
+        assert time.monotonic() - t0 < 30  # the save never waited for its peer copies
+        assert commit.is_committed(durable)
+        if rank in (0, 2):  # 0 and 2 copy to each other: their exchanges go on
+            assert w.peer_copy.result(timeout=60)["kept"]
+        else:  # 1 and 3 copy to each other: 1 times out, then stops making peer copies
+            with pytest.raises(Exception) as caught:
+                w.peer_copy.result(timeout=60)
+            if rank == 1:
+                want = "from rank 3" if k == 0 else "stopped earlier in this process"
+                assert want in str(caught.value), caught.value
+        out = zeros_like_state(state)
+        dcp.load(out, storage_reader=DataStatesReader(durable, local_tier=nv))
+        assert_state_equal(state, out)
+
+
+def test_a_peer_that_never_answers_never_stalls_the_saves(tmp_path):
+    run_ranks(WORLD, _a_peer_that_never_answers, str(tmp_path))
+
+
+def test_the_peer_map_pairs_each_node_with_the_next():
+    m = peers.PeerMap(("a", "a", "b", "b", "c", "c"))
+    assert [m.target(r) for r in range(6)] == [2, 3, 4, 5, 0, 1]
+    assert m.sources(0) == [4] and m.sources(3) == [1]
+    uneven = peers.PeerMap(("a", "a", "a", "b"))
+    assert [uneven.target(r) for r in range(4)] == [3, 3, 3, 0]
+    assert uneven.sources(3) == [0, 1, 2]
+    assert peers.PeerMap(("a", "a")).target(0) is None
+
+
+def test_peer_copies_options_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="peer_copies: needs local_tier"):
+        DataStatesConfig(peer_copies=1)
+    with pytest.raises(ValueError, match="peer_copies: expected 0 or 1"):
+        DataStatesConfig(peer_copies=2, local_tier=str(tmp_path))
+    with pytest.raises(ValueError, match="peer_timeout: expected seconds > 0"):
+        DataStatesConfig(peer_copies=1, local_tier=str(tmp_path), peer_timeout=0)
+    assert DataStatesConfig.from_dict({"peer_copies": 1, "local_tier": str(tmp_path)}).peer_copies == 1
