@@ -149,6 +149,12 @@ if TORCHTITAN_AVAILABLE:
             """Checkpoints kept in ``local_tier`` (newest first; older ones are removed once
             drained, never before). ``keep_latest_k`` still governs the durable folder. Default: 2."""
 
+            peer_copies: int | None = None
+            """With ``local_tier``: 1 copies each rank's files of every checkpoint, verified, into
+            the local tier of a rank on another node, in the background (a lost node then loses
+            no file the other nodes cannot serve; docs/how-it-works.md, Node-local tier).
+            Default: 0 (off)."""
+
             incremental: bool | None = None
             """Write a tensor only when its bytes changed since the newest checkpoint in
             ``checkpoint.folder`` (frozen weights, adapters' base model: written once); every
@@ -190,6 +196,7 @@ if TORCHTITAN_AVAILABLE:
                     ("dedup_replicated", "dedup_replicated"),
                     ("local_tier", "local_tier"),
                     ("keep_local", "keep_local"),
+                    ("peer_copies", "peer_copies"),
                     ("incremental", "incremental"),
                 ):
                     value = getattr(self, ours)

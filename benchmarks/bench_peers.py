@@ -1,0 +1,158 @@
+"""Peer copies (``peer_copies=1``) against none: what they cost the training thread and the save,
+how many bytes they move, and what they give a load after a node is lost.
+
+``--world`` gloo ranks on this machine form 2 emulated nodes (``DCPDS_NODE``, one local tier
+folder each, under ``--local-dir``); the durable tier is bench_tiers.py's throttled folder
+(``slowfile://``, ``--durable-mbps`` per process: each process books its own simulated device).
+Every rank holds ``--mib`` MiB of its own fp32 tensors. Per mode (0 then 1), ``--runs`` async
+saves into step folders, each measured on every rank: the call, the wait for staging (what the
+next optimizer step waits for), the durable commit, and (mode 1) the peer copies' end; bytes sent
+per rank. Then node B's tier is wiped and node A's ranks load the last checkpoint (each its own
+tensors and those of its peer on node B): time and the files read from the durable tier. Medians
+over ranks and runs.
+
+    python benchmarks/bench_peers.py --world 4 --mib 128 --runs 5 --durable-mbps 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_tiers  # noqa: E402,F401 - registers slowfile:// (the throttled durable tier)
+
+warnings.filterwarnings("ignore")
+MiB = 1 << 20
+
+
+def _node(rank: int, world: int) -> str:
+    return "nodeA" if rank < world // 2 else "nodeB"
+
+
+def _state_of(rank: int, mib: int, n: int = 16) -> dict:
+    g = torch.Generator().manual_seed(rank)
+    return {f"rank{rank}.t{i}": torch.randn(mib * MiB // 4 // n, generator=g) for i in range(n)}
+
+
+def _rank_main(rank: int, world: int, port: int, args, out_q) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DCPDS_NODE=_node(rank, world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from dcp_datastates import DataStatesReader, DataStatesWriter
+    from dcp_datastates.runtime import shutdown_engine
+
+    bench_tiers._Device.bandwidth = args.durable_mbps * 1e6
+    group = dist.new_group(backend="gloo")  # the checkpoint's own group (training may use the default)
+    state = _state_of(rank, args.mib)
+    # After the loss of node B, a node-A rank loads its own tensors and those of its peer on B
+    # (a resharded load reads other ranks' files).
+    wanted = {**state, **_state_of((rank + world // 2) % world, args.mib)}
+    nv = os.path.join(args.local_dir, _node(rank, world))
+    results = {}
+    for mode in (0, 1):
+        rows = []
+        for k in range(args.runs + 1):  # the first is a warm-up
+            durable = f"slowfile://{args.durable_dir}/mode{mode}/step-{k}"
+            w = DataStatesWriter(durable, local_tier=nv, peer_copies=mode, keep_local=2)
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            resp = dcp.async_save(state, storage_writer=w, process_group=group)
+            call = time.perf_counter() - t0
+            resp.staging_completion.result()
+            staged = time.perf_counter() - t0
+            resp.upload_completion.result()
+            durable_s = time.perf_counter() - t0
+            peer_s, sent = None, 0
+            if mode:
+                done = w.peer_copy.result(timeout=600)
+                peer_s = time.perf_counter() - t0
+                local = w.path
+                sent = sum(os.path.getsize(os.path.join(local, f)) for f in done["sent"])
+            if k:
+                rows.append({"call_ms": call * 1e3, "staged_ms": staged * 1e3, "durable_s": durable_s,
+                             "peer_s": peer_s, "sent_mib": sent / MiB})
+        dist.barrier(group)
+        last = f"slowfile://{args.durable_dir}/mode{mode}/step-{args.runs}"
+        if rank == world // 2:
+            shutil.rmtree(os.path.join(args.local_dir, "nodeB"), ignore_errors=True)
+        dist.barrier(group)
+        out = {k: torch.empty_like(v) for k, v in wanted.items()}
+        reader = DataStatesReader(last, local_tier=nv)
+        t0 = time.perf_counter()
+        dcp.load(out, storage_reader=reader, process_group=group)
+        load_s = time.perf_counter() - t0
+        assert all(torch.equal(out[k], wanted[k]) for k in wanted)
+        results[mode] = {"rows": rows, "load_s": load_s, "tier_reads": dict(reader.tier_reads)}
+        dist.barrier(group)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, results, group=group)
+    if rank == 0:
+        out_q.put(gathered)
+    dist.barrier(group)
+    shutdown_engine()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--mib", type=int, default=128, help="MiB of tensors per rank")
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--durable-mbps", type=float, default=200.0)
+    ap.add_argument("--local-dir", default=None, help="default: a temp folder in /dev/shm")
+    ap.add_argument("--durable-dir", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    args.local_dir = args.local_dir or tempfile.mkdtemp(prefix="peers-local-", dir="/dev/shm")
+    args.durable_dir = args.durable_dir or tempfile.mkdtemp(prefix="peers-durable-")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_rank_main, args=(r, args.world, port, args, q)) for r in range(args.world)]
+    for p in procs:
+        p.start()
+    gathered = q.get()
+    for p in procs:
+        p.join()
+    report = {"args": vars(args), "modes": {}}
+    print(f"{args.world} ranks as 2 nodes, {args.mib} MiB per rank, {args.runs} saves per mode, durable "
+          f"{args.durable_mbps:g} MB/s per process; medians over ranks and saves")
+    print(f"{'peer_copies':>11} {'call ms':>8} {'staged ms':>9} {'durable s':>9} {'peer s':>7} {'sent MiB':>8} "
+          f"{'load A s':>8} {'A durable files':>15}")
+    for mode in (0, 1):
+        rows = [row for r in gathered for row in r[mode]["rows"]]
+        med = {key: statistics.median(row[key] for row in rows) if rows[0][key] is not None else None
+               for key in rows[0]}
+        node_a = [r[mode] for rank, r in enumerate(gathered) if rank < args.world // 2]
+        med["load_a_s"] = statistics.median(r["load_s"] for r in node_a)
+        med["a_durable_files"] = sum(r["tier_reads"].get("durable", 0) for r in node_a)
+        report["modes"][mode] = med
+        print(f"{mode:>11} {med['call_ms']:>8.1f} {med['staged_ms']:>9.1f} {med['durable_s']:>9.3f} "
+              f"{(med['peer_s'] or 0):>7.3f} {med['sent_mib']:>8.1f} {med['load_a_s']:>8.3f} {med['a_durable_files']:>15}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    shutil.rmtree(args.local_dir, ignore_errors=True)
+    shutil.rmtree(args.durable_dir, ignore_errors=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()
