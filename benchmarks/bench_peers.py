@@ -48,12 +48,42 @@ def _state_of(rank: int, mib: int, n: int = 16) -> dict:
     return {f"rank{rank}.t{i}": torch.randn(mib * MiB // 4 // n, generator=g) for i in range(n)}
 
 
+def _timed_reader():
+    from dcp_datastates import DataStatesReader
+
+    class TimedReader(DataStatesReader):
+        """Its own read time (``read_data``: the reads, without DCP's collectives around them) and
+        the data files it took from the durable tier."""
+
+        read_s = 0.0
+
+        def read_data(self, plan, planner):
+            t0 = time.perf_counter()
+            fut = super().read_data(plan, planner)
+            fut.wait()
+            self.read_s = time.perf_counter() - t0
+            return fut
+
+        @property
+        def durable_files(self) -> set:
+            files = {self.storage_data[r.storage_index].file for r in self._last_plan.items}
+            return {f for f in files if f not in self._local_files}
+
+        def prepare_local_plan(self, plan):
+            self._last_plan = super().prepare_local_plan(plan)
+            return self._last_plan
+
+    return TimedReader
+
+
 def _rank_main(rank: int, world: int, port: int, args, out_q) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DCPDS_NODE=_node(rank, world))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from dcp_datastates import DataStatesReader, DataStatesWriter
+    from dcp_datastates import DataStatesWriter
     from dcp_datastates.runtime import shutdown_engine
+
+    _TimedReader = _timed_reader()
 
     bench_tiers._Device.bandwidth = args.durable_mbps * 1e6
     group = dist.new_group(backend="gloo")  # the checkpoint's own group (training may use the default)
@@ -69,7 +99,7 @@ def _rank_main(rank: int, world: int, port: int, args, out_q) -> None:
             durable = f"slowfile://{args.durable_dir}/mode{mode}/step-{k}"
             w = DataStatesWriter(durable, local_tier=nv, peer_copies=mode, keep_local=2)
             dist.barrier(group)
-            t0 = time.perf_counter()
+            t0, m0 = time.perf_counter(), time.monotonic()
             resp = dcp.async_save(state, storage_writer=w, process_group=group)
             call = time.perf_counter() - t0
             resp.staging_completion.result()
@@ -79,7 +109,7 @@ def _rank_main(rank: int, world: int, port: int, args, out_q) -> None:
             peer_s, sent = None, 0
             if mode:
                 done = w.peer_copy.result(timeout=600)
-                peer_s = time.perf_counter() - t0
+                peer_s = done["ended"] - m0
                 local = w.path
                 sent = sum(os.path.getsize(os.path.join(local, f)) for f in done["sent"])
             if k:
@@ -91,12 +121,14 @@ def _rank_main(rank: int, world: int, port: int, args, out_q) -> None:
             shutil.rmtree(os.path.join(args.local_dir, "nodeB"), ignore_errors=True)
         dist.barrier(group)
         out = {k: torch.empty_like(v) for k, v in wanted.items()}
-        reader = DataStatesReader(last, local_tier=nv)
+        reader = _TimedReader(last, local_tier=nv)
         t0 = time.perf_counter()
         dcp.load(out, storage_reader=reader, process_group=group)
         load_s = time.perf_counter() - t0
+        durable_mib = sum(os.path.getsize(os.path.join(args.durable_dir, f"mode{mode}", f"step-{args.runs}", name))
+                          for name in reader.durable_files) / MiB
         assert all(torch.equal(out[k], wanted[k]) for k in wanted)
-        results[mode] = {"rows": rows, "load_s": load_s, "tier_reads": dict(reader.tier_reads)}
+        results[mode] = {"rows": rows, "load_s": load_s, "read_s": reader.read_s, "durable_mib": durable_mib}
         dist.barrier(group)
     gathered = [None] * world
     dist.all_gather_object(gathered, results, group=group)
@@ -135,17 +167,19 @@ def main(argv=None) -> dict:
     print(f"{args.world} ranks as 2 nodes, {args.mib} MiB per rank, {args.runs} saves per mode, durable "
           f"{args.durable_mbps:g} MB/s per process; medians over ranks and saves")
     print(f"{'peer_copies':>11} {'call ms':>8} {'staged ms':>9} {'durable s':>9} {'peer s':>7} {'sent MiB':>8} "
-          f"{'load A s':>8} {'A durable files':>15}")
+          f"{'load A s':>8} {'read A s':>8} {'A from durable MiB':>18}")
     for mode in (0, 1):
         rows = [row for r in gathered for row in r[mode]["rows"]]
         med = {key: statistics.median(row[key] for row in rows) if rows[0][key] is not None else None
                for key in rows[0]}
         node_a = [r[mode] for rank, r in enumerate(gathered) if rank < args.world // 2]
         med["load_a_s"] = statistics.median(r["load_s"] for r in node_a)
-        med["a_durable_files"] = sum(r["tier_reads"].get("durable", 0) for r in node_a)
+        med["read_a_s"] = statistics.median(r["read_s"] for r in node_a)
+        med["a_durable_mib"] = sum(r["durable_mib"] for r in node_a)
         report["modes"][mode] = med
         print(f"{mode:>11} {med['call_ms']:>8.1f} {med['staged_ms']:>9.1f} {med['durable_s']:>9.3f} "
-              f"{(med['peer_s'] or 0):>7.3f} {med['sent_mib']:>8.1f} {med['load_a_s']:>8.3f} {med['a_durable_files']:>15}")
+              f"{(med['peer_s'] or 0):>7.3f} {med['sent_mib']:>8.1f} {med['load_a_s']:>8.3f} {med['read_a_s']:>8.3f} "
+              f"{med['a_durable_mib']:>18.1f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

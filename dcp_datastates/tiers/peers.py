@@ -43,6 +43,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -144,7 +145,8 @@ def exchange(local: str, durable: str, save_id: str, files: dict, config) -> Fut
     """After this rank's files of checkpoint ``save_id`` are durable in its local copy ``local``:
     send them to its peer and keep the copies its peers send, on the peer thread. ``files``:
     {local name: (durable name, size, pieces)} with pieces (offset, length, crc32c, item). The
-    Future resolves with {"sent": [...], "kept": [...]} (file names), or fails with the reason
+    Future resolves with {"sent": [...], "kept": [...], "ended": time.monotonic() at the end} (file
+    names), or fails with the reason
     the copies could not be made (the save itself is not affected)."""
     done: Future = Future()
     _exchanges.submit(_run, local, durable, save_id, files, config, done)
@@ -159,7 +161,9 @@ def _run(local: str, durable: str, save_id: str, files: dict, config, done: Futu
                                "was made)")
         if peers.broken is not None:
             raise RuntimeError(f"peer_copies: stopped earlier in this process: {peers.broken}")
-        done.set_result(_exchange(peers, local, durable, save_id, files, config))
+        result = _exchange(peers, local, durable, save_id, files, config)
+        result["ended"] = time.monotonic()  # (time.monotonic() of this process: benchmarks compare it)
+        done.set_result(result)
     except Exception as exc:  # noqa: BLE001 - reported on the Future and logged; training goes on
         if peers is not None and peers.broken is None and isinstance(exc, _OutOfStep):
             peers.broken = str(exc)
