@@ -7,11 +7,14 @@ import os
 import shutil
 import time
 
+import fsspec
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from fsspec.implementations.local import LocalFileSystem
 
+import dcp_datastates
 from dcp_datastates import DataStatesReader, DataStatesWriter, commit
 from dcp_datastates.config import DataStatesConfig
 from dcp_datastates.tiers import local_tier as tiers
@@ -184,3 +187,155 @@ def test_peer_copies_options_are_checked(tmp_path):
     with pytest.raises(ValueError, match="peer_timeout: expected seconds > 0"):
         DataStatesConfig(peer_copies=1, local_tier=str(tmp_path), peer_timeout=0)
     assert DataStatesConfig.from_dict({"peer_copies": 1, "local_tier": str(tmp_path)}).peer_copies == 1
+
+
+# ------------------------------------------------------------------ restart after a node is lost
+class CountingFileSystem(LocalFileSystem):
+    """A local folder as fsspec ``countfile://``: counts the bytes this process reads from data
+    files (``__*``), so a test can show a load read none of them from the durable store."""
+
+    protocol = "countfile"
+    data_bytes_read = 0
+
+    @classmethod
+    def _strip_protocol(cls, path):
+        path = str(path)
+        if path.startswith("countfile://"):
+            path = path[len("countfile://"):]
+        return LocalFileSystem._strip_protocol(path)
+
+    def _open(self, path, mode="rb", **kwargs):
+        f = super()._open(path, mode, **kwargs)
+        if "r" in mode and os.path.basename(path).startswith("__"):
+            return _Counted(f)
+        return f
+
+    def cat_file(self, path, start=None, end=None, **kwargs):
+        data = super().cat_file(path, start=start, end=end, **kwargs)
+        if os.path.basename(str(path)).startswith("__"):
+            CountingFileSystem.data_bytes_read += len(data)
+        return data
+
+
+class _Counted:
+    def __init__(self, f) -> None:
+        self._f = f
+
+    def read(self, n=-1):
+        data = self._f.read(n)
+        CountingFileSystem.data_bytes_read += len(data)
+        return data
+
+    def readinto(self, b):
+        n = self._f.readinto(b)
+        CountingFileSystem.data_bytes_read += n or 0
+        return n
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
+fsspec.register_implementation("countfile", CountingFileSystem, clobber=True)
+
+
+def _durable_root(root: str) -> str:
+    return f"countfile://{root}/ck"
+
+
+def _three_saves_then_killed(rank, world, root):
+    """Steps 1 and 2 committed durably; step 3 committed on the nodes' local tiers, its peer
+    copies made, and every process SIGKILLed before its drain ends."""
+    import signal
+
+    from dcp_datastates.tiers import drain
+
+    nv = as_node(rank, root)
+    ck = _durable_root(root)
+    for step in (1, 2):
+        w = save(rank_state(rank, step), f"{ck}/step-{step}", nv)
+        w.peer_copy.result(timeout=60)
+
+    def held(*args, **kwargs):
+        time.sleep(600)  # the drain never ends: killed first
+
+    drain._copy_files = held
+    w = DataStatesWriter(f"{ck}/step-3", local_tier=nv, peer_copies=1)
+    dcp.async_save(clone_state(rank_state(rank, 3)), storage_writer=w)
+    w.peer_copy.result(timeout=60)
+    pending = os.path.join(root, "ck", "step-3", ".pending.metadata")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(pending) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)  # (each rank once its own copies are made: no collective)
+
+
+def _lose_node_b(root) -> None:
+    from dist_harness import _launch
+
+    failure = _launch(WORLD, _three_saves_then_killed, (str(root),), 180.0)
+    assert failure is not None and "exited abnormally" in failure and "-9" in failure, failure
+    assert os.path.exists(root / "ck" / "step-3" / ".pending.metadata")
+    assert not commit.is_committed(str(root / "ck" / "step-3"))
+    shutil.rmtree(root / "nodeB")  # node B is replaced: its local tier is empty
+
+
+def _restart(rank, world, root, expected_step):
+    nv = as_node(rank, root)
+    ck = _durable_root(root)
+    like = zeros_like_state(rank_state(rank, expected_step))
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("dcp_datastates").addHandler(handler)
+    logging.getLogger("dcp_datastates").setLevel(logging.INFO)
+    path = dcp_datastates.prepare_restart(ck, local_tier=nv, state_dict=like)
+    assert path == f"{ck}/step-{expected_step}", path
+    CountingFileSystem.data_bytes_read = 0
+    out = zeros_like_state(rank_state(rank, expected_step))
+    reader = DataStatesReader(path, local_tier=nv)
+    dcp.load(out, storage_reader=reader)
+    assert_state_equal(rank_state(rank, expected_step), out)
+    assert CountingFileSystem.data_bytes_read == 0, CountingFileSystem.data_bytes_read
+    assert reader.tier_reads["durable"] == 0 and reader.tier_reads["local"] >= 1, reader.tier_reads
+    return [r.getMessage() for r in records]
+
+
+def _restart_from_peers(rank, world, root):
+    _restart(rank, world, root, 3)
+
+
+def test_a_lost_node_restarts_from_its_peers_copies_reading_no_data_from_the_durable_store(tmp_path):
+    """Every rank of node B SIGKILLed and its tier wiped while step 3 was committed only on the
+    local tiers: fresh processes agree on step 3 and node B's ranks load it bitwise from files
+    pulled from node A's copies; no data file byte is read from the durable store."""
+    _lose_node_b(tmp_path)
+    run_ranks(WORLD, _restart_from_peers, str(tmp_path))
+
+
+def _restart_past_a_corrupt_replica(rank, world, root):
+    messages = _restart(rank, world, root, 2)
+    if rank == 0:
+        assert any("does not verify" in m and "step-3" in m for m in messages), messages
+        assert any("trying the next checkpoint" in m for m in messages), messages
+
+
+def test_a_corrupt_replica_sends_every_rank_to_the_previous_checkpoint(tmp_path):
+    """Node A's copy of rank 2's step-3 file has one byte flipped and node B is lost: no node holds
+    that file verified and step 3 is not durable, so every rank resumes from step 2 (the copy
+    named in a warning and set aside, never loaded)."""
+    _lose_node_b(tmp_path)
+    local = tiers.local_copy(str(tmp_path / "nodeA"), f"{_durable_root(str(tmp_path))}/step-3")
+    victim = next(os.path.join(local, n) for n in sorted(os.listdir(local)) if n.startswith("__2_"))
+    with open(victim, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 0xFF]))
+    run_ranks(WORLD, _restart_past_a_corrupt_replica, str(tmp_path))
+    assert os.path.exists(victim + ".corrupt") and not os.path.exists(victim)

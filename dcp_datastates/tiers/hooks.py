@@ -256,7 +256,16 @@ class LocalTier(NoTier):
         pieces = drain.pieces_by_file(locations)
         files = {name: (renamed[name], os.stat(os.path.join(local, name)).st_size, pieces.get(name, []))
                  for name in renamed}
-        self.peer_copy = peers.exchange(local, self.durable_path, save_id, files, self.config)
+        done, target = peers.exchange(local, self.durable_path, save_id, files, self.config), self.peer_copy
+
+        def settle(f: Future) -> None:  # into the save's own Future, which callers may hold already
+            if not target.done():
+                if f.exception() is not None:
+                    target.set_exception(f.exception())
+                else:
+                    target.set_result(f.result())
+
+        done.add_done_callback(settle)
 
     def commit(self, storage: Storage, metadata, locations, staged, *, rank_local: int | None,
                in_use: frozenset) -> None:

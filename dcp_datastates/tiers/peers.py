@@ -59,7 +59,8 @@ from .drain import copy_verified
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["NODE_ENV", "node_name", "PeerMap", "join", "exchange", "peer_map", "reset"]
+__all__ = ["NODE_ENV", "node_name", "PeerMap", "join", "exchange", "peer_map", "current", "reset", "send_file",
+           "receive_file"]
 
 NODE_ENV = "DCPDS_NODE"
 _TAG = 0x5EE  # every message of an exchange: per (sender, receiver) pair they arrive in order
@@ -132,6 +133,13 @@ def join(config) -> None:
 def peer_map() -> PeerMap | None:
     """The node map of this process's peer group (None before ``join``)."""
     return _peers.map if _peers is not None else None
+
+
+def current() -> _Peers:
+    """This process's peer group (after ``join``); RuntimeError when there is none."""
+    if _peers is None:
+        raise RuntimeError("peer_copies: no peer group (torch.distributed is not initialized)")
+    return _peers
 
 
 def reset() -> None:
@@ -259,21 +267,24 @@ def _send(peers: _Peers, dst: int, local: str, durable: str, save_id: str, files
     _send_tensor(peers, dst, torch.frombuffer(bytearray(manifest), dtype=torch.uint8), "the manifest")
     engine = get_engine(config)
     store = open_storage(local)
-    sent = []
-    for name in order:
-        _durable_name, size, pieces = files[name]
-        wire = _Wire(peers, dst, name, engine)
-        try:
-            copy_verified(store, name, wire, size, pieces, engine)
-        except Exception as exc:  # noqa: BLE001 - a damaged or vanished local file: the peer drops it
-            if wire.out_of_step is not None:
-                raise wire.out_of_step from None
-            log.warning("dcp_datastates: peer copy of %s to rank %d not made: %s", store.where(name), dst, exc)
-            _send_int(peers, dst, _ABORT, f"the end of {name}")
-            continue
-        _send_int(peers, dst, wire.crc, f"the checksum of {name}")
-        sent.append(name)
-    return sent
+    return [name for name in order if send_file(peers, dst, store, name, files[name][1], files[name][2], engine)]
+
+
+def send_file(peers: _Peers, dst: int, store, name: str, size: int, pieces: list, engine) -> bool:
+    """Send the file ``name`` of ``store`` to ``dst`` (``receive_file`` there), read and verified
+    piece by piece: its blocks, then the CRC32C of all of it; False when it could not be read
+    (the receiver is told and drops it)."""
+    wire = _Wire(peers, dst, name, engine)
+    try:
+        copy_verified(store, name, wire, size, pieces, engine)
+    except Exception as exc:  # noqa: BLE001 - a damaged or vanished local file: the peer drops it
+        if wire.out_of_step is not None:
+            raise wire.out_of_step from None
+        log.warning("dcp_datastates: peer copy of %s to rank %d not made: %s", store.where(name), dst, exc)
+        _send_int(peers, dst, _ABORT, f"the end of {name}")
+        return False
+    _send_int(peers, dst, wire.crc, f"the checksum of {name}")
+    return True
 
 
 def _receive(peers: _Peers, src: int, save_id: str, config) -> list[str]:
@@ -301,15 +312,15 @@ def _receive(peers: _Peers, src: int, save_id: str, config) -> list[str]:
         name = f["name"]
         if os.path.basename(name) != name or name.startswith("."):
             raise _OutOfStep(f"rank {src} sent a copy named {name!r}")
-        if _receive_file(peers, src, folder, name, int(f["size"]), f["pieces"], engine, config):
+        if receive_file(peers, src, folder, name, int(f["size"]), f["pieces"], engine, config):
             kept[name] = f["durable"]
     if kept:
         tiers.record_rank_files(folder, sender, durable, save_id, kept, peer_of=manifest.get("node"))
     return sorted(kept)
 
 
-def _receive_file(peers: _Peers, src: int, folder: str, name: str, size: int, pieces: list, engine, config) -> bool:
-    """One file's blocks from ``src``, checked and written under a temporary name, renamed into
+def receive_file(peers: _Peers, src: int, folder: str, name: str, size: int, pieces: list, engine, config) -> bool:
+    """One file's blocks from ``src`` (``send_file`` there), checked and written under a temporary name, renamed into
     ``folder`` when every check holds. Every block is read off the wire even after a check
     failed (the next file follows it)."""
     pending = sorted((int(p[0]), int(p[1]), int(p[2]), str(p[3])) for p in pieces)

@@ -1,0 +1,271 @@
+"""A restart with peer copies (``prepare_restart``): every rank agrees on one checkpoint to resume
+from and the nodes' local tiers get the files their ranks will read, pulled from the other nodes'
+copies (peers.py), so a node that was lost and replaced reads its data from its peers instead of
+the durable store.
+
+Every rank calls it with the same arguments, before ``dcp.load``. Over the peer group:
+
+1. Rank 0 lists the candidates under ``root``, newest step first: folders holding a durable
+   commit, or the pending metadata of a checkpoint committed only on the nodes' local tiers;
+   for each, in turn, it reads the metadata and hands it to every rank.
+2. One rank per node (the lowest) verifies, piece by piece against that metadata, every file
+   its node's local tier holds of that checkpoint (its own ranks' files and the peer copies it
+   kept). A file that does not verify is named in a warning and set aside (renamed
+   ``<name>.corrupt``): it is never loaded.
+3. A candidate is taken when each of its data files is held, verified, by some node, or it is
+   committed on the durable tier (which then serves what no node holds). Otherwise every rank
+   moves on to the next candidate together: the decision is made from what every rank gathered.
+4. Each node then pulls the files its ranks will read and it lacks, each from the lowest rank
+   holding it: with ``state_dict``, the files DCP's default load planner reads for it on each
+   rank; without, the files the node held before (its ranks' own, and those of the ranks whose
+   copies it keeps). A pulled file is verified as a peer copy is, and recorded as its writer's.
+
+It returns the checkpoint's path (the same on every rank), or None when there is none. The
+metadata is read from the durable store (by rank 0 here, and by ``dcp.load``); data files that
+some node holds are not.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from ..commit import read_commit
+from ..config import DataStatesConfig
+from ..errors import DataStatesError
+from ..format.layout import METADATA_NAME, PENDING_NAME, STEP_NUMBER, data_file_parts, own_files
+from ..runtime import get_engine
+from ..storage import normalize, open_storage
+from . import local_tier as tiers
+from . import peers
+from .drain import copy_verified, pieces_by_file
+
+log = logging.getLogger("dcp_datastates")
+
+__all__ = ["prepare_restart", "RestartError"]
+
+
+def prepare_restart(root: str | os.PathLike, *, local_tier: str | os.PathLike, state_dict: dict | None = None,
+                    config=None, **options) -> str | None:
+    """Every rank, before ``dcp.load``: the checkpoint under ``root`` to resume from, agreed by
+    every rank, with the files this node's ranks will read brought to its local tier from the
+    other nodes' peer copies (module docstring). ``state_dict``: what this rank will load (then
+    exactly the files it reads are pulled). Needs an initialized process group."""
+    config = DataStatesConfig.resolve(config, {**options, "local_tier": os.fspath(local_tier), "peer_copies": 1})
+    peers.join(config)
+    group = peers.current()
+    root = normalize(root)
+    candidates = _from_rank0(group, lambda: _candidates(root, config))
+    for path in candidates:
+        found = _from_rank0(group, lambda path=path: _metadata(path, config))
+        if found is None:
+            continue
+        md, files, committed = found
+        required = sorted(own_files(files))
+        gathered = _from_each(group, _verify_held, group, path, md, files, config)
+        holders: dict[str, list[int]] = {}
+        for rank, names in enumerate(gathered):
+            for name in names:
+                holders.setdefault(name, []).append(rank)
+        missing = [name for name in required if name not in holders]
+        if missing and not committed:
+            if group.rank == 0:
+                log.warning("dcp_datastates: restart: %s is committed only on the local tiers and no node holds a "
+                            "verified copy of %s; trying the next checkpoint", path, ", ".join(missing[:5]))
+            continue
+        _pull(group, path, md, files, holders, state_dict, config)
+        if group.rank == 0:
+            log.info("dcp_datastates: restart: every rank resumes from %s (%d of its %d files held on the nodes' "
+                     "local tiers%s)", path, len(required) - len(missing), len(required),
+                     "" if not missing else "; the rest are read from the durable tier")
+        return path
+    return None
+
+
+def _from_rank0(group, make):
+    """``make()`` on rank 0, handed to every rank; its error raised on every rank."""
+    box = [_outcome(make) if group.rank == 0 else None]
+    dist.broadcast_object_list(box, src=0, group=group.group)
+    return _unwrap([box[0]])
+
+
+def _from_each(group, make, *args) -> list:
+    """Every rank's ``make(*args)``, on every rank; any rank's error raised on every rank."""
+    gathered: list = [None] * len(group.map.nodes)
+    dist.all_gather_object(gathered, _outcome(make, *args), group=group.group)
+    return _unwrap(gathered, many=True)
+
+
+def _outcome(make, *args) -> tuple:
+    try:
+        return ("ok", make(*args))
+    except Exception as exc:  # noqa: BLE001 - handed to every rank, raised there
+        return ("error", f"{type(exc).__name__}: {exc}")
+
+
+def _unwrap(outcomes: list, many: bool = False):
+    for rank, (status, value) in enumerate(outcomes):
+        if status == "error":
+            raise RestartError(f"prepare_restart failed on rank {rank}: {value}" if many else
+                               f"prepare_restart failed on rank 0: {value}")
+    values = [value for _, value in outcomes]
+    return values if many else values[0]
+
+
+class RestartError(DataStatesError):
+    """A rank could not take its part in ``prepare_restart`` (raised on every rank)."""
+
+
+def _is_leader(group) -> bool:
+    return min(group.map.ranks_on(group.map.nodes[group.rank])) == group.rank
+
+
+def _candidates(root: str, config) -> list[str]:
+    """The folders under ``root`` holding a durable commit or a pending checkpoint, newest step
+    first."""
+    store = open_storage(root, config.storage_options)
+    found = []
+    for name in store.subfolders():
+        m = STEP_NUMBER.search(name)
+        folder = store.child(name)
+        if m and (folder.has(METADATA_NAME) or folder.has(PENDING_NAME)):
+            found.append((int(m.group(1)), folder.location))
+    return [path for _, path in sorted(found, reverse=True)]
+
+
+def _metadata(path: str, config):
+    """(Metadata, files, committed durably) of the checkpoint in ``path``: its commit, else its
+    pending metadata; None when neither reads."""
+    try:
+        md, files = read_commit(open_storage(path, config.storage_options))
+        return md, files, True
+    except Exception:  # noqa: BLE001 - no commit, or one that does not read: try the pending one
+        pending = tiers.read_pending(path, config.storage_options, uncommitted_only=True)
+        return (pending[0], pending[1], False) if pending is not None else None
+
+
+def _records(local: str, save_id: str) -> dict[str, tuple[int, str]]:
+    """{durable name: (writer rank, local name)} of checkpoint ``save_id`` in this node's copy."""
+    out = {}
+    for _, record in tiers._rank_records(local):
+        if record["save_id"] == save_id:
+            for durable_name, local_name in record["files"].items():
+                out[durable_name] = (int(record["rank"]), local_name)
+    return out
+
+
+def _verify_held(group, path: str, md, files: dict, config) -> list[str]:
+    """The data files of ``md`` this node holds whole and verified (checked by its lowest rank;
+    the others report none); a copy that fails is named in a warning and renamed
+    ``<name>.corrupt`` (never loaded)."""
+    if not _is_leader(group):
+        return []
+    local = tiers.local_copy(config.local_tier, path)
+    held = tiers.local_files(local, md.storage_meta.save_id)
+    pieces = pieces_by_file(md.storage_data)
+    engine = get_engine(config)
+    store = open_storage(local)
+    good = []
+    for name, where in sorted(held.items()):
+        info = files.get(name)
+        if info is None:
+            continue
+        local_name = os.path.basename(where)
+        try:
+            if os.path.getsize(where) != info.size:
+                raise ValueError(f"{os.path.getsize(where)} bytes, the checkpoint records {info.size}")
+            copy_verified(store, local_name, _Discard(), info.size, pieces.get(name, []), engine)
+        except Exception as exc:  # noqa: BLE001 - damaged, truncated or unreadable: not a copy to load
+            log.warning("dcp_datastates: restart: the copy of %s of %s on node %s does not verify (%s); set aside "
+                        "as %s.corrupt, never loaded", name, path, group.map.nodes[group.rank], exc, where)
+            try:
+                os.replace(where, where + ".corrupt")
+            except OSError:
+                pass
+            continue
+        good.append(name)
+    return good
+
+
+class _Discard:
+    """A file object that drops what it is given (a verification pass)."""
+
+    def write(self, block) -> int:
+        return len(block)
+
+
+def _needed(group, md, files: dict, state_dict: dict | None) -> list[str]:
+    """The data files this rank will read: with ``state_dict``, those DCP's default load planner
+    reads for it; without, this rank's own files and those of the ranks whose copies it keeps."""
+    if state_dict is not None:
+        planner = DefaultLoadPlanner()
+        planner.set_up_planner(state_dict, md, group.rank == 0)
+        plan = planner.create_local_plan()
+        wanted = {md.storage_data[item.storage_index].file for item in plan.items}
+    else:
+        writers = {group.rank, *group.map.sources(group.rank)}
+        wanted = {name for name in files if (parts := data_file_parts(name)) is not None and parts[0] in writers}
+    return sorted(wanted & set(own_files(files)))
+
+
+def _pull(group, path: str, md, files: dict, holders: dict[str, list[int]], state_dict, config) -> None:
+    """Bring to each node the files its ranks need that it lacks, each from the lowest rank
+    holding it (to the node's lowest rank)."""
+    needs = _from_each(group, _needed, group, md, files, state_dict)
+    nodes = group.map.nodes
+    pulls = []  # (file, source rank, receiving rank): the same list on every rank
+    for node in sorted(set(nodes)):
+        ranks = group.map.ranks_on(node)
+        leader = min(ranks)
+        wanted = sorted({name for r in ranks for name in needs[r]})
+        for name in wanted:
+            sources = holders.get(name, [])
+            if sources and not any(nodes[s] == node for s in sources):
+                pulls.append((name, min(sources), leader))
+    if not pulls:
+        dist.barrier(group=group.group)
+        return
+    local = tiers.local_copy(config.local_tier, path)
+    pieces = pieces_by_file(md.storage_data)
+    engine = get_engine(config)
+    held = tiers.local_files(local, md.storage_meta.save_id)
+    errors: list[BaseException] = []
+
+    def send_all() -> None:
+        try:
+            store = open_storage(local)
+            for name, src, dst in pulls:
+                if src == group.rank:
+                    peers.send_file(group, dst, store, os.path.basename(held[name]), files[name].size,
+                                    pieces.get(name, []), engine)
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            errors.append(exc)
+
+    sender = threading.Thread(target=send_all, name="dcp-datastates-restart-send")
+    sender.start()
+    try:
+        mine = [(name, src) for name, src, dst in pulls if dst == group.rank]
+        if mine:
+            os.makedirs(local, exist_ok=True)
+            if tiers.durable_of(local) is None:
+                tiers.record_durable(local, path)
+        kept: dict[int, dict[str, str]] = {}
+        for name, src in mine:
+            if peers.receive_file(group, src, local, name, files[name].size, pieces.get(name, []), engine, config):
+                parts = data_file_parts(name)
+                kept.setdefault(parts[0] if parts is not None else -1, {})[name] = name
+        save_id = md.storage_meta.save_id
+        for writer, names in kept.items():
+            record = tiers.rank_record(local, writer)
+            before = record["files"] if record is not None and record.get("save_id") == save_id else {}
+            tiers.record_rank_files(local, writer, path, save_id, {**{n: d for d, n in before.items()}, **names},
+                                    peer_of="restart")
+    finally:
+        sender.join()
+    if errors:
+        raise errors[0]
+    dist.barrier(group=group.group)
