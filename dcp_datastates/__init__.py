@@ -27,6 +27,7 @@ from .runtime import engine_stats, shutdown_engine, start_engine
 from .runtime.inflight import protect_optimizer, wait_staged
 from .save.checkpoint_stats import CheckpointStats, recent_checkpoints
 from .tiers.local_tier import latest_checkpoint
+from .tiers.peers import wait_peer_copies
 from .tiers.restart import prepare_restart
 from .writer import DataStatesWriter
 
@@ -43,6 +44,7 @@ __all__ = [
     "wait_staged",
     "latest_checkpoint",
     "prepare_restart",
+    "wait_peer_copies",
     "is_committed",
     "check_commit",
     "referenced_by",

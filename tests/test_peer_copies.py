@@ -1,6 +1,7 @@
-"""Peer copies (``peer_copies=1``, tiers/peers.py): 4 ranks as 2 emulated nodes (``DCPDS_NODE``,
-one local tier each); every rank's files of a save are copied, verified, into a rank of the other
-node, so that either node alone holds every file of the checkpoint."""
+"""Peer copies (``peer_copies=1``, tiers/peers.py) and the restart that uses them
+(``prepare_restart``, tiers/restart.py): ranks in pairs form emulated nodes (``DCPDS_NODE``, one
+local tier each: 4 ranks as 2 nodes, 8 as 4); every rank's files of a save are copied, verified,
+into a rank of the next node."""
 
 import logging
 import os
@@ -27,7 +28,8 @@ WORLD = 4
 
 
 def node_of(rank: int) -> str:
-    return "nodeA" if rank < WORLD // 2 else "nodeB"
+    """Two ranks per node: node0 holds ranks 0 and 1, node1 ranks 2 and 3, ..."""
+    return f"node{rank // 2}"
 
 
 def as_node(rank: int, root: str) -> str:
@@ -80,16 +82,16 @@ def _copies_on_the_other_node(rank, world, root):
         with open(os.path.join(local, record["files"][name]), "rb") as a, open(os.path.join(durable, name), "rb") as b:
             assert a.read() == b.read(), name
     assert not [n for n in os.listdir(local) if n.endswith(".tmp")]
-    # Node B lost (its tier wiped): node A's ranks still read every file locally, its own and B's.
+    # Node 1 lost (its tier wiped): node 0's ranks still read every file locally, its own and node 1's.
     dist.barrier()
     if rank == world // 2:
-        shutil.rmtree(os.path.join(root, "nodeB"))
+        shutil.rmtree(os.path.join(root, "node1"))
     dist.barrier()
     out = zeros_like_state(state)
     reader = DataStatesReader(durable, local_tier=nv)
     dcp.load(out, storage_reader=reader)
     assert_state_equal(state, out)
-    if node_of(rank) == "nodeA":
+    if node_of(rank) == "node0":
         assert reader.tier_reads["durable"] == 0 and reader.tier_reads["local"] >= 1, reader.tier_reads
 
 
@@ -126,7 +128,7 @@ def _damaged_in_transit(rank, world, root):
         assert done["kept"] == [], done
         warned = [r.getMessage() for r in records if "was not kept" in r.getMessage()]
         assert warned and "recorded crc32c" in warned[0] and "from rank 0" in warned[0], warned
-    if node_of(rank) == "nodeB":
+    if node_of(rank) == "node1":
         rank0_files = {n for n in files if n.startswith("__0_")}
         assert rank0_files and not rank0_files & set(held), (sorted(held), rank0_files)
         assert set(files) - rank0_files <= set(held)
@@ -275,14 +277,14 @@ def _three_saves_then_killed(rank, world, root):
     os.kill(os.getpid(), signal.SIGKILL)  # (each rank once its own copies are made: no collective)
 
 
-def _lose_node_b(root) -> None:
+def _lose_node1(root, world: int) -> None:
     from dist_harness import _launch
 
-    failure = _launch(WORLD, _three_saves_then_killed, (str(root),), 180.0)
+    failure = _launch(world, _three_saves_then_killed, (str(root),), 240.0)
     assert failure is not None and "exited abnormally" in failure and "-9" in failure, failure
     assert os.path.exists(root / "ck" / "step-3" / ".pending.metadata")
     assert not commit.is_committed(str(root / "ck" / "step-3"))
-    shutil.rmtree(root / "nodeB")  # node B is replaced: its local tier is empty
+    shutil.rmtree(root / "node1")  # node 1 (ranks 2 and 3) is replaced: its local tier is empty
 
 
 def _restart(rank, world, root, expected_step):
@@ -310,12 +312,14 @@ def _restart_from_peers(rank, world, root):
     _restart(rank, world, root, 3)
 
 
-def test_a_lost_node_restarts_from_its_peers_copies_reading_no_data_from_the_durable_store(tmp_path):
-    """Every rank of node B SIGKILLed and its tier wiped while step 3 was committed only on the
-    local tiers: fresh processes agree on step 3 and node B's ranks load it bitwise from files
-    pulled from node A's copies; no data file byte is read from the durable store."""
-    _lose_node_b(tmp_path)
-    run_ranks(WORLD, _restart_from_peers, str(tmp_path))
+@pytest.mark.parametrize("world", [4, 8], ids=["2-nodes", "4-nodes"])
+def test_a_lost_node_restarts_from_its_peers_copies_reading_no_data_from_the_durable_store(tmp_path, world):
+    """Every process SIGKILLed while step 3 was committed only on the local tiers (its drain
+    held), and node 1's tier wiped: fresh processes agree on step 3 and load it bitwise, node 1's
+    ranks from files pulled from the other nodes' copies; no data file byte is read from the
+    durable store on any rank."""
+    _lose_node1(tmp_path, world)
+    run_ranks(world, _restart_from_peers, str(tmp_path), timeout=300.0)
 
 
 def _restart_past_a_corrupt_replica(rank, world, root):
@@ -326,11 +330,11 @@ def _restart_past_a_corrupt_replica(rank, world, root):
 
 
 def test_a_corrupt_replica_sends_every_rank_to_the_previous_checkpoint(tmp_path):
-    """Node A's copy of rank 2's step-3 file has one byte flipped and node B is lost: no node holds
+    """Node 0's copy of rank 2's step-3 file has one byte flipped and node 1 is lost: no node holds
     that file verified and step 3 is not durable, so every rank resumes from step 2 (the copy
     named in a warning and set aside, never loaded)."""
-    _lose_node_b(tmp_path)
-    local = tiers.local_copy(str(tmp_path / "nodeA"), f"{_durable_root(str(tmp_path))}/step-3")
+    _lose_node1(tmp_path, WORLD)
+    local = tiers.local_copy(str(tmp_path / "node0"), f"{_durable_root(str(tmp_path))}/step-3")
     victim = next(os.path.join(local, n) for n in sorted(os.listdir(local)) if n.startswith("__2_"))
     with open(victim, "r+b") as f:
         f.seek(-1, os.SEEK_END)

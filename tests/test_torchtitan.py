@@ -8,6 +8,7 @@ integration module imports without TorchTitan always runs.
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -502,3 +503,93 @@ def test_dataloader_state_is_decoded_restricted_before_torchtitan_unpickles_it(t
     with pytest.raises(UnsafeCheckpointError, match=r"item 'dataloader\.dp_rank_0'.*would import (posix|os)\.system"):
         proxy.load_state_dict({"dp_rank_0": pickle.dumps(Evil()), "world_size": 1})
     assert inner.loaded is None  # the dataloader never saw the bytes
+
+
+PEER_RANKS = '''
+import os, shutil, sys, torch, torch.distributed as dist
+rank, root, store, phase = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+os.environ["DCPDS_NODE"] = f"node{rank // 2}"  # 4 ranks as 2 nodes, a local tier each
+dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=4)
+from torch.distributed.fsdp import fully_shard
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from dcp_datastates.integrations.torchtitan import DataStatesCheckpointManager
+
+
+class TS:
+    step = 0
+    def state_dict(self):
+        return {"step": self.step}
+    def load_state_dict(self, sd):
+        self.step = sd["step"]
+
+
+def build(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    fully_shard(model)
+    opt = default_adamw(lr=1e-2, implementation="for-loop").build(model_parts=[model])
+    lrs = LRSchedulersContainer(opt, lambda s: 1.0)
+    ts = TS()
+    cfg = DataStatesCheckpointManager.Config(
+        enable=True, interval=2, async_mode="async", keep_latest_k=2, host_cache_size="64MiB",
+        local_tier=os.path.join(root, f"node{rank // 2}"), peer_copies=1)
+    mgr = cfg.build(dataloader=None, model_parts=[model], optimizers=opt, lr_schedulers=lrs,
+                    states={"train_state": ts}, sd_adapter=None, base_folder=root)
+    return model, opt, lrs, ts, mgr
+
+
+if phase == "train":
+    model, opt, lrs, ts, mgr = build(0)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(1, 5):
+        ts.step = step
+        model(torch.randn(8, 32, generator=g)).square().mean().backward()
+        mgr.maybe_wait_for_staging()
+        opt.step(); lrs.step(); opt.zero_grad()
+        mgr.save(step)
+    mgr.maybe_wait_for_saving()
+    snap = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    mgr.close()  # waits for the last checkpoint and for its peer copies
+    if rank == 0:
+        torch.save(snap, os.path.join(root, "snap.pt"))
+else:
+    model2, opt2, lrs2, ts2, mgr2 = build(1)
+    assert mgr2.load()
+    assert ts2.step == 4, ts2.step
+    snap = torch.load(os.path.join(root, "snap.pt"))
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v.full_tensor(), snap[k]), k
+    mgr2.close()
+dist.barrier()
+dist.destroy_process_group()
+print("ok")
+'''
+
+
+def _run_four(script, root, store, phase):
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), root, store, phase], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(4)]
+    results = [p.communicate(timeout=300) for p in procs]
+    for p, (out, err) in zip(procs, results):
+        assert p.returncode == 0 and out.strip().splitlines()[-1:] == ["ok"], (out[-1000:], err[-3000:])
+
+
+def test_four_ranks_on_two_nodes_resume_after_losing_one_from_peer_copies(tt, tmp_path):
+    """peer_copies through the manager: 4 processes as 2 nodes save with local tiers; node 1's
+    tier is wiped; 4 fresh processes' ``load()`` agree on step 4 (prepare_restart), node 1's tier
+    gets back from node 0's what it held (its ranks' files and its copies of node 0's), and the
+    model is the one saved."""
+    script = tmp_path / "peer_ranks.py"
+    script.write_text(PEER_RANKS)
+    root = str(tmp_path / "out")
+    _run_four(script, root, str(tmp_path / "store1"), "train")
+    node0 = os.path.join(root, "node0")
+    step4 = next(n for n in os.listdir(node0) if n.startswith("step-4-"))
+    kept = sorted(n for n in os.listdir(os.path.join(node0, step4)) if n.endswith(".safetensors"))
+    assert [n[:4] for n in kept] == ["__0_", "__1_", "__2_", "__3_"], kept  # its own files and node 1's
+    shutil.rmtree(os.path.join(root, "node1"))
+    _run_four(script, root, str(tmp_path / "store2"), "resume")
+    # As before the loss: node 1's own files, and the copies it keeps of node 0's.
+    restored = os.path.join(root, "node1", step4)
+    assert sorted(n[:4] for n in os.listdir(restored) if n.endswith(".safetensors")) == [n[:4] for n in kept], \
+        os.listdir(restored)

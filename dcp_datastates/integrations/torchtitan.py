@@ -40,11 +40,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from ..commit import referenced_by
 from ..config import DataStatesConfig, cache_size
-from ..format.layout import METADATA_NAME
+from ..format.layout import METADATA_NAME, STEP_NUMBER
 from ..format.safe_unpickle import restricted_pickle_loads
 from ..reader import DataStatesReader
 from ..runtime.inflight import wait_staged
 from ..storage import open_storage
+from ..tiers.peers import wait_peer_copies
+from ..tiers.restart import prepare_restart
 from ..writer import DataStatesWriter
 
 __all__ = ["DataStatesCheckpointManager", "TORCHTITAN_AVAILABLE", "is_datastates_checkpoint"]
@@ -267,6 +269,19 @@ if TORCHTITAN_AVAILABLE:
                 GarbageCollection.collect("GC collection invoked by checkpointer.")
             return ret
 
+        def _find_load_step(self, folder: str = "") -> int:
+            """With ``peer_copies``: the step every rank agrees to resume from, with the files its
+            node lacks pulled from the other nodes' copies (``prepare_restart``; it also finds a
+            checkpoint committed only on the nodes' local tiers). Otherwise TorchTitan's own."""
+            config = getattr(self, "datastates_config", None)
+            if folder or config is None or not config.peer_copies or not torch.distributed.is_initialized():
+                return CheckpointManager._find_load_step(self, folder)
+            path = prepare_restart(self.folder, local_tier=config.local_tier, config=config)
+            if path is None:
+                return -1
+            match = STEP_NUMBER.search(os.path.basename(path.rstrip("/")))
+            return int(match.group(1)) if match else -1
+
         def dcp_load(self, state_dict: dict[str, Any], checkpoint_id: str, from_hf: bool, from_quantized: bool) -> None:
             """Load with DataStatesReader; stock DCP and Hugging Face checkpoints (an
             ``initial_load_path``, a seed checkpoint) go through TorchTitan's loader."""
@@ -290,6 +305,9 @@ if TORCHTITAN_AVAILABLE:
             not wait, so the last asynchronous checkpoint of a run would be lost at exit."""
             if getattr(self, "enable", False):
                 self._wait_in_flight_at_close()
+                if self.datastates_config.peer_copies and not wait_peer_copies(self.close_timeout):
+                    log.warning("dcp_datastates: closing: the last checkpoint's peer copies did not end within %.0f s",
+                                self.close_timeout)
             super().close()
 
         def _wait_in_flight_at_close(self) -> None:

@@ -59,7 +59,7 @@ from .drain import copy_verified
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["NODE_ENV", "node_name", "PeerMap", "join", "exchange", "peer_map", "current", "reset", "send_file",
+__all__ = ["NODE_ENV", "node_name", "PeerMap", "join", "exchange", "peer_map", "current", "reset", "wait_peer_copies", "send_file",
            "receive_file"]
 
 NODE_ENV = "DCPDS_NODE"
@@ -140,6 +140,17 @@ def current() -> _Peers:
     if _peers is None:
         raise RuntimeError("peer_copies: no peer group (torch.distributed is not initialized)")
     return _peers
+
+
+def wait_peer_copies(timeout: float | None = None) -> bool:
+    """Wait until every exchange submitted so far in this process has ended (before a process
+    exits, or destroys its process groups, while its last save's copies may still travel);
+    False on timeout."""
+    try:
+        _exchanges.submit(lambda: None).result(timeout=timeout)
+    except TimeoutError:
+        return False
+    return True
 
 
 def reset() -> None:
