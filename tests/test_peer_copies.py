@@ -141,12 +141,24 @@ def test_a_copy_damaged_in_transit_is_not_kept(tmp_path):
     run_ranks(WORLD, _damaged_in_transit, str(tmp_path))
 
 
-def _a_peer_that_never_answers(rank, world, root):
-    """Rank 3 takes no part in the exchanges: its peers' copies fail after peer_timeout, the
-    saves commit durably all the same, training goes on, and later saves skip peer copies."""
+def _a_peer_that_never_answers(rank, world, root, how):
+    """Rank 3 takes no part in the exchanges (``never``), or its link dies in the middle of its
+    first file (``mid-copy``: its first block waits past peer_timeout, then its send fails): its
+    partner's copies fail after peer_timeout, leaving no partial file, the saves commit durably
+    all the same, training goes on, and later saves skip peer copies."""
     nv = as_node(rank, root)
-    if rank == 3:
+    if rank == 3 and how == "never":
         peers._exchange = lambda *args: (_ for _ in ()).throw(RuntimeError("this rank is gone"))
+    if rank == 3 and how == "mid-copy":
+        real_send = peers._send_tensor
+
+        def dying(p, dst, t, what):
+            if what.startswith("a block of"):
+                time.sleep(8)
+                raise peers._OutOfStep(f"sending {what} to rank {dst}: connection lost")
+            return real_send(p, dst, t, what)
+
+        peers._send_tensor = dying
     states = [rank_state(rank, s) for s in (3, 4)]
     for k, state in enumerate(states):
         durable = os.path.join(root, f"step-{3 + k}")
@@ -162,13 +174,18 @@ def _a_peer_that_never_answers(rank, world, root):
             if rank == 1:
                 want = "from rank 3" if k == 0 else "stopped earlier in this process"
                 assert want in str(caught.value), caught.value
+        if rank == 1:  # nothing of rank 3's half-sent file is left, nor recorded
+            local = tiers.local_copy(nv, durable)
+            assert not [n for n in os.listdir(local) if n.endswith(".tmp") or n.startswith("__3_")], os.listdir(local)
+            assert tiers.rank_record(local, 3) is None
         out = zeros_like_state(state)
         dcp.load(out, storage_reader=DataStatesReader(durable, local_tier=nv))
         assert_state_equal(state, out)
 
 
-def test_a_peer_that_never_answers_never_stalls_the_saves(tmp_path):
-    run_ranks(WORLD, _a_peer_that_never_answers, str(tmp_path))
+@pytest.mark.parametrize("how", ["never", "mid-copy"])
+def test_a_peer_that_never_answers_never_stalls_the_saves(tmp_path, how):
+    run_ranks(WORLD, _a_peer_that_never_answers, str(tmp_path), how)
 
 
 def test_the_peer_map_pairs_each_node_with_the_next():

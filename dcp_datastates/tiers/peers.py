@@ -102,6 +102,7 @@ class _Peers:
     group: object
     map: PeerMap
     rank: int
+    world: object  # the default process group it was made in (a new one needs a new peer group)
     broken: str | None = None  # why this process stopped making peer copies
 
 
@@ -119,12 +120,12 @@ def join(config) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     with _peers_lock:
-        if _peers is not None:
+        if _peers is not None and _peers.world is dist.group.WORLD:
             return
         group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.peer_timeout))
         nodes: list = [None] * dist.get_world_size()
         dist.all_gather_object(nodes, node_name(), group=group)
-        _peers = _Peers(group, PeerMap(tuple(str(n) for n in nodes)), dist.get_rank())
+        _peers = _Peers(group, PeerMap(tuple(str(n) for n in nodes)), dist.get_rank(), dist.group.WORLD)
     if _peers.map.target(_peers.rank) is None:
         log.warning("dcp_datastates: peer_copies: every rank runs on node %r, so there is no other node to keep "
                     "copies (set %s to tell nodes apart); local copies are not replicated", node_name(), NODE_ENV)
