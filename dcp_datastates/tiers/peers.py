@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -75,26 +75,42 @@ def node_name() -> str:
 
 @dataclass(frozen=True)
 class PeerMap:
-    """The node of every global rank, and who sends its files to whom."""
+    """The node of every global rank, and who sends its files to whom (computed once: a few
+    thousand ranks ask it at every exchange)."""
 
     nodes: tuple[str, ...]
+    _targets: tuple = field(init=False, repr=False, compare=False)
+    _sources: dict = field(init=False, repr=False, compare=False)
+    _by_node: dict = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        by_node: dict[str, list[int]] = {}
+        for rank, node in enumerate(self.nodes):
+            by_node.setdefault(node, []).append(rank)
+        order = sorted(by_node)
+        targets: list[int | None] = [None] * len(self.nodes)
+        sources: dict[int, list[int]] = {}
+        if len(order) > 1:
+            for i, node in enumerate(order):
+                theirs = by_node[order[(i + 1) % len(order)]]
+                for j, rank in enumerate(by_node[node]):
+                    targets[rank] = theirs[j % len(theirs)]
+                    sources.setdefault(targets[rank], []).append(rank)
+        object.__setattr__(self, "_targets", tuple(targets))
+        object.__setattr__(self, "_sources", sources)
+        object.__setattr__(self, "_by_node", by_node)
 
     def ranks_on(self, node: str) -> list[int]:
-        return [r for r, n in enumerate(self.nodes) if n == node]
+        """The ranks on ``node``, in rank order."""
+        return list(self._by_node.get(node, []))
 
     def target(self, rank: int) -> int | None:
         """The rank that keeps ``rank``'s copies (on the next node); None with one node."""
-        order = sorted(set(self.nodes))
-        if len(order) < 2:
-            return None
-        node = self.nodes[rank]
-        mine = self.ranks_on(node)
-        theirs = self.ranks_on(order[(order.index(node) + 1) % len(order)])
-        return theirs[mine.index(rank) % len(theirs)]
+        return self._targets[rank]
 
     def sources(self, rank: int) -> list[int]:
         """The ranks whose copies ``rank`` keeps, in rank order."""
-        return [r for r in range(len(self.nodes)) if self.target(r) == rank]
+        return list(self._sources.get(rank, []))
 
 
 @dataclass
