@@ -70,6 +70,7 @@ def _copies_on_the_other_node(rank, world, root):
     done = w.peer_copy.result(timeout=60)
     assert peers.peer_map().target(rank) == (rank + world // 2) % world
     assert done["sent"] and done["kept"], done  # every rank wrote its own tensor, and keeps its source's
+    assert done["metadata"], done  # every node keeps the checkpoint's metadata
     dist.barrier()
     md, files = commit.read_commit(durable)
     held = recorded(nv, durable)
@@ -144,8 +145,9 @@ def test_a_copy_damaged_in_transit_is_not_kept(tmp_path):
 def _a_peer_that_never_answers(rank, world, root, how):
     """Rank 3 takes no part in the exchanges (``never``), or its link dies in the middle of its
     first file (``mid-copy``: its first block waits past peer_timeout, then its send fails): its
-    partner's copies fail after peer_timeout, leaving no partial file, the saves commit durably
-    all the same, training goes on, and later saves skip peer copies."""
+    partner's copies fail after peer_timeout, leaving no partial file, the other pair's files
+    arrive but the metadata every rank hands on does not; the saves commit durably all the same,
+    training goes on, and every rank's later saves skip peer copies."""
     nv = as_node(rank, root)
     if rank == 3 and how == "never":
         peers._exchange = lambda *args: (_ for _ in ()).throw(RuntimeError("this rank is gone"))
@@ -166,12 +168,13 @@ def _a_peer_that_never_answers(rank, world, root, how):
         w = save(state, durable, nv, peer_timeout=3)
         assert time.monotonic() - t0 < 30  # the save never waited for its peer copies
         assert commit.is_committed(durable)
-        if rank in (0, 2):  # 0 and 2 copy to each other: their exchanges go on
-            assert w.peer_copy.result(timeout=60)["kept"]
-        else:  # 1 and 3 copy to each other: 1 times out, then stops making peer copies
+        if rank in (0, 2) and k == 0:  # 0 and 2 copy to each other: their files arrive, but
+            done = w.peer_copy.result(timeout=60)  # not the metadata, which every rank hands on
+            assert done["kept"] and done["metadata"] is False, done
+        else:  # 1 and 3 copy to each other: 1 times out; then every rank stops making peer copies
             with pytest.raises(Exception) as caught:
                 w.peer_copy.result(timeout=60)
-            if rank == 1:
+            if rank != 3:
                 want = "from rank 3" if k == 0 else "stopped earlier in this process"
                 assert want in str(caught.value), caught.value
         if rank == 1:  # nothing of rank 3's half-sent file is left, nor recorded
@@ -210,11 +213,12 @@ def test_peer_copies_options_are_checked(tmp_path):
 
 # ------------------------------------------------------------------ restart after a node is lost
 class CountingFileSystem(LocalFileSystem):
-    """A local folder as fsspec ``countfile://``: counts the bytes this process reads from data
-    files (``__*``), so a test can show a load read none of them from the durable store."""
+    """A local folder as fsspec ``countfile://``: counts the bytes this process reads from any of
+    its files (data files and metadata alike), so a test can show a restart read nothing from
+    the durable store."""
 
     protocol = "countfile"
-    data_bytes_read = 0
+    bytes_read = 0
 
     @classmethod
     def _strip_protocol(cls, path):
@@ -225,14 +229,11 @@ class CountingFileSystem(LocalFileSystem):
 
     def _open(self, path, mode="rb", **kwargs):
         f = super()._open(path, mode, **kwargs)
-        if "r" in mode and os.path.basename(path).startswith("__"):
-            return _Counted(f)
-        return f
+        return _Counted(f) if "r" in mode else f
 
     def cat_file(self, path, start=None, end=None, **kwargs):
         data = super().cat_file(path, start=start, end=end, **kwargs)
-        if os.path.basename(str(path)).startswith("__"):
-            CountingFileSystem.data_bytes_read += len(data)
+        CountingFileSystem.bytes_read += len(data)
         return data
 
 
@@ -242,12 +243,12 @@ class _Counted:
 
     def read(self, n=-1):
         data = self._f.read(n)
-        CountingFileSystem.data_bytes_read += len(data)
+        CountingFileSystem.bytes_read += len(data)
         return data
 
     def readinto(self, b):
         n = self._f.readinto(b)
-        CountingFileSystem.data_bytes_read += n or 0
+        CountingFileSystem.bytes_read += n or 0
         return n
 
     def __enter__(self):
@@ -313,15 +314,16 @@ def _restart(rank, world, root, expected_step):
     handler.emit = records.append
     logging.getLogger("dcp_datastates").addHandler(handler)
     logging.getLogger("dcp_datastates").setLevel(logging.INFO)
+    CountingFileSystem.bytes_read = 0
     path = dcp_datastates.prepare_restart(ck, local_tier=nv, state_dict=like)
     assert path == f"{ck}/step-{expected_step}", path
-    CountingFileSystem.data_bytes_read = 0
     out = zeros_like_state(rank_state(rank, expected_step))
     reader = DataStatesReader(path, local_tier=nv)
     dcp.load(out, storage_reader=reader)
     assert_state_equal(rank_state(rank, expected_step), out)
-    assert CountingFileSystem.data_bytes_read == 0, CountingFileSystem.data_bytes_read
     assert reader.tier_reads["durable"] == 0 and reader.tier_reads["local"] >= 1, reader.tier_reads
+    if expected_step == 3:  # the metadata too came from the nodes (kept at the save, agreed at the restart)
+        assert CountingFileSystem.bytes_read == 0, CountingFileSystem.bytes_read
     return [r.getMessage() for r in records]
 
 
@@ -334,7 +336,7 @@ def test_a_lost_node_restarts_from_its_peers_copies_reading_no_data_from_the_dur
     """Every process SIGKILLed while step 3 was committed only on the local tiers (its drain
     held), and node 1's tier wiped: fresh processes agree on step 3 and load it bitwise, node 1's
     ranks from files pulled from the other nodes' copies; no data file byte is read from the
-    durable store on any rank."""
+    durable store on any rank: not a data file, not the metadata."""
     _lose_node1(tmp_path, world)
     run_ranks(world, _restart_from_peers, str(tmp_path), timeout=300.0)
 

@@ -21,6 +21,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from ..commit import prepare_folder, write_commit
 from ..errors import CheckpointWriteError
 from ..format.layout import moved, new_tag, split_reference
@@ -45,6 +47,7 @@ class RankDrain:
 
     save_id: str
     tag: str | None
+    coordinator: int = 0  # its global rank (peer_copies: it hands every node the metadata)
 
 
 @dataclass(frozen=True)
@@ -182,6 +185,7 @@ class LocalTier(NoTier):
                 f"{self.durable_path}); save without local_tier, or with collectives"
             )
         tiers.record_durable(folder, self.durable_path)
+        tiers.forget_restart(folder)  # this save replaces what a restart agreed on here
 
     def global_plan(self, plans: list, save_id: str) -> list:
         """Several ranks: each rank drains its own files; the coordinator names them. One rank:
@@ -201,7 +205,7 @@ class LocalTier(NoTier):
         # New names next to a commit, or next to a pending checkpoint whose drained files a
         # restart may still read.
         pending = tiers.read_pending(durable) is not None
-        plan = RankDrain(save_id, new_tag() if committed or pending else None)
+        plan = RankDrain(save_id, new_tag() if committed or pending else None, _global_rank())
         return [dataclasses.replace(p, storage_data=plan) for p in plans]
 
     def writing(self, staged) -> None:
@@ -245,18 +249,22 @@ class LocalTier(NoTier):
         _drainers.submit(drain.drain_rank, staged.path, self.durable_path, locations, renamed, plan.save_id,
                          staged.rank, self.config, staged.tier_state)
         if self.config.peer_copies:
-            self._copy_to_peer(staged.path, plan.save_id, locations, renamed)
+            self._copy_to_peer(staged.path, plan, locations, renamed, staged.rank)
         return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed.get(r.storage_data.file,
                                                                                         r.storage_data.file)))
                 for r in results]
 
-    def _copy_to_peer(self, local: str, save_id: str, locations: dict, renamed: dict[str, str]) -> None:
-        """This rank's files, durable in the local copy, go to its peer (peers.py); ``peer_copy``
-        says how that went. The save never waits for it."""
+    def _copy_to_peer(self, local: str, plan: RankDrain, locations: dict, renamed: dict[str, str], rank: int) -> None:
+        """This rank's files, durable in the local copy, go to its peer (peers.py), and every node
+        gets the checkpoint's metadata from the coordinator once it has it; ``peer_copy`` says
+        how that went. The save never waits for it."""
         pieces = drain.pieces_by_file(locations)
         files = {name: (renamed[name], os.stat(os.path.join(local, name)).st_size, pieces.get(name, []))
                  for name in renamed}
-        done, target = peers.exchange(local, self.durable_path, save_id, files, self.config), self.peer_copy
+        self._metadata_for_peers = Future() if rank == plan.coordinator else None
+        done = peers.exchange(local, self.durable_path, plan.save_id, files, self.config,
+                              coordinator=plan.coordinator, metadata=self._metadata_for_peers)
+        target = self.peer_copy
 
         def settle(f: Future) -> None:  # into the save's own Future, which callers may hold already
             if not target.done():
@@ -290,15 +298,23 @@ class LocalTier(NoTier):
         checkpoint's metadata in the durable folder (restorable from the local copies from here
         on), wait for every rank's drain report, then commit the durable folder."""
         durable = open_storage(self.durable_path, self.config.storage_options)
-        tiers.write_pending(durable, metadata, locations, sync=self.config.sync_files)
+        encoded = tiers.write_pending(durable, metadata, locations, sync=self.config.sync_files)
+        self._hand_metadata(encoded)
         ranks = tiers.file_ranks(locations)
         tiers.wait_drained(durable, plan.save_id, ranks, self.config.drain_timeout)
         write_commit(durable, metadata, locations, sync=self.config.sync_files)
         tiers.clear_pending(durable, ranks)
 
+    def _hand_metadata(self, encoded: bytes | None) -> None:
+        """peer_copies, the coordinator: what its exchange hands every node (None: nothing)."""
+        waiting = getattr(self, "_metadata_for_peers", None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(encoded)
+
     def failed(self, exc: BaseException) -> None:
         if not self.local_commit.done():
             self.local_commit.set_exception(exc)
+        self._hand_metadata(None)
 
     # ---------------------------------------------------------------------------------- load
     def choose(self, path: str) -> ReadPlan:
@@ -308,6 +324,12 @@ class LocalTier(NoTier):
         files this node may still hold (several ranks)."""
         config = self.config
         self.durable_path = path
+        agreed = tiers.agreed_at_restart(config.local_tier, path)
+        if agreed is not None:
+            md, files = agreed
+            log.info("dcp_datastates: reading checkpoint %s of %s as every rank agreed at the restart "
+                     "(prepare_restart): its metadata and files from the local copies", md.storage_meta.save_id, path)
+            return ReadPlan(path, agreed, md.storage_meta.save_id, tiers.local_copy(config.local_tier, path))
         chosen = tiers.choose_copy(path, config)
         local = tiers.local_copy(config.local_tier, path)
         if chosen != path:
@@ -322,6 +344,10 @@ class LocalTier(NoTier):
 
     def local_files(self, plan: ReadPlan, save_id: str | None) -> dict[str, str]:
         return tiers.local_files(plan.local, save_id) if plan.local is not None else {}
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def tier_for(config, *, saving: bool = False) -> NoTier:

@@ -77,9 +77,15 @@ from ..storage import Storage, normalize, open_storage
 log = logging.getLogger("dcp_datastates")
 
 __all__ = ["local_copy", "durable_of", "choose_copy", "evict_drained", "newest_local", "local_files",
-           "record_rank_files", "TIER_FILE"]
+           "record_rank_files", "TIER_FILE", "PEER_METADATA", "RESTART_FILE", "forget_restart", "agreed_at_restart"]
 
 TIER_FILE = ".tier.json"
+# peer_copies: the checkpoint's metadata as the coordinator committed it, kept by every node
+# (peers.py), and the checkpoint prepare_restart agreed on for this copy (restart.py): a load of
+# that checkpoint then reads nothing from the durable store. A new save into the copy drops the
+# latter (``forget_restart``).
+PEER_METADATA = ".peer.metadata"
+RESTART_FILE = ".restart.json"
 _RANK_FILES = re.compile(r"^\.tier-(\d+)\.json$")
 
 
@@ -97,6 +103,30 @@ def record_durable(local: str, durable: str) -> None:
     with open(tmp, "w") as f:
         json.dump({"durable": durable}, f)
     os.replace(tmp, os.path.join(local, TIER_FILE))
+
+
+def forget_restart(local: str) -> None:
+    """A save writes into the local copy: the checkpoint a restart agreed on is no longer its."""
+    try:
+        os.unlink(os.path.join(local, RESTART_FILE))
+    except FileNotFoundError:
+        pass
+
+
+def agreed_at_restart(local_tier: str, durable: str):
+    """(Metadata, files) of the checkpoint ``prepare_restart`` agreed on for ``durable``, from
+    this node's local copy (``RESTART_FILE`` naming it, ``PEER_METADATA`` holding it); None when
+    there is none, or they do not agree."""
+    local = local_copy(local_tier, durable)
+    try:
+        with open(os.path.join(local, RESTART_FILE)) as f:
+            save_id = json.load(f)["save_id"]
+        md, files = read_commit(local, name=PEER_METADATA)
+    except (OSError, ValueError, KeyError, TypeError, DataStatesError):
+        return None
+    if md.storage_meta is None or md.storage_meta.save_id != save_id:
+        return None
+    return md, files
 
 
 def record_rank_files(local: str, rank: int, durable: str, save_id: str, renamed: dict[str, str], *,
@@ -329,10 +359,13 @@ def _read_small(durable: Storage, name: str) -> bytes | None:
         return None
 
 
-def write_pending(durable: Storage, md, locations, *, sync: bool) -> None:
+def write_pending(durable: Storage, md, locations, *, sync: bool) -> bytes:
     """The coordinator: the checkpoint is committed on every node's local tier (DCP gathered every
-    rank's results); record its metadata in the durable folder before the drains end."""
-    durable.put(PENDING_NAME, encode_metadata(md, locations), sync=sync)
+    rank's results); record its metadata in the durable folder before the drains end. Returns
+    the encoded metadata."""
+    data = encode_metadata(md, locations)
+    durable.put(PENDING_NAME, data, sync=sync)
+    return data
 
 
 def read_pending(durable: "str | Storage", storage_options: dict | None = None, *, uncommitted_only: bool = False):

@@ -177,19 +177,24 @@ def reset() -> None:
         _peers = None
 
 
-def exchange(local: str, durable: str, save_id: str, files: dict, config) -> Future:
+def exchange(local: str, durable: str, save_id: str, files: dict, config, *, coordinator: int = 0,
+             metadata: Future | None = None) -> Future:
     """After this rank's files of checkpoint ``save_id`` are durable in its local copy ``local``:
     send them to its peer and keep the copies its peers send, on the peer thread. ``files``:
     {local name: (durable name, size, pieces)} with pieces (offset, length, crc32c, item). The
     Future resolves with {"sent": [...], "kept": [...], "ended": time.monotonic() at the end} (file
     names), or fails with the reason
-    the copies could not be made (the save itself is not affected)."""
+    the copies could not be made (the save itself is not affected). Then rank ``coordinator``
+    hands every rank the checkpoint's encoded metadata (its ``metadata`` Future: set when the
+    coordinator has it, None when the save failed), which each node keeps in its local copy
+    (``PEER_METADATA``): a restart then needs nothing from the durable store."""
     done: Future = Future()
-    _exchanges.submit(_run, local, durable, save_id, files, config, done)
+    _exchanges.submit(_run, local, durable, save_id, files, config, coordinator, metadata, done)
     return done
 
 
-def _run(local: str, durable: str, save_id: str, files: dict, config, done: Future) -> None:
+def _run(local: str, durable: str, save_id: str, files: dict, config, coordinator: int, metadata: Future | None,
+         done: Future) -> None:
     peers = _peers
     try:
         if peers is None:
@@ -198,14 +203,26 @@ def _run(local: str, durable: str, save_id: str, files: dict, config, done: Futu
         if peers.broken is not None:
             raise RuntimeError(f"peer_copies: stopped earlier in this process: {peers.broken}")
         result = _exchange(peers, local, durable, save_id, files, config)
+        try:
+            result["metadata"] = _share_metadata(peers, local, coordinator, metadata, config)
+        except _OutOfStep as exc:  # the files stand; later exchanges do not
+            _stop(peers, exc)
+            result["metadata"] = False
         result["ended"] = time.monotonic()  # (time.monotonic() of this process: benchmarks compare it)
         done.set_result(result)
     except Exception as exc:  # noqa: BLE001 - reported on the Future and logged; training goes on
-        if peers is not None and peers.broken is None and isinstance(exc, _OutOfStep):
-            peers.broken = str(exc)
-            log.warning("dcp_datastates: peer copies stop in this process (checkpoints are still saved and drained): "
-                        "%s", exc)
+        if isinstance(exc, _OutOfStep):
+            _stop(peers, exc)
         done.set_exception(exc)
+
+
+def _stop(peers: _Peers | None, exc: BaseException) -> None:
+    """The group is out of step: this process makes no more peer copies (every other rank stops
+    too, at its next exchange: each one waits for every rank)."""
+    if peers is not None and peers.broken is None:
+        peers.broken = str(exc)
+        log.warning("dcp_datastates: peer copies stop in this process (checkpoints are still saved and drained): %s",
+                    exc)
 
 
 class _OutOfStep(RuntimeError):
@@ -237,6 +254,30 @@ def _exchange(peers: _Peers, local: str, durable: str, save_id: str, files: dict
     if send_error:
         raise send_error[0]
     return {"sent": sent, "kept": kept}
+
+
+def _share_metadata(peers: _Peers, local: str, coordinator: int, metadata: Future | None, config) -> bool:
+    """The coordinator's encoded metadata of this checkpoint, to every rank; each node's lowest
+    rank keeps it in its local copy. The coordinator waits for it at most half ``peer_timeout``
+    (its ranks' copies are done, so it comes as soon as DCP has gathered every rank's results),
+    then hands on nothing, so the other ranks are never left waiting out of step. True when the
+    node holds it now."""
+    data = None
+    if peers.rank == coordinator and metadata is not None:
+        try:
+            data = metadata.result(timeout=config.peer_timeout / 2)
+        except Exception:  # noqa: BLE001 - the save failed or took longer: no metadata this time
+            data = None
+    box = [data]
+    try:
+        dist.broadcast_object_list(box, src=coordinator, group=peers.group)
+    except Exception as exc:  # noqa: BLE001 - gloo's own errors (timeout, connection closed)
+        raise _OutOfStep(f"receiving the checkpoint's metadata from rank {coordinator}: {exc}") from exc
+    if box[0] is None:
+        return False
+    if min(peers.map.ranks_on(peers.map.nodes[peers.rank])) == peers.rank:
+        open_storage(local).put(tiers.PEER_METADATA, box[0], sync=config.sync_files)
+    return True
 
 
 # ------------------------------------------------------------------------------- the wire

@@ -27,6 +27,7 @@ some node holds are not.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -34,10 +35,17 @@ import threading
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from ..commit import read_commit
 from ..config import DataStatesConfig
 from ..errors import DataStatesError
-from ..format.layout import METADATA_NAME, PENDING_NAME, STEP_NUMBER, data_file_parts, own_files
+from ..format.layout import (
+    MAX_METADATA_BYTES,
+    METADATA_NAME,
+    PENDING_NAME,
+    STEP_NUMBER,
+    data_file_parts,
+    decode_metadata,
+    own_files,
+)
 from ..runtime import get_engine
 from ..storage import normalize, open_storage
 from . import local_tier as tiers
@@ -60,11 +68,11 @@ def prepare_restart(root: str | os.PathLike, *, local_tier: str | os.PathLike, s
     group = peers.current()
     root = normalize(root)
     candidates = _from_rank0(group, lambda: _candidates(root, config))
-    for path in candidates:
-        found = _from_rank0(group, lambda path=path: _metadata(path, config))
+    for path, committed in candidates:
+        found = _metadata(group, path, committed, config)
         if found is None:
             continue
-        md, files, committed = found
+        md, files, encoded = found
         required = sorted(own_files(files))
         gathered = _from_each(group, _verify_held, group, path, md, files, config)
         holders: dict[str, list[int]] = {}
@@ -78,6 +86,7 @@ def prepare_restart(root: str | os.PathLike, *, local_tier: str | os.PathLike, s
                             "verified copy of %s; trying the next checkpoint", path, ", ".join(missing[:5]))
             continue
         _pull(group, path, md, files, holders, state_dict, config)
+        _from_each(group, _agree, group, path, md, encoded, config)
         if group.rank == 0:
             log.info("dcp_datastates: restart: every rank resumes from %s (%d of its %d files held on the nodes' "
                      "local tiers%s)", path, len(required) - len(missing), len(required),
@@ -86,9 +95,9 @@ def prepare_restart(root: str | os.PathLike, *, local_tier: str | os.PathLike, s
     return None
 
 
-def _from_rank0(group, make):
-    """``make()`` on rank 0, handed to every rank; its error raised on every rank."""
-    box = [_outcome(make) if group.rank == 0 else None]
+def _from_rank0(group, make, *args):
+    """``make(*args)`` on rank 0, handed to every rank; its error raised on every rank."""
+    box = [_outcome(make, *args) if group.rank == 0 else None]
     dist.broadcast_object_list(box, src=0, group=group.group)
     return _unwrap([box[0]])
 
@@ -124,28 +133,78 @@ def _is_leader(group) -> bool:
     return min(group.map.ranks_on(group.map.nodes[group.rank])) == group.rank
 
 
-def _candidates(root: str, config) -> list[str]:
-    """The folders under ``root`` holding a durable commit or a pending checkpoint, newest step
-    first."""
+def _candidates(root: str, config) -> list[tuple[str, bool]]:
+    """(folder, committed durably) of the folders under ``root`` holding a durable commit or a
+    pending checkpoint, newest step first (names and existence only: nothing is read)."""
     store = open_storage(root, config.storage_options)
     found = []
     for name in store.subfolders():
         m = STEP_NUMBER.search(name)
         folder = store.child(name)
-        if m and (folder.has(METADATA_NAME) or folder.has(PENDING_NAME)):
-            found.append((int(m.group(1)), folder.location))
-    return [path for _, path in sorted(found, reverse=True)]
+        if m:
+            committed = folder.has(METADATA_NAME)
+            if committed or folder.has(PENDING_NAME):
+                found.append((int(m.group(1)), folder.location, committed))
+    return [(path, committed) for _, path, committed in sorted(found, reverse=True)]
 
 
-def _metadata(path: str, config):
-    """(Metadata, files, committed durably) of the checkpoint in ``path``: its commit, else its
-    pending metadata; None when neither reads."""
+def _metadata(group, path: str, committed: bool, config):
+    """(Metadata, files, encoded) of the checkpoint in ``path``, the same on every rank: the copy
+    a node kept (``PEER_METADATA``, handed out by the coordinator at the save), from the lowest
+    rank holding one that decodes; else read by rank 0 from the durable store (its commit, else
+    its pending metadata); None when there is none."""
+    kept = _from_each(group, _kept_metadata, group, path, config)
+    holder = next((rank for rank, has in enumerate(kept) if has), None)
+    if holder is not None:
+        box = [_kept_metadata(group, path, config, raw=True) if group.rank == holder else None]
+        dist.broadcast_object_list(box, src=holder, group=group.group)
+        encoded = box[0]
+    else:
+        encoded = _from_rank0(group, _durable_metadata, path, committed, config)
+    if encoded is None:
+        return None
+    md, files = decode_metadata(encoded, f"{path}/{PENDING_NAME if not committed else METADATA_NAME}")
+    return md, files, encoded
+
+
+def _kept_metadata(group, path: str, config, raw: bool = False):
+    """This node's kept metadata of ``path``, checked to decode (its lowest rank answers): True /
+    False, or the bytes with ``raw``."""
+    if not _is_leader(group):
+        return None if raw else False
+    where = os.path.join(tiers.local_copy(config.local_tier, path), tiers.PEER_METADATA)
     try:
-        md, files = read_commit(open_storage(path, config.storage_options))
-        return md, files, True
-    except Exception:  # noqa: BLE001 - no commit, or one that does not read: try the pending one
-        pending = tiers.read_pending(path, config.storage_options, uncommitted_only=True)
-        return (pending[0], pending[1], False) if pending is not None else None
+        with open(where, "rb") as f:
+            data = f.read()
+        decode_metadata(data, where)
+    except (OSError, DataStatesError):
+        return None if raw else False
+    return data if raw else True
+
+
+def _durable_metadata(path: str, committed: bool, config) -> bytes | None:
+    store = open_storage(path, config.storage_options)
+    for name in ((METADATA_NAME, PENDING_NAME) if committed else (PENDING_NAME,)):
+        try:
+            return store.read_small(name, limit=MAX_METADATA_BYTES, what="the commit marker")
+        except Exception:  # noqa: BLE001 - absent or unreadable: the next one, or none
+            continue
+    return None
+
+
+def _agree(group, path: str, md, encoded: bytes, config) -> None:
+    """Each node's lowest rank records in its local copy the checkpoint every rank agreed on,
+    with its metadata: ``dcp.load`` with ``local_tier`` then reads it from there (nothing from
+    the durable store) until a save writes into that copy again."""
+    if not _is_leader(group):
+        return
+    local = tiers.local_copy(config.local_tier, path)
+    os.makedirs(local, exist_ok=True)
+    if tiers.durable_of(local) is None:
+        tiers.record_durable(local, path)
+    store = open_storage(local)
+    store.put(tiers.PEER_METADATA, encoded, sync=config.sync_files)
+    store.put(tiers.RESTART_FILE, json.dumps({"save_id": md.storage_meta.save_id}).encode(), sync=config.sync_files)
 
 
 def _records(local: str, save_id: str) -> dict[str, tuple[int, str]]:
