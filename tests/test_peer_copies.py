@@ -21,7 +21,7 @@ from dcp_datastates.config import DataStatesConfig
 from dcp_datastates.tiers import local_tier as tiers
 from dcp_datastates.tiers import peers
 
-from conftest import assert_state_equal, clone_state, zeros_like_state
+from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
 from dist_harness import run_ranks
 
 WORLD = 4
@@ -362,3 +362,44 @@ def test_a_corrupt_replica_sends_every_rank_to_the_previous_checkpoint(tmp_path)
         f.write(bytes([last[0] ^ 0xFF]))
     run_ranks(WORLD, _restart_past_a_corrupt_replica, str(tmp_path))
     assert os.path.exists(victim + ".corrupt") and not os.path.exists(victim)
+
+
+def _damaged_at_the_sender(rank, world, root):
+    """Rank 1's local file is damaged after its local commit, before it is sent: the sender does
+    not check it, its peer (rank 3) does and drops it, naming the item; nothing else changes."""
+    nv = as_node(rank, root)
+    durable = os.path.join(root, "step-5")
+    if rank == 1:
+        real_exchange = peers.exchange
+
+        def damaging(local, durable_path, save_id, files, config, **kwargs):
+            name = sorted(files)[0]
+            with open(os.path.join(local, name), "r+b") as f:
+                f.seek(-1, os.SEEK_END)
+                last = f.read(1)
+                f.seek(-1, os.SEEK_END)
+                f.write(bytes([last[0] ^ 0xFF]))
+            return real_exchange(local, durable_path, save_id, files, config, **kwargs)
+
+        peers.exchange = damaging
+        from dcp_datastates.tiers import drain
+
+        drain.drain_rank = lambda *args, **kwargs: None  # (the drain would refuse it: not this test's point)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("dcp_datastates").addHandler(handler)
+    w = DataStatesWriter(durable, local_tier=nv, peer_copies=1, drain_timeout=5)
+    with raises_through_dcp(r"rank\(s\) \[1\] did not report"):  # rank 1 never drains: no durable commit
+        dcp.async_save(clone_state(rank_state(rank, 5)), storage_writer=w).upload_completion.result(timeout=120)
+    done = w.peer_copy.result(timeout=60)
+    if rank == 3:  # rank 1's peer
+        assert done["kept"] == [], done
+        warned = [r.getMessage() for r in records if "was not kept" in r.getMessage()]
+        assert warned and "from rank 1" in warned[0] and "recorded crc32c" in warned[0], warned
+    else:
+        assert done["kept"], done
+
+
+def test_a_file_damaged_at_the_sender_is_dropped_by_its_peer(tmp_path):
+    run_ranks(WORLD, _damaged_at_the_sender, str(tmp_path))
