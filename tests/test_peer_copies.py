@@ -219,13 +219,8 @@ class CountingFileSystem(LocalFileSystem):
 
     protocol = "countfile"
     bytes_read = 0
-
-    @classmethod
-    def _strip_protocol(cls, path):
-        path = str(path)
-        if path.startswith("countfile://"):
-            path = path[len("countfile://"):]
-        return LocalFileSystem._strip_protocol(path)
+    _strip_protocol = classmethod(lambda cls, path: LocalFileSystem._strip_protocol(
+        str(path).removeprefix("countfile://")))
 
     def _open(self, path, mode="rb", **kwargs):
         f = super()._open(path, mode, **kwargs)
@@ -403,3 +398,11 @@ def _damaged_at_the_sender(rank, world, root):
 
 def test_a_file_damaged_at_the_sender_is_dropped_by_its_peer(tmp_path):
     run_ranks(WORLD, _damaged_at_the_sender, str(tmp_path))
+
+
+def test_a_one_process_save_says_it_has_no_peer(tmp_path):
+    w = DataStatesWriter(str(tmp_path / "step-1"), local_tier=str(tmp_path / "nv"), peer_copies=1)
+    dcp.save({"w": torch.ones(8)}, storage_writer=w)
+    assert commit.is_committed(str(tmp_path / "step-1"))
+    with pytest.raises(RuntimeError, match="saved by one process: there is no other node"):
+        w.peer_copy.result(timeout=5)

@@ -368,6 +368,16 @@ def test_config_options_validation_and_cli_override(tt, tmp_path):
     assert (parsed.checkpoint.host_cache_size, parsed.checkpoint.flush_threads, parsed.checkpoint.interval) == ("2GB", 4, 7)
 
 
+TRAIN_STATE = '''
+class TS:
+    step = 0
+    def state_dict(self):
+        return {"step": self.step}
+    def load_state_dict(self, sd):
+        self.step = sd["step"]
+'''
+
+
 TWO_RANKS = '''
 import os, sys, torch, torch.distributed as dist
 rank, root, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
@@ -386,13 +396,7 @@ class Loader:  # like TorchTitan's ParallelAwareDataloader: one key per data-par
         self.pos = sd[f"dp_rank_{rank}"]
 
 
-class TS:
-    step = 0
-    def state_dict(self):
-        return {"step": self.step}
-    def load_state_dict(self, sd):
-        self.step = sd["step"]
-
+''' + TRAIN_STATE + '''
 
 def build(seed):
     torch.manual_seed(seed)
@@ -515,13 +519,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from dcp_datastates.integrations.torchtitan import DataStatesCheckpointManager
 
 
-class TS:
-    step = 0
-    def state_dict(self):
-        return {"step": self.step}
-    def load_state_dict(self, sd):
-        self.step = sd["step"]
-
+''' + TRAIN_STATE + '''
 
 def build(seed):
     torch.manual_seed(seed)

@@ -285,6 +285,9 @@ class LocalTier(NoTier):
         if staged is not None:
             staged.local_s = time.monotonic() - staged.requested
         self.local_commit.set_result(storage.location)
+        if config.peer_copies and not self.peer_copy.done():
+            self.peer_copy.set_exception(RuntimeError(
+                f"peer_copies: {self.durable_path} was saved by one process: there is no other node to copy to"))
         plan = staged.tier_plan if staged is not None else None
         prepared = isinstance(plan, SoloDrain)  # its files were copied while written (writing())
         drain.drain(storage.location, self.durable_path, config, plan.tag if prepared else drain.UNPREPARED,
