@@ -406,3 +406,81 @@ def test_a_one_process_save_says_it_has_no_peer(tmp_path):
     assert commit.is_committed(str(tmp_path / "step-1"))
     with pytest.raises(RuntimeError, match="saved by one process: there is no other node"):
         w.peer_copy.result(timeout=5)
+
+
+# ------------------------------------------- a Hugging Face model under FSDP2, restarted from peers
+def _llama_saved_then_killed(rank, world, root):
+    """A transformers Llama (built from a config) under FSDP2 with fused AdamW, 4 ranks as 2
+    nodes: step 1 committed durably, step 2 committed only on the local tiers (its drain held)
+    with its peer copies made; then every process is SIGKILLed."""
+    import signal
+
+    import incremental_workers as W
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from dcp_datastates.tiers import drain
+
+    nv = as_node(rank, root)
+    ck = _durable_root(root)
+    model, opt = W._sharded()
+    group = dist.new_group(backend="gloo")  # the checkpoint's own group, beside training's
+    for step in (1, 2):
+        g = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 256, (8, 16), generator=g)[rank * 2:(rank + 1) * 2]
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        msd, osd = get_state_dict(model, opt)
+        full = W._full({"model": msd, "optim": osd})
+        if rank == 0:
+            torch.save(full, os.path.join(root, f"expected-{step}.pt"))
+        if step == 2:
+            drain._copy_files = lambda *args, **kwargs: time.sleep(600)  # killed first
+        w = DataStatesWriter(f"{ck}/step-{step}", local_tier=nv, peer_copies=1, process_group=group)
+        response = dcp.async_save({"model": msd, "optim": osd, "step": step}, storage_writer=w, process_group=group)
+        assert w.peer_copy.result(timeout=120)["metadata"]
+        if step == 1:
+            response.upload_completion.result(timeout=120)
+    pending = os.path.join(root, "ck", "step-2", ".pending.metadata")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(pending) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _llama_restarted(rank, world, root):
+    import incremental_workers as W
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    nv = as_node(rank, root)
+    model, opt = W._sharded()
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(99))
+    model(input_ids=ids, labels=ids).loss.backward()
+    opt.step()  # the optimizer's state exists, as when resuming
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd, "step": 0}
+    CountingFileSystem.bytes_read = 0
+    path = dcp_datastates.prepare_restart(_durable_root(root), local_tier=nv, state_dict=state)
+    assert path.endswith("/step-2"), path
+    dcp.load(state, storage_reader=DataStatesReader(path, local_tier=nv))
+    assert CountingFileSystem.bytes_read == 0, CountingFileSystem.bytes_read
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    msd, osd = get_state_dict(model, opt)
+    full = W._full({"model": msd, "optim": osd})
+    expected = torch.load(os.path.join(root, "expected-2.pt"), weights_only=True)
+    assert state["step"] == 2
+    W._same(expected, full, "state")
+
+
+def test_a_fsdp2_llama_resumes_bitwise_from_peer_copies_after_losing_a_node(tmp_path):
+    """Code nobody here wrote: a Hugging Face Llama under FSDP2 with fused AdamW on 4 gloo ranks
+    as 2 nodes; after every process is killed and node 1's tier wiped, fresh processes resume the
+    newest checkpoint (committed only on the local tiers) bitwise, model and optimizer, reading
+    nothing from the durable store."""
+    pytest.importorskip("transformers")
+    from dist_harness import _launch
+
+    failure = _launch(WORLD, _llama_saved_then_killed, (str(tmp_path),), 300.0)
+    assert failure is not None and "-9" in failure, failure
+    shutil.rmtree(tmp_path / "node1")
+    run_ranks(WORLD, _llama_restarted, str(tmp_path), timeout=300.0)
