@@ -17,6 +17,7 @@ from .errors import (
     ChecksumMismatchError,
     DataStatesError,
     IncompleteCheckpointError,
+    RestartError,
     UnsafeCheckpointError,
     checkpoint_error_cause,
 )
@@ -63,4 +64,5 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointWriteError",
     "UnsafeCheckpointError",
+    "RestartError",
 ]

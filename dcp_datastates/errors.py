@@ -13,6 +13,7 @@ __all__ = [
     "CheckpointMismatchError",
     "CheckpointWriteError",
     "UnsafeCheckpointError",
+    "RestartError",
     "checkpoint_error_cause",
 ]
 
@@ -81,6 +82,10 @@ def checkpoint_error_cause(exc: BaseException, reader=None) -> BaseException:
         if isinstance(recorded, BaseException):
             return recorded
     return exc
+
+
+class RestartError(DataStatesError):
+    """A rank could not take its part in ``prepare_restart`` (raised on every rank, naming it)."""
 
 
 class UnsafeCheckpointError(DataStatesError):

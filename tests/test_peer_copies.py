@@ -484,3 +484,26 @@ def test_a_fsdp2_llama_resumes_bitwise_from_peer_copies_after_losing_a_node(tmp_
     assert failure is not None and "-9" in failure, failure
     shutil.rmtree(tmp_path / "node1")
     run_ranks(WORLD, _llama_restarted, str(tmp_path), timeout=300.0)
+
+
+def _a_rank_that_cannot_restart(rank, world, root):
+    """Rank 2 cannot read its local tier during prepare_restart: every rank raises RestartError
+    naming rank 2 (none goes on alone, none waits in a collective)."""
+    from dcp_datastates.tiers import restart
+
+    nv = as_node(rank, root)
+    ck = os.path.join(root, "ck")
+    save(rank_state(rank, 1), os.path.join(ck, "step-1"), nv).peer_copy.result(timeout=60)
+    if rank == 2:
+        def unreadable(*args):
+            raise OSError(f"{nv}: Input/output error")
+
+        restart._verify_held = unreadable
+    t0 = time.monotonic()
+    with pytest.raises(dcp_datastates.RestartError, match=r"prepare_restart failed on rank 2: OSError: .*Input/output"):
+        dcp_datastates.prepare_restart(ck, local_tier=nv)
+    assert time.monotonic() - t0 < 30
+
+
+def test_an_error_on_one_rank_in_prepare_restart_is_raised_on_every_rank(tmp_path):
+    run_ranks(WORLD, _a_rank_that_cannot_restart, str(tmp_path))

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..config import DataStatesConfig
-from ..errors import DataStatesError
+from ..errors import DataStatesError, RestartError
 from ..format.layout import (
     MAX_METADATA_BYTES,
     METADATA_NAME,
@@ -54,7 +54,7 @@ from .drain import copy_verified, pieces_by_file
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["prepare_restart", "RestartError"]
+__all__ = ["prepare_restart"]
 
 
 def prepare_restart(root: str | os.PathLike, *, local_tier: str | os.PathLike, state_dict: dict | None = None,
@@ -123,10 +123,6 @@ def _unwrap(outcomes: list, many: bool = False):
                                f"prepare_restart failed on rank 0: {value}")
     values = [value for _, value in outcomes]
     return values if many else values[0]
-
-
-class RestartError(DataStatesError):
-    """A rank could not take its part in ``prepare_restart`` (raised on every rank)."""
 
 
 def _is_leader(group) -> bool:
