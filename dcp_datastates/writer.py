@@ -256,6 +256,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         except BaseException as exc:  # noqa: BLE001 - raised below, after the collectives
             error = exc
             staged.abandon(f"save abandoned: {exc}")
+            self.tier.rank_failed(staged)
         if self.process_group is not None and self.use_collectives and self.config.hierarchical_consolidation \
                 and dist.is_available() and dist.is_initialized():
             # Every rank enters this, a failed one with nothing to send: it raises right after,

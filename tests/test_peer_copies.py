@@ -507,3 +507,32 @@ def _a_rank_that_cannot_restart(rank, world, root):
 
 def test_an_error_on_one_rank_in_prepare_restart_is_raised_on_every_rank(tmp_path):
     run_ranks(WORLD, _a_rank_that_cannot_restart, str(tmp_path))
+
+
+def _a_failed_save_keeps_the_exchanges_in_step(rank, world, root):
+    """Rank 1's write fails in the first save (which fails on every rank); it still takes its
+    part in that save's exchange, so the second save's copies are made on every rank, metadata
+    included, without waiting out peer_timeout."""
+    import dcp_datastates.save as save_steps
+
+    nv = as_node(rank, root)
+    if rank == 1:
+        real = save_steps.write_rank
+
+        def failing_once(*args, **kwargs):
+            save_steps.write_rank = real
+            raise OSError("injected: the local disk failed")
+
+        save_steps.write_rank = failing_once
+    w = DataStatesWriter(os.path.join(root, "step-1"), local_tier=nv, peer_copies=1, peer_timeout=20)
+    with raises_through_dcp("injected: the local disk failed"):
+        dcp.async_save(clone_state(rank_state(rank, 1)), storage_writer=w).upload_completion.result(timeout=120)
+    t0 = time.monotonic()
+    w = save(rank_state(rank, 2), os.path.join(root, "step-2"), nv, peer_timeout=20)
+    done = w.peer_copy.result(timeout=60)
+    assert done["kept"] and done["metadata"], done
+    assert time.monotonic() - t0 < 20, time.monotonic() - t0
+
+
+def test_a_failed_save_keeps_every_rank_s_exchanges_in_step(tmp_path):
+    run_ranks(WORLD, _a_failed_save_keeps_the_exchanges_in_step, str(tmp_path))

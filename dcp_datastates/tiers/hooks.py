@@ -7,7 +7,8 @@ Save hooks, in call order: ``folder`` (which folder this rank writes), ``reserve
 staged bytes), ``files_changing`` (before a rank rewrites its files), ``check_local_plan``,
 ``global_plan`` (coordinator), ``writing`` (a rank starts ``write_data``: its staged files are
 named), ``file_named`` (a file started during ``write_data``),
-``rank_written`` (a rank's files are durable where it wrote them),
+``rank_written`` (a rank's files are durable where it wrote them), ``rank_failed`` (its
+``write_data`` failed),
 ``commit`` (coordinator: the checkpoint is committed where the tier wants it), ``failed``.
 Load hooks: ``choose`` (which copy to read), ``local_file`` (this node's copy of a data file).
 """
@@ -120,6 +121,9 @@ class NoTier:
 
     def rank_written(self, staged, results: list) -> list:
         return results
+
+    def rank_failed(self, staged) -> None:
+        """This rank's ``write_data`` failed (the save fails on every rank)."""
 
     def commit(self, storage: Storage, metadata, locations, staged, *, rank_local: int | None,
                in_use: frozenset) -> None:
@@ -254,6 +258,20 @@ class LocalTier(NoTier):
                                                                                         r.storage_data.file)))
                 for r in results]
 
+    def rank_failed(self, staged) -> None:
+        """peer_copies: this rank still takes its part in the save's exchange, with nothing to
+        send, so that every rank's exchanges stay in step (the next save's copies are made)."""
+        plan = staged.tier_plan
+        if self.config.peer_copies and isinstance(plan, RankDrain) and self._exchanged != plan.save_id \
+                and staged.path is not None:
+            try:
+                self._copy_to_peer(staged.path, plan, {}, {}, staged.rank)
+            except Exception as exc:  # noqa: BLE001 - the save's own error is the one raised
+                log.warning("dcp_datastates: peer_copies: could not take part in the failed save's exchange: %s", exc)
+        self._hand_metadata(None)  # a coordinator that failed has no metadata to hand on
+
+    _exchanged: str | None = None  # the save whose exchange this tier started last
+
     def _copy_to_peer(self, local: str, plan: RankDrain, locations: dict, renamed: dict[str, str], rank: int) -> None:
         """This rank's files, durable in the local copy, go to its peer (peers.py), and every node
         gets the checkpoint's metadata from the coordinator once it has it; ``peer_copy`` says
@@ -261,6 +279,7 @@ class LocalTier(NoTier):
         pieces = drain.pieces_by_file(locations)
         files = {name: (renamed[name], os.stat(os.path.join(local, name)).st_size, pieces.get(name, []))
                  for name in renamed}
+        self._exchanged = plan.save_id
         self._metadata_for_peers = Future() if rank == plan.coordinator else None
         done = peers.exchange(local, self.durable_path, plan.save_id, files, self.config,
                               coordinator=plan.coordinator, metadata=self._metadata_for_peers)
