@@ -77,7 +77,7 @@ from ..storage import Storage, normalize, open_storage
 log = logging.getLogger("dcp_datastates")
 
 __all__ = ["local_copy", "durable_of", "choose_copy", "evict_drained", "newest_local", "local_files",
-           "record_rank_files", "TIER_FILE", "PEER_METADATA", "RESTART_FILE", "forget_restart", "agreed_at_restart"]
+           "record_rank_files", "TIER_FILE", "PEER_METADATA", "RESTART_FILE", "forget_restart", "agreed_at_restart", "ensure_copy"]
 
 TIER_FILE = ".tier.json"
 # peer_copies: the checkpoint's metadata as the coordinator committed it, kept by every node
@@ -103,6 +103,13 @@ def record_durable(local: str, durable: str) -> None:
     with open(tmp, "w") as f:
         json.dump({"durable": durable}, f)
     os.replace(tmp, os.path.join(local, TIER_FILE))
+
+
+def ensure_copy(local: str, durable: str) -> None:
+    """The local copy folder of ``durable`` exists and names it (files arriving from peers may
+    be the first this node holds of that checkpoint)."""
+    if durable_of(local) is None:
+        record_durable(local, durable)
 
 
 def forget_restart(local: str) -> None:

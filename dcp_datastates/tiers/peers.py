@@ -59,8 +59,8 @@ from .drain import copy_verified
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["NODE_ENV", "node_name", "PeerMap", "join", "exchange", "peer_map", "current", "reset", "wait_peer_copies", "send_file",
-           "receive_file"]
+__all__ = ["NODE_ENV", "node_name", "PeerMap", "join", "exchange", "current", "wait_peer_copies", "both_ways",
+           "send_file", "receive_file"]
 
 NODE_ENV = "DCPDS_NODE"
 _TAG = 0x5EE  # every message of an exchange: per (sender, receiver) pair they arrive in order
@@ -147,11 +147,6 @@ def join(config) -> None:
                     "copies (set %s to tell nodes apart); local copies are not replicated", node_name(), NODE_ENV)
 
 
-def peer_map() -> PeerMap | None:
-    """The node map of this process's peer group (None before ``join``)."""
-    return _peers.map if _peers is not None else None
-
-
 def current() -> _Peers:
     """This process's peer group (after ``join``); RuntimeError when there is none."""
     if _peers is None:
@@ -170,21 +165,14 @@ def wait_peer_copies(timeout: float | None = None) -> bool:
     return True
 
 
-def reset() -> None:
-    """Forget the peer group (tests that make a new default group)."""
-    global _peers
-    with _peers_lock:
-        _peers = None
-
-
 def exchange(local: str, durable: str, save_id: str, files: dict, config, *, coordinator: int = 0,
              metadata: Future | None = None) -> Future:
     """After this rank's files of checkpoint ``save_id`` are durable in its local copy ``local``:
     send them to its peer and keep the copies its peers send, on the peer thread. ``files``:
     {local name: (durable name, size, pieces)} with pieces (offset, length, crc32c, item). The
-    Future resolves with {"sent": [...], "kept": [...], "ended": time.monotonic() at the end} (file
-    names), or fails with the reason
-    the copies could not be made (the save itself is not affected). Then rank ``coordinator``
+    Future resolves with {"sent": [...], "kept": [...] (file names), "metadata": arrived or not,
+    "ended": time.monotonic() at the end}, or fails with the reason the copies could not be made
+    (the save itself is not affected). Then rank ``coordinator``
     hands every rank the checkpoint's encoded metadata (its ``metadata`` Future: set when the
     coordinator has it, None when the save failed), which each node keeps in its local copy
     (``PEER_METADATA``): a restart then needs nothing from the durable store."""
@@ -232,28 +220,33 @@ class _OutOfStep(RuntimeError):
 
 def _exchange(peers: _Peers, local: str, durable: str, save_id: str, files: dict, config) -> dict:
     target = peers.map.target(peers.rank)
-    sent: list[str] = []
-    send_error: list[BaseException] = []
-
-    def send() -> None:
-        try:
-            sent.extend(_send(peers, target, local, durable, save_id, files, config))
-        except BaseException as exc:  # noqa: BLE001 - raised below, after the receives
-            send_error.append(exc)
-
-    sender = threading.Thread(target=send, name="dcp-datastates-peers-send") if target is not None else None
-    if sender is not None:
-        sender.start()
-    kept: list[str] = []
-    try:
-        for source in peers.map.sources(peers.rank):
-            kept.extend(_receive(peers, source, save_id, config))
-    finally:
-        if sender is not None:
-            sender.join()
-    if send_error:
-        raise send_error[0]
+    sent, kept = both_ways(
+        lambda: _send(peers, target, local, durable, save_id, files, config) if target is not None else [],
+        lambda: [name for source in peers.map.sources(peers.rank) for name in _receive(peers, source, save_id, config)])
     return {"sent": sent, "kept": kept}
+
+
+def both_ways(send, receive) -> tuple:
+    """(``send()``, ``receive()``), the first on a thread of its own while this one receives:
+    every rank sends and receives at once, so neither waits for the other. The sender's error is
+    raised once the receives have ended (the receiver's at once, after the sender ended)."""
+    out: list = []
+
+    def sending() -> None:
+        try:
+            out.append(send())
+        except BaseException as exc:  # noqa: BLE001 - raised below, after the receives
+            out.append(exc)
+
+    sender = threading.Thread(target=sending, name="dcp-datastates-peers-send")
+    sender.start()
+    try:
+        received = receive()
+    finally:
+        sender.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0], received
 
 
 def _share_metadata(peers: _Peers, local: str, coordinator: int, metadata: Future | None, config) -> bool:
@@ -374,9 +367,7 @@ def _receive(peers: _Peers, src: int, save_id: str, config) -> list[str]:
         raise _OutOfStep(f"rank {src} sent the copies of checkpoint {manifest.get('save_id')} (rank {sender}) "
                          f"while this rank is at checkpoint {save_id}")
     folder = tiers.local_copy(config.local_tier, durable)
-    os.makedirs(folder, exist_ok=True)
-    if tiers.durable_of(folder) is None:
-        tiers.record_durable(folder, durable)
+    tiers.ensure_copy(folder, durable)
     tiers.forget_rank_files(folder, sender)  # its record never names a file being replaced
     engine = get_engine(config)
     kept = {}

@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 
 import torch.distributed as dist
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -195,22 +194,10 @@ def _agree(group, path: str, md, encoded: bytes, config) -> None:
     if not _is_leader(group):
         return
     local = tiers.local_copy(config.local_tier, path)
-    os.makedirs(local, exist_ok=True)
-    if tiers.durable_of(local) is None:
-        tiers.record_durable(local, path)
+    tiers.ensure_copy(local, path)
     store = open_storage(local)
     store.put(tiers.PEER_METADATA, encoded, sync=config.sync_files)
     store.put(tiers.RESTART_FILE, json.dumps({"save_id": md.storage_meta.save_id}).encode(), sync=config.sync_files)
-
-
-def _records(local: str, save_id: str) -> dict[str, tuple[int, str]]:
-    """{durable name: (writer rank, local name)} of checkpoint ``save_id`` in this node's copy."""
-    out = {}
-    for _, record in tiers._rank_records(local):
-        if record["save_id"] == save_id:
-            for durable_name, local_name in record["files"].items():
-                out[durable_name] = (int(record["rank"]), local_name)
-    return out
 
 
 def _verify_held(group, path: str, md, files: dict, config) -> list[str]:
@@ -281,46 +268,42 @@ def _pull(group, path: str, md, files: dict, holders: dict[str, list[int]], stat
             sources = holders.get(name, [])
             if sources and not any(nodes[s] == node for s in sources):
                 pulls.append((name, min(sources), leader))
-    if not pulls:
-        dist.barrier(group=group.group)
+    # Gathered, so a rank whose transfer failed raises on every rank (the gather is the barrier
+    # that ends the pulls).
+    _from_each(group, _transfer, group, path, md, files, pulls, config)
+
+
+def _transfer(group, path: str, md, files: dict, pulls: list, config) -> None:
+    """This rank's part of ``pulls``: the files it sends, and those it receives (verified, then
+    recorded as their writers')."""
+    if not any(group.rank in (src, dst) for _, src, dst in pulls):
         return
     local = tiers.local_copy(config.local_tier, path)
     pieces = pieces_by_file(md.storage_data)
     engine = get_engine(config)
-    held = tiers.local_files(local, md.storage_meta.save_id)
-    errors: list[BaseException] = []
+    save_id = md.storage_meta.save_id
+    held = tiers.local_files(local, save_id)
+    store = open_storage(local)
 
-    def send_all() -> None:
-        try:
-            store = open_storage(local)
-            for name, src, dst in pulls:
-                if src == group.rank:
-                    peers.send_file(group, dst, store, os.path.basename(held[name]), files[name].size,
-                                    pieces.get(name, []), engine)
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            errors.append(exc)
+    def send_mine() -> None:
+        for name, src, dst in pulls:
+            if src == group.rank:
+                peers.send_file(group, dst, store, os.path.basename(held[name]), files[name].size,
+                                pieces.get(name, []), engine)
 
-    sender = threading.Thread(target=send_all, name="dcp-datastates-restart-send")
-    sender.start()
-    try:
+    def receive_mine() -> None:
         mine = [(name, src) for name, src, dst in pulls if dst == group.rank]
         if mine:
-            os.makedirs(local, exist_ok=True)
-            if tiers.durable_of(local) is None:
-                tiers.record_durable(local, path)
+            tiers.ensure_copy(local, path)
         kept: dict[int, dict[str, str]] = {}
         for name, src in mine:
             if peers.receive_file(group, src, local, name, files[name].size, pieces.get(name, []), engine, config):
                 parts = data_file_parts(name)
                 kept.setdefault(parts[0] if parts is not None else -1, {})[name] = name
-        save_id = md.storage_meta.save_id
         for writer, names in kept.items():
             record = tiers.rank_record(local, writer)
             before = record["files"] if record is not None and record.get("save_id") == save_id else {}
             tiers.record_rank_files(local, writer, path, save_id, {**{n: d for d, n in before.items()}, **names},
                                     peer_of="restart")
-    finally:
-        sender.join()
-    if errors:
-        raise errors[0]
-    dist.barrier(group=group.group)
+
+    peers.both_ways(send_mine, receive_mine)
