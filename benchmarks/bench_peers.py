@@ -13,7 +13,13 @@ finds the checkpoint (without peer copies ``latest_checkpoint``; with them the c
 and those of its peer on the other node. Reported: the restart of the slowest rank (when the job
 can go on), each node's own read time, and the data read from the durable tier by all ranks.
 
+``--layout replicated``: HSDP-like instead, every rank's tensors DTensors replicated across the 2
+nodes and sharded within each (rank r of node A holds the same shards as rank r of node B):
+the peer copies then move no replicated byte (each keeper keeps the file it staged from its own
+replica, save/ownership.py), and each rank restarts by loading its own DTensors.
+
     python benchmarks/bench_peers.py --world 4 --mib 128 --runs 5 --durable-mbps 200
+    python benchmarks/bench_peers.py --world 4 --mib 128 --runs 5 --durable-mbps 200 --layout replicated
 """
 
 from __future__ import annotations
@@ -48,6 +54,34 @@ def _node(rank: int, world: int) -> str:
 def _state_of(rank: int, mib: int, n: int = 16) -> dict:
     g = torch.Generator().manual_seed(rank)
     return {f"rank{rank}.t{i}": torch.randn(mib * MiB // 4 // n, generator=g) for i in range(n)}
+
+
+def _replicated_state(rank: int, world: int, mib: int, n: int = 16) -> dict:
+    """``mib`` MiB of DTensor shards per rank on a (replicate=2, shard=world/2) mesh: the two
+    ranks holding shard j (one per node) hold the same bytes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    shards = world // 2
+    mesh = init_device_mesh("cpu", (2, shards), mesh_dim_names=("replicate", "shard"))
+    g = torch.Generator().manual_seed(rank % shards)
+    cols = 1024
+    rows = max(1, mib * MiB // 4 // n // cols)
+    return {f"t{i}": DTensor.from_local(torch.randn(rows, cols, generator=g), mesh, [Replicate(), Shard(0)],
+                                        run_check=False, shape=(rows * shards, cols), stride=(cols, 1))
+            for i in range(n)}
+
+
+def _empty_like(state: dict) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    return {k: DTensor.from_local(torch.empty_like(v.to_local()), v.device_mesh, v.placements, shape=v.shape,
+                                  stride=v.stride()) if isinstance(v, DTensor) else torch.empty_like(v)
+            for k, v in state.items()}
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _timed_reader():
@@ -89,10 +123,13 @@ def _rank_main(rank: int, world: int, port: int, args, out_q) -> None:
 
     bench_tiers._Device.bandwidth = args.durable_mbps * 1e6
     group = dist.new_group(backend="gloo")  # the checkpoint's own group (training may use the default)
-    state = _state_of(rank, args.mib)
-    # After the loss of node B, a node-A rank loads its own tensors and those of its peer on B
-    # (a resharded load reads other ranks' files).
-    wanted = {**state, **_state_of((rank + world // 2) % world, args.mib)}
+    if args.layout == "replicated":
+        state = wanted = _replicated_state(rank, world, args.mib)
+    else:
+        state = _state_of(rank, args.mib)
+        # After the loss of node B, a node-A rank loads its own tensors and those of its peer on
+        # B (a resharded load reads other ranks' files).
+        wanted = {**state, **_state_of((rank + world // 2) % world, args.mib)}
     nv = os.path.join(args.local_dir, _node(rank, world))
     results = {}
     for mode in (0, 1):
@@ -112,8 +149,7 @@ def _rank_main(rank: int, world: int, port: int, args, out_q) -> None:
             if mode:
                 done = w.peer_copy.result(timeout=600)
                 peer_s = done["ended"] - m0
-                local = w.path
-                sent = sum(os.path.getsize(os.path.join(local, f)) for f in done["sent"])
+                sent = done["bytes_sent"]
             if k:
                 rows.append({"call_ms": call * 1e3, "staged_ms": staged * 1e3, "durable_s": durable_s,
                              "peer_s": peer_s, "sent_mib": sent / MiB})
@@ -124,7 +160,7 @@ def _rank_main(rank: int, world: int, port: int, args, out_q) -> None:
         dist.barrier(group)
         # The restart: find the checkpoint (every rank: latest_checkpoint; with peer copies the
         # collective prepare_restart, which also pulls node B's files from node A), then load.
-        out = {k: torch.empty_like(v) for k, v in wanted.items()}
+        out = _empty_like(wanted)
         root = f"slowfile://{args.durable_dir}/mode{mode}"
         t0 = time.perf_counter()
         if mode:
@@ -138,7 +174,7 @@ def _rank_main(rank: int, world: int, port: int, args, out_q) -> None:
         restart_s = time.perf_counter() - t0
         durable_mib = sum(os.path.getsize(os.path.join(args.durable_dir, f"mode{mode}", f"step-{args.runs}", name))
                           for name in reader.durable_files) / MiB
-        assert all(torch.equal(out[k], wanted[k]) for k in wanted)
+        assert all(torch.equal(_local(out[k]), _local(wanted[k])) for k in wanted)
         results[mode] = {"rows": rows, "found_s": found_s, "restart_s": restart_s, "read_s": reader.read_s,
                          "durable_mib": durable_mib}
         dist.barrier(group)
@@ -161,6 +197,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--local-dir", default=None, help="default: a temp folder in /dev/shm")
     ap.add_argument("--durable-dir", default=None)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--layout", choices=("unique", "replicated"), default="unique",
+                    help="unique: every rank's tensors its own (FSDP); replicated: HSDP-like DTensors")
     args = ap.parse_args(argv)
     args.local_dir = args.local_dir or tempfile.mkdtemp(prefix="peers-local-", dir="/dev/shm")
     args.durable_dir = args.durable_dir or tempfile.mkdtemp(prefix="peers-durable-")
@@ -176,7 +214,7 @@ def main(argv=None) -> dict:
     for p in procs:
         p.join()
     report = {"args": vars(args), "modes": {}}
-    print(f"{args.world} ranks as 2 nodes, {args.mib} MiB per rank, {args.runs} saves per mode, durable "
+    print(f"{args.world} ranks as 2 nodes, {args.layout} layout, {args.mib} MiB per rank, {args.runs} saves per mode, durable "
           f"{args.durable_mbps:g} MB/s per process; save columns: medians over ranks and saves")
     print(f"{'peer_copies':>11} {'call ms':>8} {'staged ms':>9} {'durable s':>9} {'peer s':>7} {'sent MiB':>8} "
           f"{'restart s':>9} {'A reads s':>9} {'B reads s':>9} {'from durable MiB':>16}")

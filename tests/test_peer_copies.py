@@ -108,11 +108,11 @@ def _damaged_in_transit(rank, world, root):
     if rank == 0:
         real_send = peers._send_tensor
 
-        def flipping(p, dst, t, what):
+        def flipping(p, dst, t, what, **kwargs):
             if what.startswith("a block of") and t.numel() > 100:
                 t = t.clone()
                 t[t.numel() // 2] ^= 1
-            return real_send(p, dst, t, what)
+            return real_send(p, dst, t, what, **kwargs)
 
         peers._send_tensor = flipping
     logging.getLogger("dcp_datastates").setLevel(logging.WARNING)
@@ -154,11 +154,11 @@ def _a_peer_that_never_answers(rank, world, root, how):
     if rank == 3 and how == "mid-copy":
         real_send = peers._send_tensor
 
-        def dying(p, dst, t, what):
+        def dying(p, dst, t, what, **kwargs):
             if what.startswith("a block of"):
                 time.sleep(8)
                 raise peers._OutOfStep(f"sending {what} to rank {dst}: connection lost")
-            return real_send(p, dst, t, what)
+            return real_send(p, dst, t, what, **kwargs)
 
         peers._send_tensor = dying
     states = [rank_state(rank, s) for s in (3, 4)]
@@ -536,3 +536,126 @@ def _a_failed_save_keeps_the_exchanges_in_step(rank, world, root):
 
 def test_a_failed_save_keeps_every_rank_s_exchanges_in_step(tmp_path):
     run_ranks(WORLD, _a_failed_save_keeps_the_exchanges_in_step, str(tmp_path))
+
+
+# ------------------------------------------------- a replicated (HSDP-like) layout: mirrors, not bytes
+def _hsdp_state(rank, seed, diverge=False):
+    """DTensors replicated across the 2 nodes and sharded within each (HSDP: mesh ("replicate",
+    "shard"), ranks 0-1 on node0 and 2-3 on node1 hold the same shards pairwise), an optimizer
+    step counter (a plain tensor every rank holds) and a non-tensor value. ``diverge``: rank 2's
+    replicas differ from rank 0's (what a keeper's check must catch)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    for k in range(6):
+        full = torch.randn(128, 96, generator=g)
+        local = full.chunk(2)[rank % 2].clone()
+        if diverge and rank == 2:
+            local[0, 0] += 1.0
+        state[f"layers.{k}.weight"] = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False,
+                                                        shape=full.shape, stride=full.stride())
+    state["step"] = torch.tensor(float(seed))
+    state["lr"] = 0.001 * seed
+    return state
+
+
+def _local_bytes(state) -> dict:
+    return {k: (v.to_local().clone() if hasattr(v, "to_local") else v.clone() if torch.is_tensor(v) else v)
+            for k, v in state.items()}
+
+
+def _hsdp_zeros(state) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for k, v in state.items():
+        if isinstance(v, DTensor):
+            out[k] = DTensor.from_local(torch.zeros_like(v.to_local()), v.device_mesh, v.placements, shape=v.shape,
+                                        stride=v.stride())
+        else:
+            out[k] = torch.zeros_like(v) if torch.is_tensor(v) else None
+    return out
+
+
+def _hsdp_saved(rank, world, root):
+    nv = as_node(rank, root)
+    replicated = sum(v.to_local().numel() * 4 for k, v in _hsdp_state(rank, 1).items() if k.startswith("layers"))
+    # 1. Every replica holds the same shards: each rank's replicated shards travel as no bytes:
+    # its peer (the rank of the other node holding the same shards) staged the same file from its
+    # own memory at the same save and keeps that, once it matches the sender's checksums.
+    w = save(_hsdp_state(rank, 1), f"{_durable_root(root)}/step-1", nv, keep_local=3)  # (kept for the restart)
+    done = w.peer_copy.result(timeout=60)
+    assert done["mirrored"] and done["kept"], done
+    assert done["bytes_sent"] < replicated // 8, (done, replicated)
+    dist.barrier()
+    durable = os.path.join(root, "ck", "step-1")
+    md, files = commit.read_commit(durable)
+    sent_items = {index.fqn for index, loc in md.storage_data.items() if loc.file in done["sent"]}
+    assert not [fqn for fqn in sent_items if fqn.startswith("layers.")], sent_items  # what travels: step, lr
+    held = recorded(nv, f"{_durable_root(root)}/step-1")
+    assert set(held) == set(files), (sorted(held), sorted(files))  # this node holds every file
+    local = tiers.local_copy(nv, f"{_durable_root(root)}/step-1")
+    for name, record in held.items():  # a mirror is byte for byte the file its writer wrote
+        with open(os.path.join(local, record["files"][name]), "rb") as a, open(os.path.join(durable, name), "rb") as b:
+            assert a.read() == b.read(), name
+    # A mirror is kept under its writer's name, or removed: what no record names is at most a
+    # rank's small value file that DCP's planner gave another rank (written, referenced by nothing).
+    recorded_names = {os.path.basename(p) for r in held.values() for p in r["files"].values()}
+    leftovers = {n: os.path.getsize(os.path.join(local, n)) for n in os.listdir(local)
+                 if n.endswith(".safetensors") and n not in recorded_names}
+    assert all(size < 16384 for size in leftovers.values()), leftovers
+    # 2. Replicas that differ: the keeper's check fails and the bytes are sent, as for any file.
+    other = os.path.join(root, "other", "step-1")
+    w = save(_hsdp_state(rank, 1, diverge=True), other, nv, keep_local=3)
+    done = w.peer_copy.result(timeout=60)
+    if rank in (0, 2):
+        assert not done["mirrored"] and f"__{rank}_0.safetensors" in done["sent"] and done["bytes_sent"] > 16384, done
+    dist.barrier()
+    for name, record in recorded(nv, other).items():
+        with open(os.path.join(tiers.local_copy(nv, other), record["files"][name]), "rb") as a, \
+                open(os.path.join(other, name), "rb") as b:
+            assert a.read() == b.read(), name
+
+
+    # 3. The folder given only at the call (as TorchTitan's manager does): the files are held
+    # until DCP names it, mirrors included.
+    late = os.path.join(root, "late", "step-1")
+    w = DataStatesWriter(local_tier=nv, peer_copies=1, keep_local=3)
+    dcp.async_save(_hsdp_state(rank, 1), storage_writer=w, checkpoint_id=late).upload_completion.result(timeout=120)
+    done = w.peer_copy.result(timeout=60)
+    assert done["mirrored"] and done["bytes_sent"] < replicated // 8, done
+    dist.barrier()
+    assert set(recorded(nv, late)) == set(commit.read_commit(late)[1])
+
+
+def _hsdp_restarted(rank, world, root):
+    nv = as_node(rank, root)
+    expected = _hsdp_state(rank, 1)
+    out = _hsdp_zeros(expected)
+    CountingFileSystem.bytes_read = 0
+    path = dcp_datastates.prepare_restart(_durable_root(root), local_tier=nv, state_dict=out)
+    assert path == f"{_durable_root(root)}/step-1", path
+    reader = DataStatesReader(path, local_tier=nv)
+    dcp.load(out, storage_reader=reader)
+    assert CountingFileSystem.bytes_read == 0, CountingFileSystem.bytes_read
+    assert reader.tier_reads["durable"] == 0, reader.tier_reads
+    want, got = _local_bytes(expected), _local_bytes(out)
+    for k in want:
+        if torch.is_tensor(want[k]):
+            assert torch.equal(want[k], got[k]), k
+        else:
+            assert got[k] == want[k], k
+
+
+def test_a_replicated_layout_moves_none_of_its_replicas_and_a_lost_node_restarts_from_them(tmp_path):
+    """HSDP-like (DTensors replicated across 2 nodes, sharded within each): a save's peer copies
+    move none of the replicated bytes (each keeper keeps the file it staged from its own replica,
+    checked against the writer's checksums), replicas that differ are sent instead; after node
+    1's tier is wiped, fresh processes agree on the checkpoint and load it bitwise reading no
+    byte from the durable store."""
+    run_ranks(WORLD, _hsdp_saved, str(tmp_path))
+    shutil.rmtree(tmp_path / "node1")
+    run_ranks(WORLD, _hsdp_restarted, str(tmp_path), timeout=300.0)

@@ -49,6 +49,10 @@ class _Destination:
 class HeldFile:
     """One held data file: ``items`` are copied into the host cache by an engine streaming job."""
 
+    mirrors = False  # peer_copies: the keeper stages this same file (save/ownership.py)
+    mirror_of: int | None = None  # peer_copies: the same file as that rank's mirrored one
+    written = None  # once durable: its items' final locations
+
     def __init__(self, engine, items: list[SourceItem], device: int, stream: int, label: str,
                  selection: frozenset | None = None, selection_known: bool = False,
                  timeout: float = 600.0, incremental: Incremental | None = None) -> None:

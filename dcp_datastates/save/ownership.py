@@ -12,6 +12,12 @@
   *held* file whose flush waits for the plan (see ``held_file.py``).
 - Non-tensor values (bytes) are tiny and often rank-specific: every rank stages its own and DCP's
   planner picks which copy the metadata references.
+- Mirrors (``peer_copies``, ``Mirroring``): a rank's files are copied to a rank of another node
+  (its *keeper*). When that keeper is itself a replica of the DTensor shards the rank writes, it
+  holds the same bytes: the writer puts those shards in a file of their own (``mirrored``) and the
+  keeper stages the very same file from its own memory (``kept``), at the same ``stage()`` and
+  under the same lazy guarantee, so the exchange moves no bytes for it once the keeper's checksums
+  match the writer's (tiers/peers.py). Both sides derive the file from the mesh alone.
 
 A stale choice (another rank's structure changed) is safe: a plain tensor given to a rank that did
 not stage it is written from the live tensor in ``write_data`` if its version counter shows no
@@ -28,24 +34,55 @@ from typing import NamedTuple
 
 from .items import DTENSOR, PLAIN, SHARD, VALUE, ItemKey, SourceItem
 
-__all__ = ["Ownership", "DecisionKey", "Decisions", "decisions", "split_by_owner", "plain_signature"]
+__all__ = ["Mirroring", "Ownership", "DecisionKey", "Decisions", "decisions", "split_by_owner", "plain_signature"]
 
 
-def _dtensor_owned(obj, key: ItemKey) -> bool:
+@dataclass(frozen=True)
+class Mirroring:
+    """peer_copies: the rank that keeps this rank's copies (``target``) and the ranks whose copies
+    this rank keeps (``sources``), global ranks (tiers/peers.py's map)."""
+
+    target: int | None
+    sources: frozenset
+
+
+class _Replicas(NamedTuple):
+    writer: int  # the index, among the item's replicas, of the one that writes it
+    mine: int  # this rank's index among them
+    ranks: tuple | None  # the global rank of each replica, when asked for
+
+
+def _dtensor_replicas(obj, key: ItemKey, meshes: dict | None) -> _Replicas | None:
+    """Which replica writes a replicated DTensor shard (one per shard, picked by a hash of the
+    item's name), and this rank's place among them; None when it is not replicated. With
+    ``meshes`` (a memo per mesh and replicated dims), also every replica's global rank. Raises
+    LookupError when this rank is not in the mesh (it holds nothing to write)."""
     placements = obj.placements
-    rep_dims = [d for d, p in enumerate(placements) if p.is_replicate()]
+    rep_dims = tuple(d for d, p in enumerate(placements) if p.is_replicate())
     if not rep_dims:
-        return True
+        return None
     mesh = obj.device_mesh
     coord = mesh.get_coordinate()
-    if coord is None:  # this rank is not in the mesh: it holds nothing to write
-        return False
+    if coord is None:
+        raise LookupError("not in the mesh")
     replicas, index = 1, 0
     for d in rep_dims:
         index = index * mesh.size(d) + coord[d]
         replicas *= mesh.size(d)
     name = f"{key[0]}@{key[1]}".encode()
-    return zlib.crc32(name) % replicas == index
+    ranks = None
+    if meshes is not None:
+        memo = (id(mesh), rep_dims)
+        ranks = meshes.get(memo)
+        if ranks is None:
+            found = []
+            for i in range(replicas):  # mixed radix over the replicated dims, the last one fastest
+                at, rest = list(coord), i
+                for d in reversed(rep_dims):
+                    at[d], rest = rest % mesh.size(d), rest // mesh.size(d)
+                found.append(int(mesh.mesh[tuple(at)]))
+            ranks = meshes[memo] = tuple(found)
+    return _Replicas(zlib.crc32(name) % replicas, index, ranks)
 
 
 def plain_signature(items: list[SourceItem]) -> tuple:
@@ -61,24 +98,39 @@ class Ownership:
     held: list[SourceItem] = field(default_factory=list)  # staged; flushed once the plan says whose
     skipped: set = field(default_factory=set)  # DTensor replicas another rank writes (out of the plan)
     elsewhere: set = field(default_factory=set)  # plain tensors the cached decision gives to others
+    mirrored: list[SourceItem] = field(default_factory=list)  # owned, and the keeper holds them too
+    kept: dict[int, list[SourceItem]] = field(default_factory=dict)  # writer rank -> its mirrored items held here
 
 
 def split_by_owner(items: list[SourceItem], flat: dict, rank: int, world: int, decision: frozenset | None,
-                   dedup: bool) -> Ownership:
+                   dedup: bool, mirroring: Mirroring | None = None) -> Ownership:
     """Split a rank's items. ``decision``: the plain-tensor keys this rank was given last time for
-    this structure, or None when unknown (those tensors are then held)."""
+    this structure, or None when unknown (those tensors are then held). ``mirroring``: the
+    peer-copy pairs (None: no mirrors)."""
     out = Ownership()
     if world <= 1 or not dedup:
         out.owned = list(items)
         return out
+    meshes: dict | None = {} if mirroring is not None else None
     for it in items:
         if it.kind == VALUE:
             out.owned.append(it)
         elif it.kind == DTENSOR:
-            if _dtensor_owned(flat[it.key[0]], it.key):
+            try:
+                replicas = _dtensor_replicas(flat[it.key[0]], it.key, meshes)
+            except LookupError:
+                out.skipped.add(it.key)
+                continue
+            if replicas is None:
                 out.owned.append(it)
+            elif replicas.writer == replicas.mine:
+                keeper_holds = replicas.ranks is not None and mirroring.target in replicas.ranks
+                (out.mirrored if keeper_holds else out.owned).append(it)
             else:
                 out.skipped.add(it.key)
+                writer = replicas.ranks[replicas.writer] if replicas.ranks is not None else None
+                if writer is not None and writer in mirroring.sources:
+                    out.kept.setdefault(writer, []).append(it)
         elif it.kind == SHARD:
             # Shards (ShardedTensor, CheckpointableTensor): each rank writes its own; DCP's
             # planner dedups any shard two ranks hold.

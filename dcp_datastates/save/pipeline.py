@@ -27,7 +27,7 @@ import torch
 from ..compat import HAS_CHECKPOINTABLE_TENSOR, is_checkpointable_tensor, versions_of
 from ..format.layout import FileEntry, FileLayout, ItemLocation, data_file_name, moved, plan_file
 from .items import DTENSOR, PLAIN, VALUE, ItemKey, SourceItem, VersionGuard, bytes_source, items_of_flat, serialize_object
-from .ownership import DecisionKey, Ownership, decisions, plain_signature, split_by_owner
+from .ownership import DecisionKey, Mirroring, Ownership, decisions, plain_signature, split_by_owner
 
 __all__ = [
     "HeldGroup", "RankPlan", "plan_stage", "on_one_device",
@@ -45,6 +45,8 @@ class HeldGroup:
 
     items: list[SourceItem]
     known: bool
+    mirrors: bool = False  # peer_copies: the keeper stages the same file (ownership.py, Mirrors)
+    mirror_of: int | None = None  # peer_copies: the same file as that rank's mirrored one
 
 
 @dataclass(eq=False)
@@ -71,7 +73,7 @@ class RankPlan:
 
 def plan_stage(flat: dict, *, rank: int, world: int, dedup: bool, cuda: bool, folder_known: bool,
                hold_limit: Callable[[], int], copied_at_request: int = 0,
-               incremental: frozenset | None = None) -> RankPlan:
+               incremental: frozenset | None = None, mirroring: Mirroring | None = None) -> RankPlan:
     """This rank's plan for ``flat``. ``dedup``: replicated values are written by one rank;
     ``cuda``: the engine copies CUDA memory itself; ``folder_known``: files can be written now;
     ``hold_limit()``: the most bytes this rank may hold for DCP's plan (else it writes them);
@@ -79,11 +81,12 @@ def plan_stage(flat: dict, *, rank: int, world: int, dedup: bool, cuda: bool, fo
     the version guard leaves them out (their later changes cannot reach the checkpoint);
     ``incremental`` (None: off): this rank's tensors but these keys are held (up to
     ``hold_limit()`` bytes) until their hashes say which to write (incremental.py), and no
-    cached plan is used."""
+    cached plan is used. ``mirroring``: the peer-copy pairs, for the mirrored files (ownership.py;
+    not with ``incremental``)."""
     scan = scan_state(flat)
     dkey = DecisionKey(rank, world, scan.plain_signature() if scan is not None else None) if dedup else None
     decision = decisions().get(dkey) if dkey is not None and dkey.plain is not None else None
-    context = PlanContext(rank, world, dedup, cuda)
+    context = PlanContext(rank, world, dedup, cuda, mirroring if dedup and incremental is None else None)
     cached = find_plan(context, scan, decision) if folder_known and incremental is None else None
     if cached is not None:
         plan = _from_cache(cached, scan, copied_at_request)
@@ -123,7 +126,8 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
     if dedup and scan is None:  # states the scan does not cover: key decisions on the items
         decision_key = DecisionKey(rank, world, plain_signature(items))
         decision = decisions().get(decision_key)
-    own = split_by_owner(items, flat, rank, world, decision, dedup)
+    own = split_by_owner(items, flat, rank, world, decision, dedup, context.mirroring)
+    mirrored, kept = _mirror_groups(own)
     if own.held and sum(it.entry.nbytes for it in own.held) > hold_limit():
         own.owned.extend(own.held)  # too big to hold: every holder writes its copy this time
         own.held = []
@@ -131,15 +135,20 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
     files: list[PlannedFile] = []
     held: list[HeldGroup] = []
     if not folder_known:  # nothing can be flushed before the folder is named
+        held += [HeldGroup(mirrored, True, mirrors=True)] if mirrored else []
         held += [HeldGroup(group, True) for group in _by_device(own.owned)]
+        held += [HeldGroup(group, True, mirror_of=writer) for writer, group in kept]
     else:
         if incremental is not None:  # held until their hashes are known; the rest written now
             room = hold_limit() - sum(it.entry.nbytes for it in own.held)
             candidates, own.owned = _candidates(own.owned, room, incremental)
             held += [HeldGroup(group, True) for group in _by_device(candidates)]
-        for k, group in enumerate(_by_device(own.owned)):
+        roles = [(mirrored, True, None)] if mirrored else []
+        roles += [(group, False, None) for group in _by_device(own.owned)]
+        roles += [(group, False, writer) for writer, group in kept]
+        for k, (group, mirrors, mirror_of) in enumerate(roles):
             device, group = on_one_device(context.cuda, group)
-            files.append(planned_file(k, device, group))
+            files.append(planned_file(k, device, group, mirrors=mirrors, mirror_of=mirror_of))
     held += [HeldGroup(group, False) for group in _by_device(own.held)]
     record = None
     if scan is not None and files and not held:
@@ -150,6 +159,20 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
         frozenset(it.key for it in items if it.kind == PLAIN), record,
         payloads={it.key[0]: it.keepalive for it in items if it.entry.kind == "bytes"},
     )
+
+
+def _mirror_groups(own: Ownership) -> tuple[list[SourceItem], list[tuple[int, list[SourceItem]]]]:
+    """(this rank's mirrored items, [(writer, the items of its mirrored file held here)]): each one
+    file on one device, as the other side lays it out; a group on several devices is not
+    mirrored (its items are written, or left to their writer, as without peer copies)."""
+    mirrored = own.mirrored
+    if len(_by_device(mirrored)) > 1:
+        own.owned = mirrored + own.owned
+        mirrored = []
+    own.mirrored = mirrored
+    kept = [(writer, group) for writer, group in sorted(own.kept.items()) if len(_by_device(group)) == 1]
+    own.kept = dict(kept)
+    return mirrored, kept
 
 
 def _candidates(items: list[SourceItem], room: int, direct: frozenset) -> tuple[list[SourceItem], list[SourceItem]]:
@@ -168,10 +191,12 @@ def _candidates(items: list[SourceItem], room: int, direct: frozenset) -> tuple[
 def _guards(flat: dict, own: Ownership, copied_at_request: int) -> tuple[VersionGuard, VersionGuard]:
     """The version counters of what this rank copies lazily, and of what it may have to write
     later from live memory (plain tensors given elsewhere, skipped replicas)."""
-    lazy = [it for it in (*own.owned, *own.held)
+    kept = [it for group in own.kept.values() for it in group]
+    lazy = [it for it in (*own.owned, *own.held, *own.mirrored, *kept)
             if it.entry.kind == "tensor" and not it.copied and it.entry.nbytes > copied_at_request]
+    staged = {it.key for it in kept}
     later = []
-    for key in (*own.elsewhere, *own.skipped):
+    for key in (*own.elsewhere, *(k for k in own.skipped if k not in staged)):
         obj = flat.get(key[0])
         if isinstance(obj, torch.Tensor):
             later.append((key[0], obj.to_local() if hasattr(obj, "to_local") else obj))
@@ -219,6 +244,7 @@ class PlanContext:
     world: int
     dedup: bool  # replicated values are written by one rank
     cuda: bool  # the engine copies from CUDA memory itself
+    mirroring: Mirroring | None = None  # peer_copies: who keeps whose copies (mirrored files)
 
 
 @dataclass(eq=False)
@@ -234,6 +260,8 @@ class PlannedFile:
     entries: tuple[FileEntry, ...] = ()  # the miss path's items (the hit path reuses ``cached``)
     sources: tuple[SourceItem, ...] = ()  # the miss path's items, for the plan cache's checks
     cached: Mapping[ItemKey, ItemLocation] | None = None  # locations of a cached plan (read-only)
+    mirrors: bool = False  # peer_copies: the keeper stages this same file (ownership.py)
+    mirror_of: int | None = None  # peer_copies: the same file as that rank's mirrored one
     _built: tuple | None = field(default=None, repr=False)  # (file, piece, locations) last built
 
     def locations(self, file: str, piece: int) -> Mapping[ItemKey, ItemLocation]:
@@ -253,13 +281,15 @@ class PlannedFile:
         return built
 
 
-def planned_file(index: int, device: int, items: list[SourceItem]) -> PlannedFile:
+def planned_file(index: int, device: int, items: list[SourceItem], *, mirrors: bool = False,
+                 mirror_of: int | None = None) -> PlannedFile:
     """Lay out ``items`` back to back in one file (the plan-cache miss path)."""
     layout = plan_file([it.entry for it in items])
     return PlannedFile(
         index, device, layout, tuple(it.key for it in items),
         [(it.ptr, it.entry.nbytes, off) for it, off in zip(items, layout.offsets)],
         [it.keepalive for it in items], tuple(it.entry for it in items), tuple(items),
+        mirrors=mirrors, mirror_of=mirror_of,
     )
 
 
@@ -389,13 +419,16 @@ class FilePlan:
     template: tuple[tuple[int, int, int], ...]  # per item: (flat position, nbytes, file offset)
     keys: tuple[ItemKey, ...]
     locations: Mapping[ItemKey, ItemLocation]  # read-only
+    mirrors: bool = False
+    mirror_of: int | None = None
 
     def planned(self, scan: Scan) -> PlannedFile:
         """This file with the memory ``scan`` found (this checkpoint's pointers)."""
         ptrs, keeps = scan.ptrs, scan.keeps
         return PlannedFile(self.index, self.device, self.layout, self.keys,
                            [(ptrs[i], n, off) for i, n, off in self.template],
-                           [keeps[i] for i, _, _ in self.template], cached=self.locations)
+                           [keeps[i] for i, _, _ in self.template], cached=self.locations,
+                           mirrors=self.mirrors, mirror_of=self.mirror_of)
 
 
 @dataclass(frozen=True)
@@ -456,8 +489,10 @@ def build_plan(context: PlanContext, scan: Scan, flat: dict, files: list[Planned
             seen.add(i)
             template.append((i, it.entry.nbytes, off))
         locations = types.MappingProxyType(dict(pf.locations(data_file_name(context.rank, pf.index), piece)))
-        file_plans.append(FilePlan(pf.index, pf.device, pf.layout, tuple(template), pf.keys, locations))
-    late = tuple(sorted(position[k[0]] for k in (*skipped, *elsewhere) if k[0] in position))
+        file_plans.append(FilePlan(pf.index, pf.device, pf.layout, tuple(template), pf.keys, locations, pf.mirrors,
+                                   pf.mirror_of))
+    # (a skipped replica kept here as a mirror is staged like the rest: not late)
+    late = tuple(sorted(i for k in (*skipped, *elsewhere) if (i := position.get(k[0])) is not None and i not in seen))
     plan = StagePlan(scan.signature, tuple(file_plans), frozenset(skipped), frozenset(elsewhere), decision, late)
     with _plans_lock:
         kept = [p for p in _plans.get(context, ()) if p.signature != scan.signature]

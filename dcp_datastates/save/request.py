@@ -161,7 +161,8 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
         direct = staged.incremental.written_directly(hint_key(durable, rank)) if durable else frozenset()
     plan = plan_stage(flat, rank=rank, world=world, dedup=dedup, cuda=engine.cuda_devices > 0,
                       folder_known=staged.path is not None, hold_limit=lambda: hold_limit(config),
-                      copied_at_request=config.copy_at_request_max_bytes, incremental=direct)
+                      copied_at_request=config.copy_at_request_max_bytes, incremental=direct,
+                      mirroring=tier.mirroring)
     staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
     staged.guard, staged.late_guard = plan.guard, plan.late_guard
     staged.decision_key, staged.learn, staged.plain_keys = plan.decision_key, plan.learn, plan.plain_keys
@@ -170,8 +171,10 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
         for pf in plan.files:  # (files are planned only when the folder is known)
             staged.files.append(start_file(engine, staged, *_copy_small_now(engine, pf, staged.path, config), config))
         for group in plan.held:
-            staged.held.append(hold(engine, group.items, known=group.known, config=config, label=staged.path,
-                                    incremental=staged.incremental))
+            h = hold(engine, group.items, known=group.known, config=config, label=staged.path,
+                     incremental=staged.incremental)
+            h.mirrors, h.mirror_of = group.mirrors, group.mirror_of
+            staged.held.append(h)
     finally:
         if staged.path is not None:  # also after an error: the started jobs are named or failed there
             def need() -> int:
@@ -254,7 +257,7 @@ def start_file(engine, staged: StagedSave, pf: PlannedFile, side_buffer, config)
         stream=stream)
     locations = pf.locations(untagged, job.piece_size())
     return FileJob(pf.index, None, job, pf.keys, locations, pf.keepalive, engine, pf.layout.file_size, upload, name_it,
-                   side_buffer)
+                   side_buffer, mirrors=pf.mirrors, mirror_of=pf.mirror_of)
 
 
 def submit_file(engine, staged: StagedSave, pf: PlannedFile, config, tier) -> FileJob:

@@ -36,6 +36,9 @@ class FileJob:
     upload: Future | None = None  # object stores: resolves once the object is complete in the store
     name_it: Callable[..., None] | None = None  # names the file of a job started unnamed (Storage.start_data_file)
     side_buffer: Any = None  # the request-time copies' buffer (request.copy_small_at_request), given back once staged
+    mirrors: bool = False  # peer_copies: the keeper stages this same file (save/ownership.py)
+    mirror_of: int | None = None  # peer_copies: the same file as that rank's mirrored one (not this save's data)
+    written: Mapping[ItemKey, ItemLocation] | None = None  # once durable: its items' final locations
 
     @property
     def device(self) -> int:

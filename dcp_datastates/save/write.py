@@ -99,7 +99,8 @@ def _wait_durable(staged: StagedSave) -> dict[ItemKey, ItemLocation]:
     errors = []
     for f in staged.jobs():
         try:
-            locations.update(f.result() if isinstance(f, FileJob) else f.result.result())
+            f.written = f.result() if isinstance(f, FileJob) else f.result.result()
+            locations.update(f.written)
         except CheckpointWriteError as exc:
             errors.append(str(exc))
     if errors:

@@ -80,6 +80,9 @@ class NoTier:
     # work runs later, off that thread. A plain attribute, not a hook: the request reads it
     # without entering this module.
     folder_at_request = True
+    # peer_copies: who keeps whose copies, for the mirrored files the request plans
+    # (save/ownership.py); a plain attribute too.
+    mirroring = None
 
     def __init__(self, config, *, saving: bool = False) -> None:
         self.config = config
@@ -158,6 +161,7 @@ class LocalTier(NoTier):
         super().__init__(config, saving=saving)
         if saving and config.peer_copies:
             peers.join(config)  # a writer: every rank makes one, on its training thread
+            self.mirroring = peers.mirroring()
 
     def folder(self, path: str | None) -> str | None:
         if path is None:
@@ -226,6 +230,7 @@ class LocalTier(NoTier):
         plan = staged.tier_plan
         # (Files staged into another folder are moved at the end of write_data: drained after.)
         if isinstance(plan, (RankDrain, SoloDrain)) and staged.storage is not None and staged.moved_from is None:
+            files = [f for f in files if f.mirror_of is None]  # another rank's file, kept here: not drained
             try:
                 started = drain.follow(staged.storage, files, self.durable_path, plan.tag, self.config)
             except Exception as exc:  # noqa: BLE001 - the local save never fails for the durable tier
@@ -253,7 +258,7 @@ class LocalTier(NoTier):
         _drainers.submit(drain.drain_rank, staged.path, self.durable_path, locations, renamed, plan.save_id,
                          staged.rank, self.config, staged.tier_state)
         if self.config.peer_copies:
-            self._copy_to_peer(staged.path, plan, locations, renamed, staged.rank)
+            self._copy_to_peer(staged.path, plan, locations, renamed, staged.rank, staged.jobs())
         return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed.get(r.storage_data.file,
                                                                                         r.storage_data.file)))
                 for r in results]
@@ -272,17 +277,22 @@ class LocalTier(NoTier):
 
     _exchanged: str | None = None  # the save whose exchange this tier started last
 
-    def _copy_to_peer(self, local: str, plan: RankDrain, locations: dict, renamed: dict[str, str], rank: int) -> None:
+    def _copy_to_peer(self, local: str, plan: RankDrain, locations: dict, renamed: dict[str, str], rank: int,
+                      jobs=()) -> None:
         """This rank's files, durable in the local copy, go to its peer (peers.py), and every node
         gets the checkpoint's metadata from the coordinator once it has it; ``peer_copy`` says
-        how that went. The save never waits for it."""
+        how that went. The save never waits for it. ``jobs``: the save's files, for the mirrored
+        ones (sent only if the keeper's own copy differs) and those kept here for other ranks."""
         pieces = drain.pieces_by_file(locations)
-        files = {name: (renamed[name], os.stat(os.path.join(local, name)).st_size, pieces.get(name, []))
-                 for name in renamed}
+        mirrored = {f.name for f in jobs if f.mirrors}
+        files = {name: (renamed[name], os.stat(os.path.join(local, name)).st_size, pieces.get(name, []),
+                        name in mirrored) for name in renamed}
+        kept = {f.mirror_of: (f.name, os.stat(os.path.join(local, f.name)).st_size,
+                              peers.pieces_of(f.written or {}, f.name)) for f in jobs if f.mirror_of is not None}
         self._exchanged = plan.save_id
         self._metadata_for_peers = Future() if rank == plan.coordinator else None
         done = peers.exchange(local, self.durable_path, plan.save_id, files, self.config,
-                              coordinator=plan.coordinator, metadata=self._metadata_for_peers)
+                              coordinator=plan.coordinator, metadata=self._metadata_for_peers, kept=kept)
         target = self.peer_copy
 
         def settle(f: Future) -> None:  # into the save's own Future, which callers may hold already

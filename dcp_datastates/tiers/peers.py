@@ -23,6 +23,14 @@ sender could not read its own file, which it verifies piece by piece while readi
 does), then the CRC32C of the whole file as sent. Memory in flight: the sender's read-ahead
 blocks and one block on the receiver (16 MiB each).
 
+Mirrored files (DTensor replicas, save/ownership.py): when the receiver is itself a replica of
+the shards in a sender's file, it staged the same file from its own memory at the same save
+(``kept``). The manifest marks such a file ``mirror``; the receiver compares its own copy with the
+sender's recorded checksum pieces, size and the CRC32C of the bytes between the pieces (the
+header), and when all match keeps its own copy as the sender's file: no byte of it travels. Else
+(replicas that differ, another layout) it asks for the bytes as for any file. Right after the
+manifest, the receiver answers with the names it wants (``_REPLY``).
+
 The receiver writes each file under a temporary name in its own local copy of the checkpoint,
 checks every checksum piece in the block that holds it and the whole file's CRC32C, fsyncs, and
 only then renames it into place; it then records the files it accepted as that rank's
@@ -52,7 +60,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..format.layout import piece_ranges
 from ..runtime import get_engine
+from ..save.ownership import Mirroring
 from ..storage import open_storage
 from . import local_tier as tiers
 from .drain import copy_verified
@@ -60,10 +70,11 @@ from .drain import copy_verified
 log = logging.getLogger("dcp_datastates")
 
 __all__ = ["NODE_ENV", "node_name", "PeerMap", "join", "exchange", "current", "wait_peer_copies", "both_ways",
-           "send_file", "receive_file"]
+           "send_file", "receive_file", "mirroring", "pieces_of"]
 
 NODE_ENV = "DCPDS_NODE"
 _TAG = 0x5EE  # every message of an exchange: per (sender, receiver) pair they arrive in order
+_REPLY = 0x5EF  # the receiver's answer to a manifest (the names it wants), receiver -> sender
 _ABORT = -1  # a block length: the sender could not read the rest of this file
 _MAX_MANIFEST = 64 << 20
 
@@ -147,6 +158,21 @@ def join(config) -> None:
                     "copies (set %s to tell nodes apart); local copies are not replicated", node_name(), NODE_ENV)
 
 
+def mirroring() -> Mirroring | None:
+    """Who keeps this rank's copies and whose it keeps (for the mirrored files the request
+    plans), or None without a peer group or another node."""
+    if _peers is None or _peers.map.target(_peers.rank) is None:
+        return None
+    return Mirroring(_peers.map.target(_peers.rank), frozenset(_peers.map.sources(_peers.rank)))
+
+
+def pieces_of(locations, name: str) -> list[tuple[int, int, int, str]]:
+    """Sorted (offset, length, crc32c, item) of every checksum piece of ``locations`` ({item key:
+    ItemLocation}, one file's), as a manifest lists them."""
+    return sorted((off, length, crc, key[0]) for key, loc in locations.items()
+                  for crc, (off, length) in zip(loc.crc32c, piece_ranges(loc)))
+
+
 def current() -> _Peers:
     """This process's peer group (after ``join``); RuntimeError when there is none."""
     if _peers is None:
@@ -166,23 +192,26 @@ def wait_peer_copies(timeout: float | None = None) -> bool:
 
 
 def exchange(local: str, durable: str, save_id: str, files: dict, config, *, coordinator: int = 0,
-             metadata: Future | None = None) -> Future:
+             metadata: Future | None = None, kept: dict | None = None) -> Future:
     """After this rank's files of checkpoint ``save_id`` are durable in its local copy ``local``:
     send them to its peer and keep the copies its peers send, on the peer thread. ``files``:
-    {local name: (durable name, size, pieces)} with pieces (offset, length, crc32c, item). The
-    Future resolves with {"sent": [...], "kept": [...] (file names), "metadata": arrived or not,
-    "ended": time.monotonic() at the end}, or fails with the reason the copies could not be made
+    {local name: (durable name, size, pieces, mirrored)} with pieces (offset, length, crc32c,
+    item); ``kept``: {sender rank: (local name, size, pieces)} of the files this rank staged as
+    the mirrors of its senders' mirrored files. The Future resolves with {"sent": [...] (whose
+    bytes went), "mirrored": [...] (those the peer kept from its own replicas), "kept": [...]
+    (the copies kept here), "bytes_sent", "metadata": arrived or not, "ended":
+    time.monotonic() at the end}, or fails with the reason the copies could not be made
     (the save itself is not affected). Then rank ``coordinator``
     hands every rank the checkpoint's encoded metadata (its ``metadata`` Future: set when the
     coordinator has it, None when the save failed), which each node keeps in its local copy
     (``PEER_METADATA``): a restart then needs nothing from the durable store."""
     done: Future = Future()
-    _exchanges.submit(_run, local, durable, save_id, files, config, coordinator, metadata, done)
+    _exchanges.submit(_run, local, durable, save_id, files, config, coordinator, metadata, kept or {}, done)
     return done
 
 
 def _run(local: str, durable: str, save_id: str, files: dict, config, coordinator: int, metadata: Future | None,
-         done: Future) -> None:
+         kept: dict, done: Future) -> None:
     peers = _peers
     try:
         if peers is None:
@@ -190,7 +219,7 @@ def _run(local: str, durable: str, save_id: str, files: dict, config, coordinato
                                "was made)")
         if peers.broken is not None:
             raise RuntimeError(f"peer_copies: stopped earlier in this process: {peers.broken}")
-        result = _exchange(peers, local, durable, save_id, files, config)
+        result = _exchange(peers, local, durable, save_id, files, config, kept)
         try:
             result["metadata"] = _share_metadata(peers, local, coordinator, metadata, config)
         except _OutOfStep as exc:  # the files stand; later exchanges do not
@@ -218,12 +247,15 @@ class _OutOfStep(RuntimeError):
     sent something other than this exchange)."""
 
 
-def _exchange(peers: _Peers, local: str, durable: str, save_id: str, files: dict, config) -> dict:
+def _exchange(peers: _Peers, local: str, durable: str, save_id: str, files: dict, config, kept: dict) -> dict:
     target = peers.map.target(peers.rank)
-    sent, kept = both_ways(
-        lambda: _send(peers, target, local, durable, save_id, files, config) if target is not None else [],
-        lambda: [name for source in peers.map.sources(peers.rank) for name in _receive(peers, source, save_id, config)])
-    return {"sent": sent, "kept": kept}
+    (sent, mirrored), received = both_ways(
+        lambda: _send(peers, target, local, durable, save_id, files, config) if target is not None else ([], []),
+        lambda: [name for source in peers.map.sources(peers.rank)
+                 for name in _receive(peers, source, save_id, config, kept.get(source))])
+    for name, _, _ in kept.values():  # a mirror the sender did not use (one it used was renamed)
+        open_storage(local).remove_quietly(name)
+    return {"sent": sent, "mirrored": mirrored, "kept": received, "bytes_sent": sum(files[n][1] for n in sent)}
 
 
 def both_ways(send, receive) -> tuple:
@@ -274,27 +306,27 @@ def _share_metadata(peers: _Peers, local: str, coordinator: int, metadata: Futur
 
 
 # ------------------------------------------------------------------------------- the wire
-def _send_tensor(peers: _Peers, dst: int, t: torch.Tensor, what: str) -> None:
+def _send_tensor(peers: _Peers, dst: int, t: torch.Tensor, what: str, tag: int = _TAG) -> None:
     try:
-        dist.send(t, dst, group=peers.group, tag=_TAG)
+        dist.send(t, dst, group=peers.group, tag=tag)
     except Exception as exc:  # noqa: BLE001 - gloo's own errors (timeout, connection closed)
         raise _OutOfStep(f"sending {what} to rank {dst}: {exc}") from exc
 
 
-def _recv_tensor(peers: _Peers, src: int, t: torch.Tensor, what: str) -> torch.Tensor:
+def _recv_tensor(peers: _Peers, src: int, t: torch.Tensor, what: str, tag: int = _TAG) -> torch.Tensor:
     try:
-        dist.recv(t, src, group=peers.group, tag=_TAG)
+        dist.recv(t, src, group=peers.group, tag=tag)
     except Exception as exc:  # noqa: BLE001 - gloo's own errors (timeout, connection closed)
         raise _OutOfStep(f"receiving {what} from rank {src}: {exc}") from exc
     return t
 
 
-def _send_int(peers: _Peers, dst: int, value: int, what: str) -> None:
-    _send_tensor(peers, dst, torch.tensor([value], dtype=torch.int64), what)
+def _send_int(peers: _Peers, dst: int, value: int, what: str, tag: int = _TAG) -> None:
+    _send_tensor(peers, dst, torch.tensor([value], dtype=torch.int64), what, tag=tag)
 
 
-def _recv_int(peers: _Peers, src: int, what: str) -> int:
-    return int(_recv_tensor(peers, src, torch.zeros(1, dtype=torch.int64), what)[0])
+def _recv_int(peers: _Peers, src: int, what: str, tag: int = _TAG) -> int:
+    return int(_recv_tensor(peers, src, torch.zeros(1, dtype=torch.int64), what, tag=tag)[0])
 
 
 class _Wire:
@@ -318,18 +350,59 @@ class _Wire:
         return data.numel()
 
 
-def _send(peers: _Peers, dst: int, local: str, durable: str, save_id: str, files: dict, config) -> list[str]:
+def _send(peers: _Peers, dst: int, local: str, durable: str, save_id: str, files: dict,
+          config) -> tuple[list[str], list[str]]:
+    """(the files whose bytes were sent, those ``dst`` kept from its own replicas)."""
     order = sorted(files)
-    manifest = json.dumps({
-        "save_id": save_id, "durable": durable, "rank": peers.rank, "node": peers.map.nodes[peers.rank],
-        "files": [{"name": n, "durable": files[n][0], "size": files[n][1],
-                   "pieces": [[p[0], p[1], p[2], p[3]] for p in files[n][2]]} for n in order],
-    }).encode()
-    _send_int(peers, dst, len(manifest), "the manifest")
-    _send_tensor(peers, dst, torch.frombuffer(bytearray(manifest), dtype=torch.uint8), "the manifest")
     engine = get_engine(config)
+    entries = []
+    for n in order:
+        durable_name, size, pieces, mirrored = files[n]
+        entry = {"name": n, "durable": durable_name, "size": size, "pieces": [[p[0], p[1], p[2], p[3]] for p in pieces]}
+        if mirrored:
+            entry["mirror"] = _between_pieces_crc(os.path.join(local, n), size, pieces, engine)
+        entries.append(entry)
+    manifest = json.dumps({"save_id": save_id, "durable": durable, "rank": peers.rank,
+                           "node": peers.map.nodes[peers.rank], "files": entries}).encode()
+    _send_json(peers, dst, manifest, "the manifest")
+    wanted = set(_recv_json(peers, dst, "the names it wants", tag=_REPLY))
     store = open_storage(local)
-    return [name for name in order if send_file(peers, dst, store, name, files[name][1], files[name][2], engine)]
+    sent = [name for name in order
+            if name in wanted and send_file(peers, dst, store, name, files[name][1], files[name][2], engine)]
+    return sent, [name for name in order if name not in wanted]
+
+
+def _send_json(peers: _Peers, dst: int, raw: bytes, what: str, tag: int = _TAG) -> None:
+    _send_int(peers, dst, len(raw), what, tag=tag)
+    _send_tensor(peers, dst, torch.frombuffer(bytearray(raw), dtype=torch.uint8), what, tag=tag)
+
+
+def _recv_json(peers: _Peers, src: int, what: str, tag: int = _TAG):
+    size = _recv_int(peers, src, f"{what} (its length)", tag=tag)
+    if not 0 < size <= _MAX_MANIFEST:
+        raise _OutOfStep(f"rank {src} sent a length of {size} bytes for {what}")
+    raw = _recv_tensor(peers, src, torch.empty(size, dtype=torch.uint8), what, tag=tag)
+    try:
+        return json.loads(bytes(raw.numpy()))
+    except ValueError as exc:
+        raise _OutOfStep(f"rank {src} sent {what} that does not read: {exc}") from exc
+
+
+def _between_pieces_crc(path: str, size: int, pieces: list, engine) -> int:
+    """The CRC32C of the bytes of the file at ``path`` that no checksum piece covers (its header
+    and padding), in file order: with the pieces' own checksums, every byte of a file is
+    compared when a mirror is checked."""
+    crc, at = 0, 0
+    with open(path, "rb") as f:
+        for off, length, *_ in [*pieces, (size, 0)]:
+            if off > at:
+                f.seek(at)
+                gap = bytearray(f.read(off - at))
+                if gap:
+                    t = torch.frombuffer(gap, dtype=torch.uint8)
+                    crc = engine.crc32c(t.data_ptr(), t.numel(), crc)
+            at = max(at, off + length)
+    return crc
 
 
 def send_file(peers: _Peers, dst: int, store, name: str, size: int, pieces: list, engine) -> bool:
@@ -352,34 +425,67 @@ def send_file(peers: _Peers, dst: int, store, name: str, size: int, pieces: list
     return True
 
 
-def _receive(peers: _Peers, src: int, save_id: str, config) -> list[str]:
-    """Keep the copies rank ``src`` sends in this exchange; the names of the files accepted."""
-    size = _recv_int(peers, src, "a manifest's length")
-    if not 0 < size <= _MAX_MANIFEST:
-        raise _OutOfStep(f"rank {src} sent a manifest length of {size} bytes")
-    raw = _recv_tensor(peers, src, torch.empty(size, dtype=torch.uint8), "a manifest")
+def _receive(peers: _Peers, src: int, save_id: str, config, mirror: tuple | None) -> list[str]:
+    """Keep the copies rank ``src`` sends in this exchange; the names of the files accepted.
+    ``mirror``: (local name, size, pieces) of the file this rank staged as the mirror of
+    ``src``'s mirrored file, or None."""
+    manifest = _recv_json(peers, src, "a manifest")
     try:
-        manifest = json.loads(bytes(raw.numpy()))
         files, durable, sender = manifest["files"], manifest["durable"], int(manifest["rank"])
-    except (ValueError, KeyError, TypeError) as exc:
+    except (KeyError, TypeError) as exc:
         raise _OutOfStep(f"rank {src} sent a manifest that does not read: {exc}") from exc
     if manifest.get("save_id") != save_id or sender != src:
         raise _OutOfStep(f"rank {src} sent the copies of checkpoint {manifest.get('save_id')} (rank {sender}) "
                          f"while this rank is at checkpoint {save_id}")
     folder = tiers.local_copy(config.local_tier, durable)
-    tiers.ensure_copy(folder, durable)
-    tiers.forget_rank_files(folder, sender)  # its record never names a file being replaced
-    engine = get_engine(config)
-    kept = {}
     for f in files:
         name = f["name"]
-        if os.path.basename(name) != name or name.startswith("."):
+        if not isinstance(name, str) or os.path.basename(name) != name or name.startswith("."):
             raise _OutOfStep(f"rank {src} sent a copy named {name!r}")
-        if receive_file(peers, src, folder, name, int(f["size"]), f["pieces"], engine, config):
+    engine = get_engine(config)
+    mirrored = _matching_mirror(folder, files, mirror, engine)
+    _send_json(peers, src, json.dumps([f["name"] for f in files if f["name"] != mirrored]).encode(),
+               "the names this rank wants", tag=_REPLY)
+    tiers.ensure_copy(folder, durable)
+    tiers.forget_rank_files(folder, sender)  # its record never names a file being replaced
+    kept = {}
+    store = open_storage(folder)
+    for f in files:
+        name = f["name"]
+        if name == mirrored:
+            store.move(mirror[0], store, name)  # this rank's own replica of it, checked: kept as the sender's
+            kept[name] = f["durable"]
+        elif receive_file(peers, src, folder, name, int(f["size"]), f["pieces"], engine, config):
             kept[name] = f["durable"]
     if kept:
         tiers.record_rank_files(folder, sender, durable, save_id, kept, peer_of=manifest.get("node"))
     return sorted(kept)
+
+
+def _matching_mirror(folder: str, files: list, mirror: tuple | None, engine) -> str | None:
+    """The name of the sender's mirrored file when this rank's own mirror of it (``mirror``) holds
+    the same bytes: the same size, checksum pieces and bytes between them; else None."""
+    if mirror is None:
+        return None
+    local_name, size, pieces = mirror
+    for f in files:
+        if "mirror" not in f:
+            continue
+        theirs = [tuple(p) for p in f["pieces"]]
+        mine = [tuple(p) for p in pieces]
+        if int(f["size"]) != size or theirs != mine:
+            log.info("dcp_datastates: peer_copies: this rank's replica of %s differs from the sender's (size or "
+                     "checksums): its bytes are copied", f["name"])
+            return None
+        try:
+            same = _between_pieces_crc(os.path.join(folder, local_name), size, pieces, engine) == f["mirror"]
+        except OSError:
+            same = False
+        if not same:
+            log.info("dcp_datastates: peer_copies: the header of %s differs from this rank's replica: its bytes are "
+                     "copied", f["name"])
+        return f["name"] if same else None
+    return None
 
 
 def receive_file(peers: _Peers, src: int, folder: str, name: str, size: int, pieces: list, engine, config) -> bool:
