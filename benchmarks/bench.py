@@ -1183,7 +1183,7 @@ def _tree_bytes(path: str | None) -> int:
 def measure_version_guard(tensors: list, reps: int) -> dict:
     """The torn-state guard's share of a save: recording every source tensor's version counter
     at stage() and comparing them at the seal (both on the training thread at worst)."""
-    from dcp_datastates.save.items import VersionGuard
+    from dcp_datastates.save.pipeline import VersionGuard
 
     names = [f"t{i}" for i in range(len(tensors))]
     record, check = [], []

@@ -28,9 +28,9 @@ from .commit import by_folder, check_data_files, data_file, file_size_error, is_
 from .config import DataStatesConfig
 from .errors import CheckpointFormatError, DataStatesError, IncompleteCheckpointError, record_metadata_read
 from .format.layout import FileInfo, ItemLocation, rank_marker_name
-from .gcpause import gc_paused, pause_collector
 from .load import read
 from .runtime import get_engine
+from .runtime.inflight import gc_paused, pause_collector
 from .storage import LocalStorage, is_supported_url, normalize, open_storage
 from .tiers.hooks import ReadPlan, tier_for
 
@@ -79,7 +79,7 @@ class DataStatesReader(StorageReader):
         self.path = self.durable_path = normalize(path)
         self.storage_data: _StorageIndex | None = None
         self.rank = 0
-        self._load_pause = None  # Python's cyclic GC paused for the load in progress (gcpause.py)
+        self._load_pause = None  # Python's cyclic GC paused for the load in progress (runtime/inflight.py)
         self._reset_load()
 
     def _reset_load(self) -> None:
@@ -108,7 +108,7 @@ class DataStatesReader(StorageReader):
         # first failure is the one that says what is wrong with the checkpoint.
         fallback = kwargs.get("rank") is not None and self.metadata_error is not None
         # The load's objects (the decoded metadata, DCP's load plan, our read items: several per
-        # item) live until dcp.load returns: no collection sees them (gcpause.py). Ended after
+        # item) live until dcp.load returns: no collection sees them (runtime/inflight.py). Ended after
         # read_data, or here when the load fails.
         self._end_load_pause()
         self._load_pause = pause_collector(LOAD_GC_PAUSE_MAX_S)

@@ -1,11 +1,12 @@
 """The save, as named steps, in the order a save runs them (each module tells its step):
 
 1. ``request``: on the training thread, ``stage()``: flatten and scan the state once
-   (``items``, ``ownership``, ``pipeline``), copy small items now, submit each
+   (``pipeline``; on a plan-cache miss ``items`` and ``ownership``), copy small items now, submit each
    planned file to the storage's engine job, hold what cannot be written yet (``held_file``),
    register the save (``runtime.inflight``) (``incremental``: an incremental save's held files
    write only the items whose hashes changed since the base checkpoint); a watcher seals the version guard
-   (``items.VersionGuard``) and resolves DCP's Future;
+   (``pipeline.VersionGuard``) and resolves DCP's Future; the save in flight is
+   ``request.StagedSave``, a ``request.FileJob`` per data file;
 2. ``request.name_folder`` / ``request.sync_save``: DCP names the folder;
 3. ``write``: on DCP's thread, ``write_data``: every file durable, late items, the planner's
    data hooks (``planner_hooks``), the items' locations; ``consolidate``: results rank -> node
@@ -19,8 +20,7 @@ The DCP adapter (``writer.py``) calls only what this package exports.
 from ..runtime.inflight import names_in_use  # the files of saves still running: a commit keeps them
 from .consolidate import consolidate_results
 from .finish import close_save
-from .request import global_rank_world, name_folder, request_save, sync_save
-from .state import StagedSave
+from .request import StagedSave, global_rank_world, name_folder, request_save, sync_save
 from .write import check_rank_local, skip_replicas, write_rank
 
 __all__ = ["request_save", "name_folder", "sync_save", "write_rank", "check_rank_local", "skip_replicas",

@@ -9,8 +9,7 @@ import time
 
 from ..runtime import inflight
 from . import checkpoint_stats
-from .request import global_rank_world
-from .state import StagedSave
+from .request import StagedSave, global_rank_world
 
 __all__ = ["close_save"]
 
@@ -24,7 +23,7 @@ def close_save(staged: StagedSave, *, path: str | None, coordinator: bool, error
     staged.finished.set()
     staged.flat, staged.payloads = None, {}
     # DCP's plans and metadata are freed when its save returns, right after this: the collector
-    # resumes a moment later, so that it never sees them (gcpause.py).
+    # resumes a moment later, so that it never sees them (runtime/inflight.py).
     staged.end_collector_pause(after=0.25)
     inflight.unregister(staged)
     rank, world = global_rank_world()

@@ -1,17 +1,15 @@
 """Turns a state dict into the rank-local list of items to write, the way DCP's planners see it.
 
-Used by ``DataStatesWriter.stage()`` (on the training thread, so it must cost time proportional
-to the number of tensors, never to their bytes) and by ``write_data`` for items a planner asks for
+Used by the staging pipeline on a plan-cache miss (on the training thread, so it must cost time
+proportional to the number of tensors, never to their bytes) and by ``write_data`` for items a planner asks for
 that were not staged (``dcp.save`` without staging). Keys are ``(fqn, offsets)`` exactly as in
 the planner's ``WriteItem.index``, so the two always agree.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import logging
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,19 +17,11 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.utils import find_tensor_shard
 
-from ..compat import (
-    HAS_CHECKPOINTABLE_TENSOR,
-    create_write_items,
-    dcp_compat_mode,
-    flatten_state_dict,
-    is_checkpointable_tensor,
-    tensor_version,
-    versions_of,
-)
+from ..compat import HAS_CHECKPOINTABLE_TENSOR, create_write_items, is_checkpointable_tensor
 from ..format.layout import FileEntry, dtype_to_name
 
-__all__ = ["ItemKey", "SourceItem", "bytes_source", "flatten", "items_of_flat", "item_key", "source_for_resolved",
-           "VersionGuard", "torn_message"]
+__all__ = ["ItemKey", "SourceItem", "bytes_source", "items_of_flat", "item_key", "source_for_resolved",
+           "classify"]
 
 log = logging.getLogger("dcp_datastates")
 
@@ -82,16 +72,13 @@ def _tensor_source(key: ItemKey, name: str, tensor: torch.Tensor, kind: str = PL
 
 def bytes_source(key: ItemKey, name: str, data: bytes) -> SourceItem:
     buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-    entry = FileEntry(name=name, kind="bytes", dtype="uint8", shape=(len(data),), nbytes=len(data))
-    return SourceItem(key=key, entry=entry, ptr=buf.data_ptr() if data else 0, keepalive=buf, kind=VALUE)
+    return _bytes_item(key, name, buf)
 
 
-def serialize_object(obj: Any) -> bytes:
-    """The bytes DCP's planners produce for a non-tensor value (``torch.save``), made now so
-    later changes to the object never reach the checkpoint."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
+def _bytes_item(key: ItemKey, name: str, buf: torch.Tensor) -> SourceItem:
+    n = buf.numel()
+    entry = FileEntry(name=name, kind="bytes", dtype="uint8", shape=(n,), nbytes=n)
+    return SourceItem(key=key, entry=entry, ptr=buf.data_ptr() if n else 0, keepalive=buf, kind=VALUE)
 
 
 def _unique_name(fqn: str, offsets: tuple | None, taken: set[str]) -> str:
@@ -100,50 +87,6 @@ def _unique_name(fqn: str, offsets: tuple | None, taken: set[str]) -> str:
         name = f"{fqn}@{','.join(map(str, offsets or ()))}"
     taken.add(name)
     return name
-
-
-class _NeedsDcpFlatten(Exception):
-    """A value ``_flatten`` leaves to DCP's own traversal (lists)."""
-
-
-def _flatten(state_dict: dict) -> tuple[dict, dict]:
-    """Exactly ``flatten_state_dict(state_dict)`` (same keys, order, paths and duplicate-key
-    error), computed directly for nested mappings: about 2.5x faster than DCP's generic
-    traversal, which matters on the training thread with tens of thousands of tensors. States
-    holding lists (whose traversal depends on their contents) and DCP's 2.3 compatibility mode
-    go through DCP itself."""
-    if dcp_compat_mode() == "2_3":
-        return flatten_state_dict(state_dict)
-    flat: dict = {}
-    mappings: dict = {}
-    try:
-        _walk(flat, mappings, "", (), state_dict)
-    except _NeedsDcpFlatten:
-        return flatten_state_dict(state_dict)
-    return flat, mappings
-
-
-def _walk(flat: dict, mappings: dict, prefix: str, path: tuple, node: Mapping) -> None:
-    # A module-level function, not a closure calling itself: such a closure is a reference
-    # cycle, which would keep the flat dict (and every tensor in it) alive until a collection.
-    for k, v in node.items():
-        k = str(k)
-        name = prefix + k
-        sub = path + (k,)
-        if type(v) is not torch.Tensor and isinstance(v, Mapping):
-            _walk(flat, mappings, name + ".", sub, v)
-            continue
-        if isinstance(v, list):
-            raise _NeedsDcpFlatten
-        if name in flat:
-            raise ValueError(f"duplicated flatten key {name}")
-        flat[name] = v
-        mappings[name] = sub
-
-
-def flatten(state_dict: dict) -> tuple[dict, dict]:
-    """(flat state dict, mappings), exactly as DCP's ``flatten_state_dict``."""
-    return _flatten(state_dict)
 
 
 def _whole(obj: Any) -> bool:
@@ -164,13 +107,12 @@ def classify(obj: Any) -> str:
     return PLAIN  # another tensor subclass: DCP's own write items, replicated like a plain tensor
 
 
-def items_of_flat(flat: dict, serialized: dict[int, SourceItem] | None = None,
-                  kinds: list[str] | None = None) -> list[SourceItem]:
+def items_of_flat(flat: dict, serialized: dict[int, torch.Tensor], kinds: list[str] | None = None) -> list[SourceItem]:
     """The items of a flat state dict, in its order, each with its ``kind``. Plain tensors take a
     fast path; DTensor and ShardedTensor (and CheckpointableTensor shards, torch 2.14+) go through
     DCP's own ``_create_write_items`` so their chunk offsets are exactly DCP's. ``serialized``:
-    non-tensor values already serialized in this stage(), by position; ``kinds``: each value's
-    kind when the scan classified them already."""
+    every non-tensor value's bytes (a uint8 tensor), serialized in this stage(), by position;
+    ``kinds``: each value's kind when the scan classified them already."""
     items: list[SourceItem] = []
     taken: set[str] = set()
     for pos, (fqn, obj) in enumerate(flat.items()):
@@ -186,15 +128,8 @@ def items_of_flat(flat: dict, serialized: dict[int, SourceItem] | None = None,
         else:
             key = (fqn, None)
             name = _unique_name(fqn, None, taken)
-            done = serialized.get(pos) if serialized else None
-            items.append(_renamed(done, key, name) if done is not None else bytes_source(key, name, serialize_object(obj)))
+            items.append(_bytes_item(key, name, serialized[pos]))
     return items
-
-
-def _renamed(item: SourceItem, key: ItemKey, name: str) -> SourceItem:
-    """An already serialized value under its final key and file name."""
-    return SourceItem(key=key, entry=dataclasses.replace(item.entry, name=name), ptr=item.ptr, keepalive=item.keepalive,
-                      kind=VALUE)
 
 
 def source_for_resolved(item: WriteItem, data: Any, taken: set[str]) -> SourceItem:
@@ -207,65 +142,3 @@ def source_for_resolved(item: WriteItem, data: Any, taken: set[str]) -> SourceIt
     if not isinstance(data, torch.Tensor):
         raise TypeError(f"planner.resolve_data returned {type(data).__name__} for tensor item {item.index.fqn!r}")
     return _tensor_source(key, name, data)
-
-
-# ------------------------------------------------------------------ the guard over the items
-# Detects a source tensor changed in place while a lazy checkpoint still copies it.
-#
-# ``stage()`` returns before the bytes are copied; a tensor changed in place before its copy ends
-# would put a mix of old and new values in the checkpoint, which its checksums (computed on the
-# copied bytes) cannot reveal. Every in-place change bumps a tensor's version counter (shared by
-# its views and ``detach()``), so ``stage()`` records each source's counter and the save is
-# *sealed* once its copies are done or ordered before later GPU work: the counters are compared
-# then, and any change fails the save with the first changed tensor's name. Reading a counter is an
-# attribute read per tensor (measured by ``bench``).
-
-
-class VersionGuard:
-    """Names, tensors and their version counters at ``stage()``, in state-dict order."""
-
-    __slots__ = ("names", "tensors", "versions", "_index")
-
-    def __init__(self, names: list[str], tensors: list[Any], versions: list | None = None) -> None:
-        """``versions``: the counters read already (None entries are not checked); else read now."""
-        self.names = names
-        self.tensors = tensors
-        self.versions = versions if versions is not None else versions_of(tensors)
-        self._index: dict[str, int] | None = None
-
-    def first_changed(self) -> tuple[str, int, int] | None:
-        """(name, version at stage, version now) of the first tensor changed since, or None."""
-        for name, t, v in zip(self.names, self.tensors, self.versions):
-            if v is not None:
-                now = tensor_version(t)
-                if now != v:
-                    return name, v, now
-        return None
-
-    def changed(self, name: str) -> tuple[int, int] | None:
-        """(version at stage, now) when the tensor recorded under ``name`` changed, else None."""
-        if self._index is None:
-            self._index = {n: i for i, n in enumerate(self.names)}
-        i = self._index.get(name)
-        if i is None or self.versions[i] is None:
-            return None
-        now = tensor_version(self.tensors[i])
-        return None if now == self.versions[i] else (self.versions[i], now)
-
-    def release(self) -> None:
-        """Drop the references to the tensors (the save no longer needs them)."""
-        self.tensors = []
-        self.versions = []
-        self.names = []
-        self._index = None
-
-
-def torn_message(path: str, name: str, before: int, after: int) -> str:
-    return (
-        f"checkpoint {path}: tensor {name!r} was changed in place after the save was requested and "
-        f"before its copy into the host cache finished (version {before} -> {after}), so the "
-        f"checkpoint would mix old and new values; it was not committed (the previous checkpoint "
-        f"stays). Make optimizer.step() wait with dcp_datastates.protect_optimizer(optimizer), or "
-        f"wait on the save's staging_completion (or call dcp_datastates.wait_staged()) before "
-        f"changing parameters or buffers in place (EMA updates, manual p.add_(...))."
-    )

@@ -1,7 +1,9 @@
-"""The request: what ``stage()`` does on the training thread, and the watcher that resolves
-DCP's staging Future once every byte is in the host cache.
+"""The request: what ``stage()`` does on the training thread, the save in flight it starts
+(``StagedSave``, the handle the registry of saves in flight keeps, and a ``FileJob`` per data
+file the engine writes for it), and the watcher that resolves DCP's staging Future once every
+byte is in the host cache.
 
-1. flatten the state dict (``items.flatten``) and claim the folder in the registry of saves in
+1. flatten the state dict (``pipeline.flatten``) and claim the folder in the registry of saves in
    flight (a second save to the same folder is refused while the first runs);
 2. plan this rank's data files from the local state alone (``pipeline.plan_stage``: owners,
    layout, the version guard);
@@ -24,7 +26,10 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,20 +37,194 @@ import torch.distributed as dist
 from ..commit import prepare_folder
 from ..compat import unflatten_state_dict
 from ..errors import CheckpointWriteError
-from ..format.layout import data_file_name, new_tag
-from ..gcpause import pause_collector
+from ..format.layout import ItemLocation, data_file_name, new_tag
 from ..runtime import get_engine, inflight
 from ..storage import Storage
 from .held_file import HeldFile
 from .incremental import Incremental, hint_key
-from .items import SourceItem, flatten
-from .pipeline import PlannedFile, on_one_device, plan_stage, planned_file
-from .state import FileJob, StagedSave
+from .items import ItemKey, SourceItem
+from .ownership import DecisionKey
+from .pipeline import PlannedFile, VersionGuard, flatten, on_one_device, plan_stage, planned_file, torn_message, written
 
-__all__ = ["request_save", "name_folder", "sync_save", "submit_file", "start_file", "prepare_destination", "hold", "claim_folder", "current_stream",
+__all__ = ["FileJob", "StagedSave", "request_save", "name_folder", "sync_save", "submit_file", "start_file", "prepare_destination", "hold", "claim_folder", "current_stream",
            "global_rank_world", "finish_staging", "planned", "copy_small_at_request", "give_back", "hold_limit"]
 
 log = logging.getLogger("dcp_datastates")
+
+
+# ------------------------------------------------------------------------ a save in flight
+@dataclass(eq=False)
+class FileJob:
+    """One data file written by the engine (a local file, or streamed to an object store)."""
+
+    index: int  # k in __<rank>_<k>
+    name: str | None  # None until the save's folder is prepared (request.prepare_destination)
+    job: Any
+    keys: Sequence[ItemKey]
+    locations: Mapping[ItemKey, ItemLocation]  # shared with a cached stage plan: never mutated
+    keepalive: list[Any] | None
+    engine: Any
+    file_size: int
+    upload: Future | None = None  # object stores: resolves once the object is complete in the store
+    name_it: Callable[..., None] | None = None  # names the file of a job started unnamed (Storage.start_data_file)
+    side_buffer: Any = None  # the request-time copies' buffer (request.copy_small_at_request), given back once staged
+    mirrors: bool = False  # peer_copies: the keeper stages this same file (save/ownership.py)
+    mirror_of: int | None = None  # peer_copies: the same file as that rank's mirrored one (not this save's data)
+    written: Mapping[ItemKey, ItemLocation] | None = None  # once durable: its items' final locations
+
+    @property
+    def device(self) -> int:
+        return self.job.device
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        return self.job.wait_staged(timeout)
+
+    def is_staged(self) -> bool:
+        return self.job.is_staged()
+
+    def is_done(self) -> bool:
+        return self.job.is_done() and (self.upload is None or self.upload.done())
+
+    def device_wait(self, stream_of) -> bool:
+        if self.job.device < 0:
+            return self.job.is_staged()
+        stream = stream_of(self.job.device)
+        return stream is not None and self.engine.device_wait(self.job, stream)
+
+    def abort(self, reason: str) -> None:
+        try:
+            self.job.fail(reason)
+        except Exception:  # noqa: BLE001 - a job that cannot be failed finishes on its own
+            pass
+
+    def result(self) -> dict[ItemKey, ItemLocation]:
+        """Wait until the file is durable; its items' final locations (checksums included)."""
+        error = None
+        if self.upload is not None:
+            exc = self.upload.exception()
+            if exc is not None:
+                error = str(exc)
+        self.job.wait_done(None)
+        self.keepalive = None
+        error = error or self.job.error()
+        if error:
+            raise CheckpointWriteError(error)
+        crcs = self.job.checksums()
+        size = self.file_size
+        return {k: written(self.locations[k], self.name, tuple(c), size) for k, c in zip(self.keys, crcs)}
+
+
+@dataclass(eq=False)
+class StagedSave:
+    """Everything ``stage()`` started for one checkpoint on this rank."""
+
+    path: str | None  # None: the folder is named later (checkpoint_id given to DCP only)
+    storage: Storage | None = None  # the folder ``path`` names
+    rank: int = 0
+    tag: str | None = None  # file-name tag when the folder already holds a committed checkpoint
+    files: list[FileJob] = field(default_factory=list)
+    held: list[HeldFile] = field(default_factory=list)
+    skipped: set = field(default_factory=set)  # DTensor replicas another rank writes
+    elsewhere: set = field(default_factory=set)  # plain tensors the decision gives to other ranks
+    decision_key: DecisionKey | None = None
+    learn: bool = False  # no decision was known: learn it from this save's plan
+    plain_keys: frozenset = frozenset()
+    moved_from: Storage | None = None  # staged into this folder, then DCP named another (reset)
+    guard: VersionGuard | None = None  # the sources this rank copies
+    late_guard: VersionGuard | None = None  # tensors it may have to write from live memory
+    error: BaseException | None = None  # raised from prepare_local_plan
+    abandoned: str | None = None  # why the save was abandoned (Ctrl-C at exit, an error): never commit
+    requested: float = field(default_factory=time.monotonic)
+    stall_s: float = 0.0  # the training thread's time in stage()
+    staged_s: float | None = None  # request -> every byte in the host cache
+    local_s: float | None = None  # local_tier: request -> the local copy committed
+    tier_plan: Any = None  # what the tier's global-plan hook told this rank (None: nothing)
+    tier_state: Any = None  # what the tier keeps for this save (tiers/: copies of files still being written)
+    _sealed: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    finished: threading.Event = field(default_factory=threading.Event)
+    planner: threading.Thread | None = None  # DCP's thread planning this save
+    flat: dict | None = None  # the state as flattened at the request (its tensors are the sources)
+    payloads: dict = field(default_factory=dict)  # fqn -> a non-tensor value's bytes, serialized at the request
+    destination: Future | None = None  # the folder prepared and the files named (request.prepare_destination)
+    collector_pause: Any = None  # Python's cyclic GC paused for this save (runtime/inflight.py), ended by end_collector_pause
+    incremental: Any = None  # incremental=True: the save's decisions (incremental.Incremental); None: off
+
+    def end_collector_pause(self, after: float = 0.0) -> None:
+        """The save's objects are about to be freed (``after`` seconds from now, once the
+        callers return): the collector may run again."""
+        pause, self.collector_pause = self.collector_pause, None
+        if pause is not None:
+            pause.release(after)
+
+    def is_over(self) -> bool:
+        """Finished, or given up by DCP: the thread that ran its DCP save has ended (the save
+        failed on some rank; DCP calls nothing more here)."""
+        if self.finished.is_set():
+            return True
+        t = self.planner
+        return t is not None and not t.is_alive()
+
+    def jobs(self) -> list:
+        return [*self.files, *self.held]
+
+    def all_written(self) -> bool:
+        return all(j.is_done() for j in self.jobs())
+
+    def file_names(self) -> frozenset:
+        return frozenset(f.name for f in self.files) | frozenset(h.name for h in self.held if h.name)
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for j in self.jobs():
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not j.wait_staged(left):
+                return False
+        return True
+
+    def device_wait(self, stream_of) -> bool:
+        """True when no host wait is needed: some file copies from a GPU, and each file is staged
+        or (GPU files) has the caller's stream now waiting for all its copies."""
+        files = self.jobs()
+        if not any(f.device >= 0 for f in files):
+            return False
+        return all(f.device_wait(stream_of) if isinstance(f, FileJob) else f.is_staged() for f in files)
+
+    def seal(self) -> None:
+        """From now on the caller may change the sources: check none changed before (once)."""
+        with self._lock:
+            if self._sealed:
+                return
+            self._sealed = True
+            guard, self.guard = self.guard, None
+        changed = guard.first_changed() if guard is not None else None
+        if changed is not None and self.error is None:
+            self.error = CheckpointWriteError(torn_message(self.path or "(unnamed)", *changed))
+
+    def fail(self, exc: BaseException) -> None:
+        """An error before DCP's planning: kept to be raised from prepare_local_plan (inside the
+        planning collective, so every rank learns of it); nothing of this save gets written."""
+        if self.error is None:
+            self.error = exc
+        self.abandon(f"save abandoned: {exc}")
+
+    # The registry's save handle (runtime/inflight.py): what Ctrl-C at exit names and abandons.
+    def abandon(self, reason: str) -> None:
+        """Fail every job at once: nothing of this save gets written or committed."""
+        if self.abandoned is None:
+            self.abandoned = reason
+        for j in self.jobs():
+            j.abort(reason)
+
+    def progress(self) -> tuple[int, int]:
+        jobs = [j.job for j in self.jobs()]
+        return sum(int(getattr(j, "bytes_done", 0)) for j in jobs), sum(int(j.nbytes) for j in jobs)
+
+    def done(self) -> bool:
+        return self.is_over()
+
+    def nbytes(self) -> int:
+        return sum(int(j.job.nbytes) for j in self.jobs())
 
 # A save's pause of the cyclic GC ends when the save does, or after this long (a save DCP gave
 # up on before our last hook ran is never closed).
@@ -85,8 +264,8 @@ def request_save(state_dict: dict, *, path: str | None, storage: Storage | None,
                  check_launch) -> tuple[StagedSave, Future]:
     """Start the save of ``state_dict`` into ``path`` (None: named later by DCP): the save and
     the Future DCP waits on before planning."""
-    # Tens of objects per tensor live until the commit: no collection sees them (gcpause.py).
-    pause = pause_collector(GC_PAUSE_MAX_S)
+    # Tens of objects per tensor live until the commit: no collection sees them (runtime/inflight.py).
+    pause = inflight.pause_collector(GC_PAUSE_MAX_S)
     try:
         staged, future = _request(state_dict, path, storage, config, tier, requested, check_launch)
     except BaseException:  # (errors are kept on the save; this is Ctrl-C and the like)
@@ -212,7 +391,7 @@ def name_folder(staged: StagedSave, path: str, storage: Storage, config, tier) -
 def sync_save(path: str, storage: Storage, rank: int, config, tier) -> StagedSave:
     """``dcp.save`` (nothing staged): the folder prepared at planning time; the save that
     ``write_data`` then writes from live memory."""
-    pause = pause_collector(GC_PAUSE_MAX_S)  # DCP's write items live until the commit here too
+    pause = inflight.pause_collector(GC_PAUSE_MAX_S)  # DCP's write items live until the commit here too
     try:
         tag = new_tag() if prepare_folder(storage, overwrite=config.overwrite) else None
     except BaseException:
@@ -251,7 +430,7 @@ def start_file(engine, staged: StagedSave, pf: PlannedFile, side_buffer, config)
     place a ``FileJob`` is made. At the request ``prepare_destination`` names it, off the
     training thread; later files are named at once (``submit_file``)."""
     stream = current_stream(pf.device) if pf.device >= 0 else 0
-    untagged = data_file_name(staged.rank, pf.index)
+    untagged = pf.untagged or data_file_name(staged.rank, pf.index)
     job, upload, name_it = staged.storage.start_data_file(
         engine, untagged, pf.layout.header, pf.layout.file_size, pf.spans, sync=config.sync_files, device=pf.device,
         stream=stream)

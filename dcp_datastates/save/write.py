@@ -27,11 +27,11 @@ from ..format.layout import ItemLocation, data_file_name, moved, name_to_dtype
 from ..runtime import get_engine
 from ..storage import Storage
 from .held_file import HeldFile
-from .items import ItemKey, item_key, source_for_resolved, torn_message
+from .items import ItemKey, item_key, source_for_resolved
 from .ownership import decisions
+from .pipeline import torn_message
 from .planner_hooks import items_to_rewrite, overridden_data_hooks
-from .request import hold, hold_limit, planned, submit_file
-from .state import FileJob, StagedSave
+from .request import FileJob, StagedSave, hold, hold_limit, planned, submit_file
 
 __all__ = ["write_rank", "check_rank_local", "skip_replicas"]
 
