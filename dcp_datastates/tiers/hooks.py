@@ -288,7 +288,7 @@ class LocalTier(NoTier):
         files = {name: (renamed[name], os.stat(os.path.join(local, name)).st_size, pieces.get(name, []),
                         name in mirrored) for name in renamed}
         kept = {f.mirror_of: (f.name, os.stat(os.path.join(local, f.name)).st_size,
-                              peers.pieces_of(f.written or {}, f.name)) for f in jobs if f.mirror_of is not None}
+                              peers.pieces_of(f.written or {})) for f in jobs if f.mirror_of is not None}
         self._exchanged = plan.save_id
         self._metadata_for_peers = Future() if rank == plan.coordinator else None
         done = peers.exchange(local, self.durable_path, plan.save_id, files, self.config,

@@ -166,7 +166,7 @@ def mirroring() -> Mirroring | None:
     return Mirroring(_peers.map.target(_peers.rank), frozenset(_peers.map.sources(_peers.rank)))
 
 
-def pieces_of(locations, name: str) -> list[tuple[int, int, int, str]]:
+def pieces_of(locations) -> list[tuple[int, int, int, str]]:
     """Sorted (offset, length, crc32c, item) of every checksum piece of ``locations`` ({item key:
     ItemLocation}, one file's), as a manifest lists them."""
     return sorted((off, length, crc, key[0]) for key, loc in locations.items()
@@ -360,7 +360,10 @@ def _send(peers: _Peers, dst: int, local: str, durable: str, save_id: str, files
         durable_name, size, pieces, mirrored = files[n]
         entry = {"name": n, "durable": durable_name, "size": size, "pieces": [[p[0], p[1], p[2], p[3]] for p in pieces]}
         if mirrored:
-            entry["mirror"] = _between_pieces_crc(os.path.join(local, n), size, pieces, engine)
+            try:
+                entry["mirror"] = _between_pieces_crc(os.path.join(local, n), size, pieces, engine)
+            except OSError:  # unreadable here: offered as a plain copy, which send_file then aborts
+                pass
         entries.append(entry)
     manifest = json.dumps({"save_id": save_id, "durable": durable, "rank": peers.rank,
                            "node": peers.map.nodes[peers.rank], "files": entries}).encode()
@@ -432,7 +435,7 @@ def _receive(peers: _Peers, src: int, save_id: str, config, mirror: tuple | None
     manifest = _recv_json(peers, src, "a manifest")
     try:
         files, durable, sender = manifest["files"], manifest["durable"], int(manifest["rank"])
-    except (KeyError, TypeError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise _OutOfStep(f"rank {src} sent a manifest that does not read: {exc}") from exc
     if manifest.get("save_id") != save_id or sender != src:
         raise _OutOfStep(f"rank {src} sent the copies of checkpoint {manifest.get('save_id')} (rank {sender}) "
@@ -453,8 +456,12 @@ def _receive(peers: _Peers, src: int, save_id: str, config, mirror: tuple | None
     for f in files:
         name = f["name"]
         if name == mirrored:
-            store.move(mirror[0], store, name)  # this rank's own replica of it, checked: kept as the sender's
-            kept[name] = f["durable"]
+            try:  # this rank's own replica of it, checked: kept as the sender's
+                store.move(mirror[0], store, name)
+                kept[name] = f["durable"]
+            except OSError as exc:  # (its bytes were not asked for: no copy of it this time)
+                log.warning("dcp_datastates: peer_copies: keeping this rank's replica of %s as rank %d's failed: %s",
+                            name, src, exc)
         elif receive_file(peers, src, folder, name, int(f["size"]), f["pieces"], engine, config):
             kept[name] = f["durable"]
     if kept:
