@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..commit import prepare_folder, write_commit
 from ..errors import CheckpointWriteError
@@ -287,8 +288,12 @@ class LocalTier(NoTier):
         mirrored = {f.name for f in jobs if f.mirrors}
         files = {name: (renamed[name], os.stat(os.path.join(local, name)).st_size, pieces.get(name, []),
                         name in mirrored) for name in renamed}
-        kept = {f.mirror_of: (f.name, os.stat(os.path.join(local, f.name)).st_size,
-                              peers.pieces_of(f.written or {})) for f in jobs if f.mirror_of is not None}
+        kept = {}
+        for f in jobs:
+            if f.mirror_of is not None:  # (its locations are keyed by item key: DCP's index for pieces_by_file)
+                written = {MetadataIndex(key[0], key[1]): loc for key, loc in (f.written or {}).items()}
+                kept[f.mirror_of] = (f.name, os.stat(os.path.join(local, f.name)).st_size,
+                                     drain.pieces_by_file(written).get(f.name, []))
         self._exchanged = plan.save_id
         self._metadata_for_peers = Future() if rank == plan.coordinator else None
         done = peers.exchange(local, self.durable_path, plan.save_id, files, self.config,

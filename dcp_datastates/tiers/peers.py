@@ -60,7 +60,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..format.layout import piece_ranges
 from ..runtime import get_engine
 from ..save.ownership import Mirroring
 from ..storage import open_storage
@@ -70,7 +69,7 @@ from .drain import copy_verified
 log = logging.getLogger("dcp_datastates")
 
 __all__ = ["NODE_ENV", "node_name", "PeerMap", "join", "exchange", "current", "wait_peer_copies", "both_ways",
-           "send_file", "receive_file", "mirroring", "pieces_of"]
+           "send_file", "receive_file", "mirroring"]
 
 NODE_ENV = "DCPDS_NODE"
 _TAG = 0x5EE  # every message of an exchange: per (sender, receiver) pair they arrive in order
@@ -164,13 +163,6 @@ def mirroring() -> Mirroring | None:
     if _peers is None or _peers.map.target(_peers.rank) is None:
         return None
     return Mirroring(_peers.map.target(_peers.rank), frozenset(_peers.map.sources(_peers.rank)))
-
-
-def pieces_of(locations) -> list[tuple[int, int, int, str]]:
-    """Sorted (offset, length, crc32c, item) of every checksum piece of ``locations`` ({item key:
-    ItemLocation}, one file's), as a manifest lists them."""
-    return sorted((off, length, crc, key[0]) for key, loc in locations.items()
-                  for crc, (off, length) in zip(loc.crc32c, piece_ranges(loc)))
 
 
 def current() -> _Peers:
