@@ -179,7 +179,7 @@ ENGINE_OPTIONS = ("host_cache_size", "chunk_size", "cache_alignment", "copy_thre
 CACHE_SIZE_ENV = "DCP_DATASTATES_HOST_CACHE_SIZE"
 # Fields that hold byte sizes; host_cache_size and gpu_cache_size follow ``cache_size``'s rule.
 _GB_SIZES = {"host_cache_size", "gpu_cache_size"}
-_BYTE_SIZES = {"chunk_size", "copy_at_request_max_bytes"}
+_BYTE_SIZES = {"chunk_size", "copy_at_request_max_bytes", "copy_at_request_total_bytes"}
 
 
 @dataclass
@@ -221,6 +221,14 @@ class DataStatesConfig:
             is then saved at its request-time value. Default 64 KiB (BatchNorm up to 16,384 fp32
             channels); 0 turns it off. Larger buffers that forward changes need ``wait_staged()``
             before that forward (docs/how-it-works.md, "What the guard sees").
+        copy_at_request_total_bytes: the most bytes of such tensors one save copies at the request
+            (per rank), the smallest first: when the tensors of at most
+            ``copy_at_request_max_bytes`` hold more, only those up to the largest size that still
+            fits are copied at the request (a warning says so once per state structure); the rest
+            are copied lazily under the version guard. It bounds the training thread's copy for
+            states made of many mid-size tensors (20,000 x 53 KiB: 1 GiB copied in the call).
+            Default 64 MiB: normalization statistics and counters come first and a large
+            convolutional network holds under 1 MiB of them.
         dedup_replicated: write each replicated value (DTensor replicas, plain tensors and
             non-tensor values that every rank holds) from one rank only, chosen at ``stage()``.
             Turn off when ranks hold different plain tensors (pipeline parallelism).
@@ -263,6 +271,7 @@ class DataStatesConfig:
     verify: bool = True
     cache_wait_timeout: float = 600.0
     copy_at_request_max_bytes: int = 64 << 10
+    copy_at_request_total_bytes: int = 64 << 20
     dedup_replicated: bool = True
     hierarchical_consolidation: bool = True
     storage_options: dict = field(default_factory=dict)
@@ -286,6 +295,8 @@ class DataStatesConfig:
         self.gpu_cache_size = cache_size(self.gpu_cache_size, "gpu_cache_size")
         self.chunk_size = parse_size(self.chunk_size, name="chunk_size")
         self.copy_at_request_max_bytes = parse_size(self.copy_at_request_max_bytes, name="copy_at_request_max_bytes")
+        self.copy_at_request_total_bytes = parse_size(self.copy_at_request_total_bytes,
+                                                      name="copy_at_request_total_bytes")
         if self.chunk_size < 4096:
             raise ValueError(f"chunk_size: must be at least 4096 bytes, got {self.chunk_size}")
         align = self.cache_alignment

@@ -654,15 +654,17 @@ def test_torn_guard_seals_at_the_device_side_wait(tmp_path, fake, monkeypatch):
         fake.destroy(s)
 
 
-@pytest.mark.parametrize("copy_at_request", [64 * KiB, 0])
-def test_small_tensors_are_copied_on_the_callers_stream_at_the_request(tmp_path, fake, monkeypatch, copy_at_request):
+@pytest.mark.parametrize("copy_at_request, total", [(64 * KiB, 64 * MiB), (0, 64 * MiB), (64 * KiB, 1 * KiB)])
+def test_small_tensors_are_copied_on_the_callers_stream_at_the_request(tmp_path, fake, monkeypatch, copy_at_request,
+                                                                       total):
     """A small device tensor (a BatchNorm statistic) is written by a "kernel" queued before the
     save (its value the checkpoint must hold: 0x11) and by one queued right after it (the next
     forward: 0x22); neither bumps a version. The request-time copy is queued on the caller's
     stream between the two, so it reads 0x11 whatever the timing. Taking it on the host at once
     (it would read 0x00: the first kernel is still waiting) or leaving it to the engine's lazy
     copy (with copies slowed down, it reads 0x22) fails this test; so does turning it off, which
-    the second case shows."""
+    the second case shows, or a ``copy_at_request_total_bytes`` the statistic does not fit in
+    (the third)."""
     import numpy as np
     import torch.distributed.checkpoint as dcp
 
@@ -675,14 +677,15 @@ def test_small_tensors_are_copied_on_the_callers_stream_at_the_request(tmp_path,
     try:
         fake.fill(s, stats.numpy(), 0x11, delay_us=50_000)  # the producer, still queued
         resp = dcp.async_save(state, storage_writer=DataStatesWriter(
-            tmp_path / "ck", host_cache_size=4 * MiB, chunk_size=64 * KiB, copy_at_request_max_bytes=copy_at_request))
+            tmp_path / "ck", host_cache_size=4 * MiB, chunk_size=64 * KiB, copy_at_request_max_bytes=copy_at_request,
+            copy_at_request_total_bytes=total))
         fake.fill(s, stats.numpy(), 0x22)  # the next forward, queued after the request
         resp.upload_completion.result(timeout=60)
         fake.drain(s)
         dest = {"stats": torch.ones(1024), "w": torch.zeros_like(weights)}
         dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "ck"))
         saved = dest["stats"].numpy().view(np.uint8)
-        if copy_at_request:
+        if copy_at_request and total >= stats.nbytes:
             assert (saved == 0x11).all(), np.unique(saved)
         else:
             assert not (saved == 0x11).all()  # the lazy copy ran after the next "forward"

@@ -114,3 +114,19 @@ def test_parameter_storage_swapped_after_stage_is_kept_alive(tmp_path):
     dest = {"p": torch.zeros(256, 256)}
     dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "swap"))
     assert torch.equal(dest["p"], torch.full((256, 256), 7.0))
+
+
+@pytest.mark.parametrize("sizes, max_bytes, total, limit", [
+    ([8, 4096] + [32768] * 40, 65536, 65536, 4096),  # the smallest first; the 32 KiB tensors do not fit
+    ([8, 4096] + [32768] * 40, 65536, 64 << 20, 65536),  # all fit: the per-tensor limit stays
+    ([4, 8, 8, 8], 65536, 12, 4),  # equal sizes go together: 4 + 8 fits, 4 + 3 x 8 does not
+    ([4, 8, 8, 8], 65536, 28, 65536),
+    ([100, 70000], 65536, 10, 0),  # nothing fits: nothing is copied at the request
+    ([0, 0, 100, 70000], 65536, 100, 65536),  # empty tensors and those over the limit do not count
+    ([1, 2], 0, 5, 0),  # copy_at_request_max_bytes=0: off
+    ([1, 2], 65536, None, 65536),
+])
+def test_request_copy_limit_keeps_the_smallest_tensors_within_the_total(sizes, max_bytes, total, limit):
+    from dcp_datastates.save.pipeline import request_copy_limit
+
+    assert request_copy_limit(sizes, max_bytes, total) == limit

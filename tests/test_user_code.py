@@ -193,6 +193,58 @@ def test_batchnorm_without_the_request_copy_fails_rather_than_commit_a_changed_c
         resp.upload_completion.result(timeout=120)
 
 
+@pytest.mark.parametrize("total, mutate, committed", [
+    (64 << 10, "stats", True),  # the statistic is copied at the request although the total is small
+    (64 << 10, "mid", False),  # the 32 KiB tensors are past the total: copied lazily, guarded
+    (64 << 20, "both", True),  # the default total: every tensor under 64 KiB copied at the request
+])
+def test_the_request_copy_takes_the_smallest_tensors_up_to_its_total(tmp_path, small_engine, caplog, monkeypatch,
+                                                                      total, mutate, committed):
+    """``copy_at_request_total_bytes`` bounds what the training thread copies at the request,
+    the smallest tensors first. With 64 KiB, a 4 KiB statistic and a counter fit and forty 32 KiB
+    tensors (1.25 MiB, each under ``copy_at_request_max_bytes``) do not: a change of the
+    statistic that bumps no version (BatchNorm's kernel; here through ``.data``) made after the
+    request does not reach the checkpoint, while an in-place change of a 32 KiB tensor fails the
+    save through the version guard (were it copied at the request, the save would commit; were
+    the statistic left lazy, it would hold -1). With the default total all of them are copied at
+    the request. Each case saves twice: the second reuses the cached plan (one rule on both paths)."""
+    from dcp_datastates.save import pipeline
+
+    monkeypatch.setattr(pipeline, "_limits_told", set())
+    monkeypatch.setattr(pipeline, "_plans", {})  # the first save lays the state out, the second reuses it
+    start_engine_now()
+    for attempt in range(2):
+        g = torch.Generator().manual_seed(attempt)
+        # First in the file, 16 MiB: the 8 MiB cache cannot take it while flushes wait, so no lazy
+        # copy of the tensors after it starts before the stall ends.
+        state = {"big": torch.randn(4 << 20, generator=g), "stats": torch.randn(1024, generator=g),
+                 "count": torch.tensor(7 + attempt), **{f"mid{k}": torch.randn(8192, generator=g) for k in range(40)}}
+        before = clone_state(state)
+        path = tmp_path / f"ckpt{attempt}"
+        hits = pipeline.plan_stats()["hits"]
+        with caplog.at_level("WARNING", logger="dcp_datastates"), stalled_flushes(path):
+            resp = dcp.async_save(state, storage_writer=DataStatesWriter(path, copy_at_request_total_bytes=total,
+                                                                         **OPTS))
+            if mutate in ("stats", "both"):
+                state["stats"].data.fill_(-1.0)
+            if mutate in ("mid", "both"):
+                state["mid3"].add_(1.0)
+        assert pipeline.plan_stats()["hits"] == hits + attempt  # the second save is a plan-cache hit
+        if not committed:
+            with raises_through_dcp(r"tensor 'mid3' was changed in place"):
+                resp.upload_completion.result(timeout=120)
+            continue
+        resp.upload_completion.result(timeout=120)
+        dest = zeros_like_state(before)
+        dcp.load(dest, storage_reader=DataStatesReader(path))
+        assert_state_equal(before, dest)
+    told = [r.getMessage() for r in caplog.records if "copy_at_request_total_bytes" in r.getMessage()]
+    if total < 1 << 20:
+        assert len(told) == 1 and "only those up to 4096 bytes" in told[0] and "the other 40 " in told[0], told
+    else:
+        assert told == []
+
+
 def _train_bn(net, opt, steps, start, ckpt_root=None, every=1):
     losses = []
     pending = None

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
+import logging
 import threading
 import types
 from collections.abc import Mapping
@@ -37,10 +39,12 @@ from ..format.layout import FileEntry, FileLayout, ItemLocation, data_file_name,
 from .items import DTENSOR, PLAIN, VALUE, ItemKey, SourceItem, classify, items_of_flat
 from .ownership import DecisionKey, Mirroring, Ownership, decisions, plain_signature, split_by_owner
 
+log = logging.getLogger("dcp_datastates")
+
 __all__ = [
     "flatten", "serialize_object", "VersionGuard", "torn_message", "HeldGroup", "RankPlan", "plan_stage", "on_one_device",
     "PlanContext", "PlannedFile", "planned_file", "item_location", "with_piece", "written",
-    "Scan", "FilePlan", "StagePlan", "scan_state", "find_plan", "build_plan", "plan_stats",
+    "Scan", "FilePlan", "StagePlan", "scan_state", "find_plan", "build_plan", "plan_stats", "request_copy_limit",
 ]
 
 
@@ -127,6 +131,7 @@ class RankPlan:
     plain_keys: frozenset = frozenset()
     _record: Callable[[int], object] | None = field(default=None, repr=False)
     payloads: dict = field(default_factory=dict)  # fqn -> uint8 tensor: a value's bytes as serialized now
+    copy_limit: int = 0  # items of 1..copy_limit bytes are copied at the request (request_copy_limit)
 
     def remember(self, piece: int) -> None:
         """Cache this (missed) plan for the next checkpoints, on a checksum grid of step ``piece``."""
@@ -135,13 +140,15 @@ class RankPlan:
 
 
 def plan_stage(flat: dict, *, rank: int, world: int, dedup: bool, cuda: bool, folder_known: bool,
-               hold_limit: Callable[[], int], copied_at_request: int = 0,
+               hold_limit: Callable[[], int], copied_at_request: int = 0, copied_at_request_total: int | None = None,
                incremental: frozenset | None = None, mirroring: Mirroring | None = None) -> RankPlan:
     """This rank's plan for ``flat``. ``dedup``: replicated values are written by one rank;
     ``cuda``: the engine copies CUDA memory itself; ``folder_known``: files can be written now;
     ``hold_limit()``: the most bytes this rank may hold for DCP's plan (else it writes them);
     ``copied_at_request``: items up to this size are copied at the request (request.copy_small_at_request), so
-    the version guard leaves them out (their later changes cannot reach the checkpoint);
+    the version guard leaves them out (their later changes cannot reach the checkpoint), at most
+    ``copied_at_request_total`` bytes of them, the smallest first (``request_copy_limit``; the
+    plan's ``copy_limit`` is the size they are copied up to);
     ``incremental`` (None: off): this rank's tensors but these keys are held (up to
     ``hold_limit()`` bytes) until their hashes say which to write (incremental.py), and no
     cached plan is used. ``mirroring``: the peer-copy pairs, for the mirrored files (ownership.py;
@@ -152,19 +159,21 @@ def plan_stage(flat: dict, *, rank: int, world: int, dedup: bool, cuda: bool, fo
     context = PlanContext(rank, world, dedup, cuda, mirroring if dedup and incremental is None else None)
     cached = find_plan(context, scan, decision) if folder_known and incremental is None else None
     if cached is not None:
-        plan = _from_cache(cached, scan, copied_at_request)
+        plan = _from_cache(cached, scan, copied_at_request, copied_at_request_total)
     else:
-        plan = _from_items(flat, scan, context, decision, folder_known, hold_limit, copied_at_request, incremental)
+        plan = _from_items(flat, scan, context, decision, folder_known, hold_limit, copied_at_request,
+                           copied_at_request_total, incremental)
     if dedup and plan.decision_key is None and dkey is not None and dkey.plain is not None:
         plan.decision_key = dkey
     return plan
 
 
-def _from_cache(cached: StagePlan, scan: Scan, copied_at_request: int) -> RankPlan:
+def _from_cache(cached: StagePlan, scan: Scan, copied_at_request: int, total: int | None) -> RankPlan:
     # The scan read every tensor's version counter: guard the lazily copied ones (all but the
     # late and those copied at the request).
     versions = scan.versions
-    unguarded = cached.late + cached.small_positions(copied_at_request)
+    limit, small = cached.request_copies(copied_at_request, total)
+    unguarded = cached.late + small
     if unguarded:
         versions = list(versions)
         for i in unguarded:
@@ -174,12 +183,12 @@ def _from_cache(cached: StagePlan, scan: Scan, copied_at_request: int) -> RankPl
         [fp.planned(scan) for fp in cached.files], [], set(cached.skipped), set(cached.elsewhere),
         VersionGuard(scan.names, scan.tensors, versions),
         VersionGuard([scan.names[i] for i in late], [scan.tensors[i] for i in late], [scan.versions[i] for i in late]),
-        payloads={scan.names[i]: buf for i, buf in scan.payloads.items()},
+        payloads={scan.names[i]: buf for i, buf in scan.payloads.items()}, copy_limit=limit,
     )
 
 
 def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: frozenset | None,
-                folder_known: bool, hold_limit: Callable[[], int], copied_at_request: int,
+                folder_known: bool, hold_limit: Callable[[], int], copied_at_request: int, total: int | None,
                 incremental: frozenset | None = None) -> RankPlan:
     """Lay out every file from the items themselves; the plan is cacheable when the scan
     covered the state and nothing is held."""
@@ -199,7 +208,9 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
     if own.held and sum(it.entry.nbytes for it in own.held) > hold_limit():
         own.owned.extend(own.held)  # too big to hold: every holder writes its copy this time
         own.held = []
-    guard, late_guard = _guards(flat, own, copied_at_request)
+    staged_here = (*own.owned, *own.held, *own.mirrored, *(it for _, group in kept for it in group))
+    limit = request_copy_limit([it.entry.nbytes for it in staged_here], copied_at_request, total)
+    guard, late_guard = _guards(flat, own, limit)
     files: list[PlannedFile] = []
     held: list[HeldGroup] = []
     if not folder_known:  # nothing can be flushed before the folder is named
@@ -225,7 +236,7 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
     return RankPlan(
         files, held, own.skipped, own.elsewhere, guard, late_guard, decision_key, dedup and decision is None,
         frozenset(it.key for it in items if it.kind == PLAIN), record,
-        payloads={it.key[0]: it.keepalive for it in items if it.entry.kind == "bytes"},
+        payloads={it.key[0]: it.keepalive for it in items if it.entry.kind == "bytes"}, copy_limit=limit,
     )
 
 
@@ -270,6 +281,41 @@ def _guards(flat: dict, own: Ownership, copied_at_request: int) -> tuple[Version
             later.append((key[0], obj.to_local() if hasattr(obj, "to_local") else obj))
     return (VersionGuard([it.key[0] for it in lazy], [it.keepalive for it in lazy]),
             VersionGuard([n for n, _ in later], [t for _, t in later]))
+
+
+def request_copy_limit(sizes: list[int], max_bytes: int, total: int | None) -> int:
+    """The size up to which a save's items are copied at the request: ``max_bytes``, or, when the
+    items of 1..``max_bytes`` bytes hold more than ``total`` bytes in all, the largest size whose
+    items together with every smaller one fit in ``total`` (0: none fit). The smallest come first:
+    what the next forward changes without a version bump (normalization statistics, counters) is
+    small. One number, so the copy and the version guard always agree on what was copied."""
+    if max_bytes <= 0 or total is None:
+        return max(0, max_bytes)
+    small = sorted(n for n in sizes if 0 < n <= max_bytes)
+    if sum(small) <= total:
+        return max_bytes
+    limit, taken = 0, 0
+    for n, same in itertools.groupby(small):
+        taken += n * sum(1 for _ in same)
+        if taken > total:
+            break
+        limit = n
+    left = [n for n in small if n > limit]
+    key = (max_bytes, total, limit, len(left))
+    if key not in _limits_told:
+        _limits_told.add(key)
+        log.warning(
+            "dcp_datastates: %d tensors (and serialized values) of at most copy_at_request_max_bytes=%d bytes "
+            "hold %d bytes, more than "
+            "copy_at_request_total_bytes=%d: only those up to %d bytes are copied at the request; the other %d "
+            "(%d bytes) are copied lazily under the version guard, so a change the next forward makes to one of "
+            "them without a version bump (a BatchNorm statistic) would not be seen. Raise "
+            "copy_at_request_total_bytes to copy them all.",
+            len(small), max_bytes, sum(small), total, limit, len(left), sum(left))
+    return limit
+
+
+_limits_told: set[tuple] = set()  # the request_copy_limit warnings given (once per shape of the state)
 
 
 def _by_device(items: list[SourceItem]) -> list[list[SourceItem]]:
@@ -510,14 +556,16 @@ class StagePlan:
     elsewhere: frozenset  # plain tensors the decision gives to other ranks
     decision: frozenset | None  # the ownership decision this plan was built with
     late: tuple[int, ...] = ()  # flat positions of the skipped and elsewhere tensors
-    _small: dict = field(default_factory=dict, compare=False, repr=False)  # small_positions memo
+    _small: dict = field(default_factory=dict, compare=False, repr=False)  # request_copies memo
 
-    def small_positions(self, max_bytes: int) -> tuple[int, ...]:
-        """Flat positions of the items of 1..``max_bytes`` bytes (copied at the request)."""
-        found = self._small.get(max_bytes)
+    def request_copies(self, max_bytes: int, total: int | None) -> tuple[int, tuple[int, ...]]:
+        """(the size items are copied at the request up to, the flat positions of those items):
+        what ``request_copy_limit`` picks among this plan's items."""
+        found = self._small.get((max_bytes, total))
         if found is None:
-            found = self._small[max_bytes] = tuple(
-                i for fp in self.files for i, n, _ in fp.template if 0 < n <= max_bytes)
+            limit = request_copy_limit([n for fp in self.files for _, n, _ in fp.template], max_bytes, total)
+            found = self._small[(max_bytes, total)] = (limit, tuple(
+                i for fp in self.files for i, n, _ in fp.template if 0 < n <= limit))
         return found
 
 

@@ -340,7 +340,8 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
         direct = staged.incremental.written_directly(hint_key(durable, rank)) if durable else frozenset()
     plan = plan_stage(flat, rank=rank, world=world, dedup=dedup, cuda=engine.cuda_devices > 0,
                       folder_known=staged.path is not None, hold_limit=lambda: hold_limit(config),
-                      copied_at_request=config.copy_at_request_max_bytes, incremental=direct,
+                      copied_at_request=config.copy_at_request_max_bytes,
+                      copied_at_request_total=config.copy_at_request_total_bytes, incremental=direct,
                       mirroring=tier.mirroring)
     staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
     staged.guard, staged.late_guard = plan.guard, plan.late_guard
@@ -348,10 +349,11 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
     staged.flat, staged.payloads = flat, plan.payloads
     try:
         for pf in plan.files:  # (files are planned only when the folder is known)
-            staged.files.append(start_file(engine, staged, *_copy_small_now(engine, pf, staged.path, config), config))
+            copied = _copy_small_now(engine, pf, staged.path, plan.copy_limit)
+            staged.files.append(start_file(engine, staged, *copied, config))
         for group in plan.held:
             h = hold(engine, group.items, known=group.known, config=config, label=staged.path,
-                     incremental=staged.incremental)
+                     incremental=staged.incremental, copy_limit=plan.copy_limit)
             h.mirrors, h.mirror_of = group.mirrors, group.mirror_of
             staged.held.append(h)
     finally:
@@ -415,13 +417,13 @@ def planned(engine, index: int, items: list[SourceItem]) -> PlannedFile:
     return planned_file(index, device, items)
 
 
-def _copy_small_now(engine, pf: PlannedFile, path: str | None, config) -> tuple[PlannedFile, object]:
-    """At the request only: ``pf`` with its small items copied now (``copy_small_at_request``), and the
-    buffer they were copied into (None: nothing to copy). Files made later (``write_data``) need
-    no such copy."""
+def _copy_small_now(engine, pf: PlannedFile, path: str | None, copy_limit: int) -> tuple[PlannedFile, object]:
+    """At the request only: ``pf`` with its items of up to ``copy_limit`` bytes copied now
+    (``copy_small_at_request``), and the buffer they were copied into (None: nothing to copy).
+    Files made later (``write_data``) need no such copy."""
     stream = current_stream(pf.device) if pf.device >= 0 else 0
     spans, keepalive, side_buffer = copy_small_at_request(engine, pf.device, stream, pf.spans, pf.keepalive,
-                                                          config.copy_at_request_max_bytes, path or "checkpoint")
+                                                          copy_limit, path or "checkpoint")
     return dataclasses.replace(pf, spans=spans, keepalive=keepalive), side_buffer
 
 
@@ -455,15 +457,15 @@ def _name_file(f: FileJob, staged: StagedSave) -> None:
 
 
 def hold(engine, items: list[SourceItem], *, known: bool, config, label: str | None,
-         incremental: Incremental | None = None) -> HeldFile:
+         incremental: Incremental | None = None, copy_limit: int) -> HeldFile:
     """Copy ``items`` into the host cache now and write them once the plan says where (held_file.py);
-    with ``incremental``, only those whose bytes changed since the base checkpoint."""
+    with ``incremental``, only those whose bytes changed since the base checkpoint. Items of up
+    to ``copy_limit`` bytes are copied on this thread first (``copy_small_at_request``)."""
     device, items = on_one_device(engine.cuda_devices > 0, items)
     stream = current_stream(device) if device >= 0 else 0
     label = f"{label or 'checkpoint'} (held)"
     spans, keep, side_buffer = copy_small_at_request(engine, device, stream, [(it.ptr, it.entry.nbytes, 0) for it in items],
-                                                     [it.keepalive for it in items], config.copy_at_request_max_bytes,
-                                                     label)
+                                                     [it.keepalive for it in items], copy_limit, label)
     if side_buffer is not None:
         items = [dataclasses.replace(it, ptr=span[0], keepalive=owner) for it, span, owner in zip(items, spans, keep)]
     held = HeldFile(engine, items, device, stream, label, selection=None, selection_known=known,

@@ -132,7 +132,8 @@ def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, ti
     index = len(staged.files) + len(staged.held)
     if staged.incremental is not None and sum(s.entry.nbytes for s in sources) <= hold_limit(config):
         tier.files_changing(staged.path, staged.rank)
-        held = hold(engine, sources, known=True, config=config, label=staged.path, incremental=staged.incremental)
+        held = hold(engine, sources, known=True, config=config, label=staged.path, incremental=staged.incremental,
+                    copy_limit=config.copy_at_request_max_bytes)
         held.set_destination(staged.storage, data_file_name(staged.rank, index, staged.tag), sync=config.sync_files)
         return held
     return submit_file(engine, staged, planned(engine, index, sources), config, tier)
