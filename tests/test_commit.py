@@ -365,7 +365,26 @@ def test_the_metadata_text_is_the_json_of_its_fields(tmp_path):
             "chunks": [{"offsets": list(ch.offsets), "sizes": list(ch.sizes),
                         **where(locations[MetadataIndex(fqn, ch.offsets)])} for ch in smd.chunks]}
     assert doc["items"] == expected
+    assert doc["planner_data"] == {k: list(v) for k, v in md.planner_data.items()}
+    assert doc["planner_data"][f"model.{names[0]}"] == ["model", names[0]]
     assert {f"model.{n}" for n in names} <= set(doc["items"])
     assert doc["items"][f"model.{names[0]}"]["requires_grad"] is True
     assert {k: (v["dtype"]) for k, v in doc["items"].items() if v["type"] == "tensor"} == {
         f"model.{names[0]}": "float32", "model.plain": "float32", f"model.{names[2]}": "bfloat16", "i8": "int8"}
+
+
+def test_planner_data_is_written_only_when_it_is_flat_keys_to_paths():
+    """DefaultSavePlanner's planner_data (flat key -> path of str and int) is kept as JSON arrays,
+    also with subclasses of str and int (the checks' slow path); anything else is dropped."""
+    import enum
+
+    from dcp_datastates.format.layout import _jsonable_planner_data
+
+    class Name(str, enum.Enum):
+        A = "a"
+
+    assert json.loads(json.dumps(_jsonable_planner_data({"m.0.w": ("m", 0, "w"), "s": ["s"]}))) == {
+        "m.0.w": ["m", 0, "w"], "s": ["s"]}
+    assert _jsonable_planner_data({"a": (Name.A, True)}) == {"a": [Name.A, True]}
+    for bad in ({"a": ("m", 1.5)}, {1: ("m",)}, {"a": "m"}, {"a": ({"x": 1},)}, ["a"], None):
+        assert _jsonable_planner_data(bad) is None, bad

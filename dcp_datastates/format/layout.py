@@ -20,6 +20,7 @@ sizes later.
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import struct
@@ -292,6 +293,16 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
     spans: dict[str, list[tuple[int, int]]] = {}  # name -> (start, end) of each item's bytes
     items: list[str] = []
     find = locations.get
+    dims_json: dict = {}  # the JSON text of each distinct shape and offset (a model repeats a few)
+
+    def ints(dims) -> str:
+        try:
+            return dims_json[dims]
+        except KeyError:
+            text = dims_json[dims] = _int_list(dims)
+            return text
+        except TypeError:  # not hashable (a list)
+            return _int_list(dims)
 
     def where(fqn: str, offsets) -> tuple[str, int]:
         """The item's location fields as JSON text, and its stored length; files and spans
@@ -338,7 +349,7 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
         for i, chunk in enumerate(smd.chunks):
             offsets, sizes = chunk.offsets, chunk.sizes
             text, length = where(fqn, offsets)
-            chunks.append(f'{{"offsets":{_int_list(offsets)},"sizes":{_int_list(sizes)},{text}}}')
+            chunks.append(f'{{"offsets":{ints(offsets)},"sizes":{ints(sizes)},{text}}}')
             if c is not None:
                 numel = _numel(sizes)
                 covered += numel
@@ -348,7 +359,7 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
         if c is not None:
             _check_covered(c, f"item {fqn!r}", covered, size, _numel(size))
         items.append(f'{_json_str(fqn)}:{{"type":"tensor","dtype":"{name}",'
-                     f'"requires_grad":{"true" if props.requires_grad else "false"},"size":{_int_list(size)},'
+                     f'"requires_grad":{"true" if props.requires_grad else "false"},"size":{ints(size)},'
                      f'"chunks":[{",".join(chunks)}]}}')
     infos = {name: FileInfo(size=v[0], data_start=v[1], piece_size=v[2]) for name, v in files.items()}
     if c is not None:
@@ -390,6 +401,11 @@ def _item_where(fqn: str, offsets) -> str:
 
 def _jsonable_planner_data(data: Any) -> Any:
     """DefaultSavePlanner's planner_data maps flat keys to object paths (tuples of str/int)."""
+    if type(data) is dict:  # the common case in one pass of C loops (20,000 keys: ~70 -> ~5 ms)
+        paths = data.values()
+        if (set(map(type, data)) <= {str} and set(map(type, paths)) <= {tuple, list}
+                and set(map(type, itertools.chain.from_iterable(paths))) <= {str, int}):
+            return data  # json.dumps writes the tuples as arrays
     if isinstance(data, dict) and all(
         isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
         for k, v in data.items()
