@@ -130,3 +130,42 @@ def test_request_copy_limit_keeps_the_smallest_tensors_within_the_total(sizes, m
     from dcp_datastates.save.pipeline import request_copy_limit
 
     assert request_copy_limit(sizes, max_bytes, total) == limit
+
+
+def _flatten_cases():
+    import collections
+    import types
+
+    t = torch.ones(2)
+    return {
+        "nested": {"model": {"a": t, "b": {"c": t, "d": 3}}, "step": 1, "empty": {}},
+        "int and tuple keys": {"m": {0: t, 1: {2: t}, (3, 4): t}},
+        "OrderedDict and MappingProxy": {"m": collections.OrderedDict(w=t, x=types.MappingProxyType({"y": t}))},
+        "parameters and values": {"p": torch.nn.Parameter(torch.ones(3)), "s": "text", "n": None, "f": 1.5},
+        "a list (DCP's traversal)": {"m": {"w": t}, "l": [t, {"x": t}]},
+        "str subclass keys": {type("Key", (str,), {})("k"): {"j": t}},
+    }
+
+
+@pytest.mark.parametrize("case", list(_flatten_cases()))
+def test_flatten_gives_exactly_what_dcp_flatten_state_dict_gives(case):
+    """``pipeline.flatten`` (the training thread's own walk) returns DCP's keys, order, values and
+    paths for every kind of nesting, and its duplicate-key error."""
+    from dcp_datastates.compat import flatten_state_dict
+    from dcp_datastates.save.pipeline import flatten
+
+    state = _flatten_cases()[case]
+    ours, theirs = flatten(state), flatten_state_dict(state)
+    assert list(ours[0]) == list(theirs[0]) and list(ours[1].items()) == list(theirs[1].items())
+    assert all(ours[0][k] is theirs[0][k] for k in theirs[0])
+
+
+def test_flatten_refuses_a_duplicated_key_as_dcp_does():
+    from dcp_datastates.compat import flatten_state_dict
+    from dcp_datastates.save.pipeline import flatten
+
+    state = {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}
+    with pytest.raises(ValueError, match="duplicated flatten key a.b"):
+        flatten_state_dict(state)
+    with pytest.raises(ValueError, match="duplicated flatten key a.b"):
+        flatten(state)

@@ -50,6 +50,10 @@ __all__ = [
 
 
 # ------------------------------------------------------------------------- the flat state
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+
+
 class _NeedsDcpFlatten(Exception):
     """A value ``_flatten`` leaves to DCP's own traversal (lists)."""
 
@@ -74,19 +78,21 @@ def _flatten(state_dict: dict) -> tuple[dict, dict]:
 def _walk(flat: dict, mappings: dict, prefix: str, path: tuple, node: Mapping) -> None:
     # A module-level function, not a closure calling itself: such a closure is a reference
     # cycle, which would keep the flat dict (and every tensor in it) alive until a collection.
+    # Exact-type tests first: a plain tensor leaf (nearly every value) costs no ABC check.
     for k, v in node.items():
-        k = str(k)
-        name = prefix + k
-        sub = path + (k,)
-        if type(v) is not torch.Tensor and isinstance(v, Mapping):
-            _walk(flat, mappings, name + ".", sub, v)
+        if type(k) is not str:
+            k = str(k)
+        tv = type(v)
+        if tv is not _Tensor and (tv is dict or isinstance(v, Mapping)):
+            _walk(flat, mappings, prefix + k + ".", path + (k,), v)
             continue
-        if isinstance(v, list):
+        if tv is list or (tv is not _Tensor and isinstance(v, list)):
             raise _NeedsDcpFlatten
+        name = prefix + k
         if name in flat:
             raise ValueError(f"duplicated flatten key {name}")
         flat[name] = v
-        mappings[name] = sub
+        mappings[name] = path + (k,)
 
 
 def flatten(state_dict: dict) -> tuple[dict, dict]:
@@ -433,8 +439,6 @@ try:
 except ImportError:  # pragma: no cover - torch builds without distributed
     DTensor = None
 
-_Tensor = torch.Tensor
-_Parameter = torch.nn.Parameter
 _MAX_PLANS = 4  # a run may save a few structures (model, optimizer, ...) with separate writers
 
 
