@@ -96,7 +96,8 @@ ARGS_ONLY = ("python -m dcp_datastates bench --dir", "python benchmarks/bench_re
              "python benchmarks/bench_peers.py",
              "python3 scripts/torch_matrix.py",  # hours of downloads and runs: arguments checked only
              "python -m dcp_datastates bench --device cuda",  # needs a GPU: arguments checked only
-             "python -m dcp_datastates bench --size", "python scripts/commit_time.py")  # minutes each: arguments checked
+             "python -m dcp_datastates bench --size", "python scripts/commit_time.py",
+             "python scripts/scale_table.py")  # minutes each: arguments checked
 
 # Code a block needs from the surrounding text (a model, a saved checkpoint), run before it.
 _SAVED = """
