@@ -297,9 +297,10 @@ def request_copy_limit(sizes: list[int], max_bytes: int, total: int | None) -> i
     small. One number, so the copy and the version guard always agree on what was copied."""
     if max_bytes <= 0 or total is None:
         return max(0, max_bytes)
-    small = sorted(n for n in sizes if 0 < n <= max_bytes)
+    small = [n for n in sizes if 0 < n <= max_bytes]
     if sum(small) <= total:
         return max_bytes
+    small.sort()
     limit, taken = 0, 0
     for n, same in itertools.groupby(small):
         taken += n * sum(1 for _ in same)
