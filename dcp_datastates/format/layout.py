@@ -400,17 +400,17 @@ def _item_where(fqn: str, offsets) -> str:
 
 
 def _jsonable_planner_data(data: Any) -> Any:
-    """DefaultSavePlanner's planner_data maps flat keys to object paths (tuples of str/int)."""
-    if type(data) is dict:  # the common case in one pass of C loops (20,000 keys: ~70 -> ~5 ms)
-        paths = data.values()
-        if (set(map(type, data)) <= {str} and set(map(type, paths)) <= {tuple, list}
-                and set(map(type, itertools.chain.from_iterable(paths))) <= {str, int}):
-            return data  # json.dumps writes the tuples as arrays
-    if isinstance(data, dict) and all(
-        isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
-        for k, v in data.items()
-    ):
-        return {k: list(v) for k, v in data.items()}
+    """DefaultSavePlanner's planner_data, which maps flat keys to object paths (tuples of str and
+    int; ``json.dumps`` writes them as arrays), or None for anything else. The types are gathered
+    in C loops and each distinct one checked once (20,000 keys: ~5 ms, against ~70 ms for a check
+    per entry)."""
+    if not isinstance(data, dict):
+        return None
+    paths = data.values()
+    if (all(issubclass(t, str) for t in set(map(type, data)))
+            and all(issubclass(t, (tuple, list)) for t in set(map(type, paths)))
+            and all(issubclass(t, (str, int)) for t in set(map(type, itertools.chain.from_iterable(paths))))):
+        return data
     return None
 
 
