@@ -355,7 +355,7 @@ PYBIND11_MODULE(_engine, m) {
       .def(
           "submit_write",
           [](Engine& e, const std::string& path, py::bytes header, int64_t file_size, py::handle items, bool sync,
-             int device, uint64_t stream, bool named) {
+             int device, uint64_t stream, bool named, bool direct) {
             if (e.is_shut_down()) throw std::runtime_error("engine is shut down");
             if (file_size < 0) throw py::value_error("file_size must be >= 0, got " + std::to_string(file_size));
             std::vector<dcpds::WriteItem> parsed = parse_write_items(items);
@@ -363,16 +363,19 @@ PYBIND11_MODULE(_engine, m) {
             // No GIL release: submitting only enqueues (microseconds), and handing the GIL to
             // another thread here would cost the training thread up to a switch interval.
             return e.submit_write(path, std::move(head), static_cast<uint64_t>(file_size), parsed, sync, device, stream,
-                                  named);
+                                  named, direct);
           },
           py::arg("path"), py::arg("header"), py::arg("file_size"), py::arg("items"), py::arg("sync") = true,
-          py::arg("device") = -1, py::arg("stream") = 0, py::arg("named") = true, py::keep_alive<0, 1>(),
+          py::arg("device") = -1, py::arg("stream") = 0, py::arg("named") = true, py::arg("direct") = false,
+          py::keep_alive<0, 1>(),
           "Queue one file: header at offset 0, items (src_ptr, nbytes, file_offset). Returns a WriteJob at once;\n"
           "errors are reported by WriteJob.error(). The source memory must stay valid until the job is staged.\n"
           "device >= 0: the src pointers are on that CUDA device and stream is the caller's current CUDA stream\n"
           "there (int handle, 0 = legacy default): the copies run after the work queued on it so far.\n"
           "named=False: path only labels the job; the copies start now and the writes wait until\n"
-          "job.set_destination(path) names the file (or the job fails). The job keeps the engine alive.")
+          "job.set_destination(path) names the file (or the job fails). The job keeps the engine alive.\n"
+          "direct=True (host sources only): no copy into the host cache; the flush workers write the file\n"
+          "from the sources, and the job is staged once it is written (for memory-backed folders).")
       .def(
           "submit_stream",
           [](Engine& e, const std::string& label, py::bytes header, int64_t file_size, py::handle items, int device,
@@ -488,6 +491,7 @@ PYBIND11_MODULE(_engine, m) {
              d["cuda"] = s.cuda;
              d["pinned"] = s.pinned;
              d["d2h_bytes"] = s.d2h_bytes;
+             d["direct_bytes"] = s.direct_bytes;
              d["device_waits"] = s.device_waits;
              d["host_waits"] = s.host_waits;
              d["flush_ns"] = s.flush_ns;
@@ -511,6 +515,12 @@ PYBIND11_MODULE(_engine, m) {
       py::arg("fd"), py::arg("offset"), py::arg("nbytes"),
       "Start writing a just-written file range to the disk without waiting (a hint, as the engine\n"
       "gives its own files: the final fsync then finds little left). Errors are ignored.");
+  m.def(
+      "memory_backed",
+      [](const std::string& path) { return dcpds::memory_backed(path); }, py::arg("path"),
+      py::call_guard<NoGil>(),
+      "True when path (or, while it does not exist, its nearest existing parent folder) is on a\n"
+      "memory-backed file system (tmpfs, ramfs): there a file's bytes are written at memory speed.");
   m.def("crc32c", &crc_of_buffer, py::arg("data"), py::arg("seed") = 0,
         "CRC32C of a contiguous buffer; pass a previous result as seed to continue it.");
   m.def("hash64", [](py::handle data) -> uint64_t {

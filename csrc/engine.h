@@ -12,7 +12,8 @@
 //   device completion thread    DeviceStager::Device::done_mu,          none (hands the chunk on
 //     (complete_loop), 1/device pool_mu; flush_mu_ (push_flush)         to the flush queue)
 //   flush worker (flush_loop)   flush_mu_ (queue pop); FileJob::        file jobs: releases the
-//     x flush_threads           open_mu_ (open/close the file);         slot after pwrite
+//     x flush_threads           open_mu_ (open/close the file);         slot after pwrite (direct
+//                                                                       file jobs take none)
 //                               StreamJob::smu_ (chunk_ready/drop);     (flush_loop)
 //                               HostCache::mu_ (release)
 //   read worker (read_loop)     read_mu_; ReadBatch::mu_                none (reads bypass the cache)
@@ -76,6 +77,8 @@ struct EngineStats {
   uint64_t jobs_submitted, jobs_done, jobs_failed, backpressure_waits;
   uint64_t copy_threads, flush_threads, read_threads, hw_crc32c;
   uint64_t cuda, pinned, d2h_bytes, device_waits, host_waits;
+  // Bytes direct file jobs wrote from their sources (no cache slot; not in bytes_staged).
+  uint64_t direct_bytes;
   // Wall time flush workers spent on chunks, and the part of it spent checksumming.
   uint64_t flush_ns, checksum_ns;
 };
@@ -99,9 +102,12 @@ class Engine {
   // std::runtime_error naming the path.
   // named == false: `path` only labels the job until FileJob::set_destination names its file;
   // the copies start now, the writes once it is named.
+  // direct == true (host sources only, else std::invalid_argument): no copy into the cache; the
+  // flush workers write each chunk from the sources (see FileJob), and the job is staged once
+  // the whole file is written.
   std::shared_ptr<WriteJob> submit_write(std::string path, std::string header, uint64_t file_size,
                                          const std::vector<WriteItem>& items, bool sync = true, int device = -1,
-                                         uint64_t stream = 0, bool named = true);
+                                         uint64_t stream = 0, bool named = true, bool direct = false);
 
   // A streaming job: the same layout, grid, copies and per-piece CRC32C as submit_write, but
   // nothing is written: each chunk, once in its cache slot and checksummed, is handed to one
@@ -168,8 +174,15 @@ class Engine {
   void stage_device_chunk(ChunkRef ref);
   void device_chunk_ready(ChunkRef&& ref, bool copied);
   void push_flush(ChunkRef&& ref);
+  // A flush worker's next chunk (blocking); false once stopping with nothing queued.
+  bool pop_flush(ChunkRef* out);
   void push_flush_front(std::vector<ChunkRef>&& refs);
   void flush_chunk(FileJob& job, Chunk& c);
+  // The bytes of chunk c, checksummed block by block as they go: from its cache slot, or for a
+  // direct job from each piece's source. Returns "" or the write's error; *crc_ns gets the
+  // checksum time. Stops early (returning "") once the job fails.
+  std::string write_from_slot(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns);
+  std::string write_from_sources(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns);
   // Returns the nanoseconds spent (0 with checksums off).
   uint64_t checksum_range(WriteJob& job, const Chunk& c, const char* base, uint64_t from, uint64_t to,
                           size_t* first_piece) const;
@@ -216,7 +229,7 @@ class Engine {
   std::atomic<uint64_t> bytes_staged_{0}, bytes_flushed_{0}, bytes_read_{0};
   std::atomic<uint64_t> chunks_staged_{0}, chunks_flushed_{0};
   std::atomic<uint64_t> jobs_submitted_{0}, jobs_done_{0}, jobs_failed_{0}, backpressure_waits_{0};
-  std::atomic<uint64_t> d2h_bytes_{0}, device_waits_{0}, host_waits_{0};
+  std::atomic<uint64_t> d2h_bytes_{0}, device_waits_{0}, host_waits_{0}, direct_bytes_{0};
   std::atomic<uint64_t> flush_ns_{0}, checksum_ns_{0};
   // Chunks submitted and not yet handled by a copy worker: the prefault waits while any are.
   std::atomic<int64_t> copies_pending_{0};

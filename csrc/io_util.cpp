@@ -4,6 +4,7 @@
 #include <cstring>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 namespace dcpds {
@@ -177,6 +178,35 @@ void start_writeback(int fd, uint64_t off, uint64_t len) {
   } while (rc != 0 && errno == EINTR);
 #else
   (void)fd, (void)off, (void)len;
+#endif
+}
+
+bool memory_backed(const std::string& path) {
+#if defined(__linux__)
+  // The magic numbers of <linux/magic.h>, spelled out so the build needs no kernel headers.
+  constexpr unsigned long kTmpfsMagic = 0x01021994UL, kRamfsMagic = 0x858458f6UL;
+  std::string p = path.empty() ? std::string(".") : path;
+  for (;;) {
+    struct statfs sf;
+    int rc;
+    do {
+      rc = ::statfs(p.c_str(), &sf);
+    } while (rc != 0 && errno == EINTR);
+    if (rc == 0) {
+      const auto magic = static_cast<unsigned long>(sf.f_type) & 0xffffffffUL;
+      return magic == kTmpfsMagic || magic == kRamfsMagic;
+    }
+    if (errno != ENOENT && errno != ENOTDIR) return false;
+    if (p == "/" || p == ".") return false;  // nothing left to ask (a removed working folder)
+    // Not there yet (the save makes the folder later): ask its parent.
+    while (p.size() > 1 && p.back() == '/') p.pop_back();
+    const size_t slash = p.rfind('/');
+    if (slash == std::string::npos) p = ".";
+    else p.resize(slash == 0 ? 1 : slash);
+  }
+#else
+  (void)path;
+  return false;
 #endif
 }
 

@@ -37,4 +37,9 @@ int open_regular_for_write(const std::string& path, std::string* err);
 // sync_file_range; a no-op elsewhere): a hint, errors ignored, the final fsync reports real ones.
 void start_writeback(int fd, uint64_t off, uint64_t len);
 
+// True when `path`, or while it does not exist its nearest existing ancestor, is on a
+// memory-backed file system (Linux tmpfs or ramfs, by statfs's f_type); false elsewhere and when
+// nothing on the way can be examined.
+bool memory_backed(const std::string& path);
+
 }  // namespace dcpds

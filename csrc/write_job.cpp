@@ -144,6 +144,10 @@ void WriteJob::checksum_range(const Chunk& c, const char* base, uint64_t from, u
   }
 }
 
+void WriteJob::checksum_part(const Piece& p, const char* data, uint64_t len) {
+  crcs_[p.crc_index] = crc32c(data, static_cast<size_t>(len), crcs_[p.crc_index]);
+}
+
 WriteJob::Next WriteJob::next_chunk(double, StreamChunk*) {
   throw std::logic_error(path_ + ": next_chunk on a job that is not streaming");
 }
@@ -154,9 +158,11 @@ void WriteJob::release(uint64_t) { throw std::logic_error(path_ + ": release on 
 // File jobs.
 
 FileJob::FileJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
-                 uint64_t grid, bool sync, int device, bool named, std::function<void(std::vector<ChunkRef>&&)> requeue)
+                 uint64_t grid, bool sync, int device, bool named, bool direct,
+                 std::function<void(std::vector<ChunkRef>&&)> requeue)
     : WriteJob(std::move(path), std::move(header), file_size, items, grid, device),
       sync_(sync),
+      direct_(direct),
       file_path_(named ? path_ : std::string()),
       named_(named),
       requeue_(std::move(requeue)) {}

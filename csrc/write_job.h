@@ -143,10 +143,17 @@ class WriteJob {
   // `base`, the chunk's slot) onto what earlier ranges gave. Ranges come in file order;
   // *first_piece skips the pieces that ended before `from`.
   void checksum_range(const Chunk& c, const char* base, uint64_t from, uint64_t to, size_t* first_piece);
+  // Chains the CRC32C of `len` bytes at `data`, the next bytes of piece p in file order, onto
+  // what its earlier bytes gave (direct file jobs checksum from the source, piece by piece).
+  void checksum_part(const Piece& p, const char* data, uint64_t len);
+  // True for a file job written straight from its sources (FileJob, `direct`).
+  virtual bool direct() const { return false; }
   // Records the first error; later chunks of the job are skipped.
   virtual void fail(const std::string& msg);
   void chunk_enqueued() { chunks_enqueued_.fetch_add(1, std::memory_order_acq_rel); }
   size_t chunks_enqueued() const { return chunks_enqueued_.load(std::memory_order_relaxed); }
+  // Flush workers writing a chunk of this job now (Engine::pop_flush prefers a file nobody writes).
+  std::atomic<int>& writers() { return writers_; }
   bool chunk_staged();   // marks the job staged after its last chunk; true for that call
   bool chunk_flushed();  // true for the caller that flushed the last chunk
   // File jobs: chunk `index` is in the file (pwritten); advances written_prefix().
@@ -182,6 +189,7 @@ class WriteJob {
   std::atomic<size_t> chunks_flushed_{0};
   std::atomic<bool> failed_{false};
   std::atomic<uint64_t> bytes_done_{0};
+  std::atomic<int> writers_{0};
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -204,16 +212,25 @@ class WriteJob {
 // then runs off the training thread while the copies go on. `path` is only a label for messages
 // until set_destination names the file; flush workers park the job's chunks (slots held) until
 // then, and a failure hands them back so that their slots are freed.
+//
+// A `direct` job (host sources only) takes no cache slot: its chunks go straight to the flush
+// queue and each is pwritten from the caller's memory, checksummed there block by block, gaps
+// left as holes (zeros: the file starts empty). One pass over memory instead of two, for files on
+// memory-backed file systems, where the write is itself a memory copy and the cache's copy first
+// doubles the work. The job is staged once its last chunk is written, not copied: the sources
+// must stay unchanged until then, as for any job until it is staged.
 class FileJob final : public WriteJob {
  public:
   // `requeue` puts the parked chunks back at the head of the engine's flush queue, ahead of the
   // job's later chunks queued meanwhile, in file order and in one step: flushed in any other
   // order, the written prefix (what the local tier's drain may copy) would stall behind them.
   FileJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
-          uint64_t grid, bool sync, int device, bool named, std::function<void(std::vector<ChunkRef>&&)> requeue);
+          uint64_t grid, bool sync, int device, bool named, bool direct,
+          std::function<void(std::vector<ChunkRef>&&)> requeue);
   ~FileJob() override;
 
   bool sync() const { return sync_; }
+  bool direct() const override { return direct_; }
   // The file written: `path`, or the one set_destination named. Read by flush workers only for
   // chunks that admit() let through (set before, under open_mu_).
   const std::string& file_path() const { return file_path_; }
@@ -239,6 +256,7 @@ class FileJob final : public WriteJob {
   void requeue_parked_locked();
 
   const bool sync_;
+  const bool direct_;
   mutable std::mutex open_mu_;
   bool open_attempted_ = false;
   int fd_ = -1;

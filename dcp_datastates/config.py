@@ -211,6 +211,15 @@ class DataStatesConfig:
         read_threads: threads reading files on load (default min(4, 2 x CPUs)); engine-wide,
             and a reader's value also caps the workers of its own loads.
         sync_files: fsync data files and the commit marker (DCP ``FileSystemWriter`` meaning).
+        direct_writes: write CPU tensors' bytes to their data files straight from the tensors'
+            memory, with no copy into the host cache first: one pass over memory instead of two.
+            The save is then staged (the next optimizer step may run) once the files are written
+            (to the page cache, fsync'ed later), not once the bytes are in the cache. None
+            (default): only where the checkpoint folder (or the local tier) is on a memory-backed
+            file system (tmpfs, ramfs: ``/dev/shm``), where writing a file is itself a memory copy
+            and the cache's copy doubled the work; on a disk the cache lets training go on while
+            the disk is slower than memory. True: for every local folder; False: never. CUDA
+            tensors and object stores always go through the host cache.
         overwrite: allow saving into a folder that already holds a committed checkpoint.
         verify: verify item checksums on load.
         cache_wait_timeout: seconds a copy may wait for cache space before the save fails.
@@ -267,6 +276,7 @@ class DataStatesConfig:
     flush_threads: int = 2
     read_threads: int = field(default_factory=_default_read_threads)
     sync_files: bool = True
+    direct_writes: bool | None = None
     overwrite: bool = True
     verify: bool = True
     cache_wait_timeout: float = 600.0
@@ -322,8 +332,10 @@ class DataStatesConfig:
                      "incremental"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
-        if self.prefault_host_cache is not None and not isinstance(self.prefault_host_cache, bool):
-            raise ValueError(f"prefault_host_cache: expected true, false or null, got {self.prefault_host_cache!r}")
+        for name in ("prefault_host_cache", "direct_writes"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name}: expected true, false or null, got {value!r}")
 
     # ----------------------------------------------------------------- construction helpers
     @classmethod

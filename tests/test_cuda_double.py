@@ -738,3 +738,36 @@ def test_a_reused_side_buffer_is_never_written_while_an_earlier_copy_reads_it(tm
     finally:
         runtime.shutdown_engine()
         fake.destroy(s)
+
+
+def test_device_tensors_go_through_the_cache_after_the_callers_stream_with_direct_writes(tmp_path, fake,
+                                                                                          monkeypatch):
+    """``direct_writes=True`` writes host tensors straight from their memory, but never device
+    tensors: their job copies through the cache on the copy stream, after an event recorded on
+    the caller's stream. A slow "kernel" queued on that stream just before the save writes 0xAB
+    into a device tensor; the file must hold 0xAB (written from the device memory without that
+    ordering, it would hold the tensor's earlier bytes). The host tensor is written directly."""
+    import numpy as np
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesReader, DataStatesWriter, engine_stats, runtime
+
+    s = _float_tensors_on_fake_device(fake, monkeypatch, delay_us=5_000)
+    weights = torch.randn(256 * 1024)  # 1 MiB of "device" memory: copied lazily by the engine
+    counts = torch.arange(300_000, dtype=torch.int64)  # host memory: written from its own memory
+    state = {"w": weights, "counts": counts}
+    try:
+        fake.fill(s, weights.numpy(), 0xAB, delay_us=150_000)  # the producer, still queued
+        resp = dcp.async_save(state, storage_writer=DataStatesWriter(
+            tmp_path / "ck", host_cache_size=4 * MiB, chunk_size=64 * KiB, direct_writes=True))
+        resp.upload_completion.result(timeout=60)
+        stats = engine_stats()
+        assert stats["direct_bytes"] == counts.nbytes and stats["d2h_bytes"] == weights.nbytes
+        fake.drain(s)
+        dest = {"w": torch.zeros_like(weights), "counts": torch.zeros_like(counts)}
+        dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "ck"))
+        assert (dest["w"].numpy().view(np.uint8) == 0xAB).all()
+        assert torch.equal(dest["counts"], counts)
+    finally:
+        runtime.shutdown_engine()
+        fake.destroy(s)

@@ -83,7 +83,8 @@ def register(save: SaveHandle) -> None:
 
 
 def staged(save: SaveHandle) -> None:
-    """All its bytes are in the host cache: ``wait_staged`` no longer waits for it."""
+    """All its bytes are copied out (into the host cache, or written with direct writes):
+    ``wait_staged`` no longer waits for it."""
     with _lock:
         _staging[:] = [s for s in _staging if s is not save]
 

@@ -32,7 +32,8 @@ class CheckpointStats:
         bytes: data bytes this rank wrote (the coordinator may pass the checkpoint's total).
         stall_s: time the training thread spent on the checkpoint (the save call, and any wait
             for staging before the next ``optimizer.step()``).
-        staged_s: until every byte was in the host cache (live tensors free to change).
+        staged_s: until every byte was in the host cache, or written to its file with direct
+            writes (live tensors free to change).
         durable_s: until the files were durable and ``.metadata`` committed; None until then.
             With ``local_tier``: until the durable tier was committed (after the drain).
         local_s: with ``local_tier``, until the local copy was committed; else None.

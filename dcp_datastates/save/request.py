@@ -329,6 +329,14 @@ def prepare_destination(staged: StagedSave, config, tier, need) -> None:
         staged.fail(exc)
 
 
+def _files_per_group(storage, config) -> int:
+    """One file per flush thread where the engine writes host tensors straight to the folder
+    (each thread then has a file of its own: see ``split_for_writers``), else one."""
+    if storage is not None and storage.writes_direct(config.direct_writes):
+        return config.flush_threads
+    return 1
+
+
 def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
     rank, world = global_rank_world()
     staged.rank = rank
@@ -342,7 +350,7 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
                       folder_known=staged.path is not None, hold_limit=lambda: hold_limit(config),
                       copied_at_request=config.copy_at_request_max_bytes,
                       copied_at_request_total=config.copy_at_request_total_bytes, incremental=direct,
-                      mirroring=tier.mirroring)
+                      mirroring=tier.mirroring, files_per_group=_files_per_group(staged.storage, config))
     staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
     staged.guard, staged.late_guard = plan.guard, plan.late_guard
     staged.decision_key, staged.learn, staged.plain_keys = plan.decision_key, plan.learn, plan.plain_keys
@@ -435,7 +443,7 @@ def start_file(engine, staged: StagedSave, pf: PlannedFile, side_buffer, config)
     untagged = pf.untagged or data_file_name(staged.rank, pf.index)
     job, upload, name_it = staged.storage.start_data_file(
         engine, untagged, pf.layout.header, pf.layout.file_size, pf.spans, sync=config.sync_files, device=pf.device,
-        stream=stream)
+        stream=stream, direct_writes=config.direct_writes)
     locations = pf.locations(untagged, job.piece_size())
     return FileJob(pf.index, None, job, pf.keys, locations, pf.keepalive, engine, pf.layout.file_size, upload, name_it,
                    side_buffer, mirrors=pf.mirrors, mirror_of=pf.mirror_of)

@@ -141,23 +141,30 @@ class Storage(ABC):
         self.remove(name)
 
     # ------------------------------------------------------------------------------ data files
+    def writes_direct(self, direct_writes: bool | None) -> bool:
+        """Whether host memory goes to this storage's files without the host cache, given the
+        ``direct_writes`` option (None: the storage's choice). Object stores: never."""
+        return False
+
     @abstractmethod
     def start_data_file(self, engine, label: str, header: bytes, file_size: int, spans: list, *, sync: bool,
-                        device: int, stream: int) -> StartedDataFile:
+                        device: int, stream: int, direct_writes: bool | None = None) -> StartedDataFile:
         """Hand one data file to the engine before its name is known (the folder is prepared off
         the training thread): the copies into the host cache start now, nothing is written until
         ``name_it(name, defer)`` names it; failing the job (``job.fail``) instead frees what it
         holds. ``label`` names the file in messages until then. (``write_data_file`` is this,
-        named at once.)"""
+        named at once.) ``direct_writes`` is the option of that name: local files of host
+        memory may skip the host cache (None: where the folder is memory-backed); object
+        stores ignore it."""
 
     def write_data_file(self, engine, name: str, header: bytes, file_size: int, spans: list, *, sync: bool,
-                        device: int, stream: int, defer=None) -> DataFileJob:
+                        device: int, stream: int, defer=None, direct_writes: bool | None = None) -> DataFileJob:
         """Hand one data file to the engine, named at once. Local: an engine file job writing a
         new inode (an old file there is moved aside and freed through ``defer(fn, *args)``, which
         runs cleanup off the caller's thread; default: at once). Object stores: an engine
         streaming job whose bytes an uploader thread appends to one object."""
         job, upload, name_it = self.start_data_file(engine, name, header, file_size, spans, sync=sync, device=device,
-                                                    stream=stream)
+                                                    stream=stream, direct_writes=direct_writes)
         name_it(name, defer)
         return job, upload
 

@@ -9,6 +9,7 @@ or symlink shared with another checkpoint is never truncated in place.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import stat
@@ -105,6 +106,14 @@ class LocalStorage(Storage):
 
     def parent(self) -> "LocalStorage":
         return LocalStorage(os.path.dirname(os.path.abspath(self.location)))
+
+    @functools.cached_property
+    def memory_backed(self) -> bool:
+        """Whether the folder (or the existing folder it will be made in) is on tmpfs or ramfs."""
+        return engine_module().memory_backed(self.location)
+
+    def writes_direct(self, direct_writes: bool | None) -> bool:
+        return self.memory_backed if direct_writes is None else direct_writes
 
     def subfolders(self) -> list[str]:
         try:
@@ -250,8 +259,12 @@ class LocalStorage(Storage):
 
     # ------------------------------------------------------------------------------ data files
     def start_data_file(self, engine, label: str, header: bytes, file_size: int, spans: list, *, sync: bool,
-                        device: int, stream: int) -> StartedDataFile:
-        job = engine.submit_write(self.where(label), header, file_size, spans, sync, device, stream, named=False)
+                        device: int, stream: int, direct_writes: bool | None = None) -> StartedDataFile:
+        # Host memory to a memory-backed folder: the write is a memory copy, so the cache's copy
+        # in front of it would only double the work (the engine writes from the sources).
+        direct = device < 0 and self.writes_direct(direct_writes)
+        job = engine.submit_write(self.where(label), header, file_size, spans, sync, device, stream, named=False,
+                                  direct=direct)
 
         def name_it(name: str, defer=None) -> None:
             path = self.where(name)

@@ -255,7 +255,7 @@ class ObjectStorage(Storage):
 
     # ------------------------------------------------------------------------------ data files
     def start_data_file(self, engine, label: str, header: bytes, file_size: int, spans: list, *, sync: bool,
-                        device: int, stream: int) -> StartedDataFile:
+                        device: int, stream: int, direct_writes: bool | None = None) -> StartedDataFile:
         named: Future = Future()
         with _submit_lock:  # uploads start in the order the engine grants their jobs cache slots; each waits for its name
             job = engine.submit_stream(self.where(label), header, file_size, spans, device, stream)
