@@ -77,7 +77,9 @@ def test_200_checkpoints_bounded_resources(tmp_path, small_engine):
                 "optim": {k: {n: t.clone() for n, t in s.items()} for k, s in state["optim"]["state"].items()},
             }
             folder = tmp_path / f"step-{i}"
-            writer = DataStatesWriter(folder, host_cache_size=CACHE, chunk_size=CHUNK, sync_files=False)
+            # The cache's reuse is the subject: no direct writes, even with tmp_path on tmpfs.
+            writer = DataStatesWriter(folder, host_cache_size=CACHE, chunk_size=CHUNK, sync_files=False,
+                                      direct_writes=False)
             if i % 5 == 4:
                 dcp.save(state, storage_writer=writer)
             else:

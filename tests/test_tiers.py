@@ -480,7 +480,9 @@ def test_files_are_copied_to_the_durable_tier_while_the_engine_writes_them(tmp_p
     from dcp_datastates.runtime import get_engine
 
     durable, nv = tmp_path / "durable" / "step-1", tmp_path / "nv"
-    opts = dict(chunk_size=64 << 10, copy_threads=1, flush_threads=1, host_cache_size=4 << 20)
+    # Through the cache (staged while the writes stall) even with tmp_path on tmpfs: a direct
+    # write is staged only once written, so the copier would start after the file is complete.
+    opts = dict(chunk_size=64 << 10, copy_threads=1, flush_threads=1, host_cache_size=4 << 20, direct_writes=False)
     if durable_folder == "holding a commit":
         save(_big_state(0), durable, nv, **opts)  # the new files get tagged names next to it
     writes = _durable_writes(monkeypatch)
