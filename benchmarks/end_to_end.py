@@ -80,12 +80,15 @@ def main(argv=None) -> dict:
     p.add_argument("--runs", type=int, default=3, help="loops per (method, every); medians are reported")
     p.add_argument("--dir", default="/tmp/dcpds-e2e")
     p.add_argument("--json", default=None)
-    p.add_argument("--engine", default="", help="engine options of the datastates method, e.g. "
-                   "copy_threads=1,flush_threads=1 (one set per process: the engine is process-wide)")
+    p.add_argument("--engine", default="", help="options of the datastates method, e.g. "
+                   "copy_threads=1,flush_threads=1 or direct_writes=false (one set per process: the engine is "
+                   "process-wide)")
     args = p.parse_args(argv)
     for option in filter(None, args.engine.split(",")):
         key, _, value = option.partition("=")
-        bench.ENGINE_OPTIONS[key.strip()] = int(value) if value.strip().isdigit() else value.strip()
+        value = value.strip()
+        words = {"true": True, "false": False, "null": None}
+        bench.ENGINE_OPTIONS[key.strip()] = int(value) if value.isdigit() else words.get(value.lower(), value)
     warnings.filterwarnings("ignore")
     size = parse_size(args.size, name="--size")
     everies = [int(x) for x in args.every.split(",")]

@@ -93,11 +93,11 @@ ELSEWHERE = {
 # Long benchmark runs: each --flag must be one the command accepts.
 ARGS_ONLY = ("python -m dcp_datastates bench --dir", "python benchmarks/bench_remote.py", "python benchmarks/bench_planning.py",
              "python benchmarks/bench_tiers.py", "python benchmarks/save_load_ab.py", "python benchmarks/bench_incremental.py",
-             "python benchmarks/bench_peers.py",
+             "python benchmarks/bench_peers.py", "python benchmarks/end_to_end.py",
              "python3 scripts/torch_matrix.py",  # hours of downloads and runs: arguments checked only
              "python -m dcp_datastates bench --device cuda",  # needs a GPU: arguments checked only
              "python -m dcp_datastates bench --size", "python scripts/commit_time.py",
-             "python scripts/scale_table.py")  # minutes each: arguments checked
+             "python scripts/scale_table.py", "python scripts/direct_write_time.py")  # minutes each: arguments checked
 
 # Code a block needs from the surrounding text (a model, a saved checkpoint), run before it.
 _SAVED = """
