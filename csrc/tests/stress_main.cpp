@@ -156,7 +156,9 @@ void run_phase(const std::string& dir, int phase, double cache_wait_timeout, boo
                                   "_" + std::to_string(j) + ".bin");
         const int mode = j % 6;
         const bool named = !(mode == 1 || mode == 4 || mode == 5);
-        p.job = eng->submit_write(p.path, p.header, p.expected.size(), p.items, rng() % 2 == 0, -1, 0, named);
+        // A third written straight from the sources (no cache slot), among jobs that wait for slots.
+        const bool direct = rng() % 3 == 0;
+        p.job = eng->submit_write(p.path, p.header, p.expected.size(), p.items, rng() % 2 == 0, -1, 0, named, direct);
         if (!named) {
           const auto delay = std::chrono::microseconds(rng() % 3000);
           std::lock_guard<std::mutex> g(namers_mu);
