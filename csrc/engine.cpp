@@ -381,10 +381,12 @@ void Engine::flush_loop() {
   for (;;) {
     ChunkRef ref;
     if (!pop_flush(&ref)) return;
-    struct Writing {  // the job's writer count drops however the chunk ends
-      WriteJob& job;
-      ~Writing() { job.writers().fetch_sub(1, std::memory_order_relaxed); }
-    } writing{*ref.job};
+    // The job's writer count drops however the chunk ends. Its own reference: a parked chunk's
+    // ref moves into the job, which may then be finished and dropped by others before this ends.
+    struct Writing {
+      std::shared_ptr<WriteJob> job;
+      ~Writing() { job->writers().fetch_sub(1, std::memory_order_relaxed); }
+    } writing{ref.job};
     if (ref.job->stream()) {
       stream_flush(static_cast<StreamJob&>(*ref.job), ref.index);
       continue;
