@@ -358,3 +358,19 @@ def test_a_local_tier_on_tmpfs_is_written_directly_and_drained_whole(tmp_path, s
     dest = zeros_like_state(state)
     dcp.load(dest, storage_reader=DataStatesReader(durable))
     assert_state_equal(snapshot, dest)
+
+
+@pytest.mark.parametrize("direct_writes, direct", [(None, True), (False, False)])
+def test_a_held_file_follows_the_option_when_it_is_written(shm_path, small_engine, direct_writes, direct):
+    """A save whose folder is given only as DCP's checkpoint_id holds its items in the cache until
+    the folder is known, then writes them: through the same option as every other file."""
+    state = _state(3)
+    snapshot = clone_state(state)
+    before = engine_stats().get("direct_bytes", 0)
+    writer = DataStatesWriter(direct_writes=direct_writes)
+    dcp.async_save(state, checkpoint_id=shm_path, storage_writer=writer).upload_completion.result(timeout=120)
+    moved = engine_stats()["direct_bytes"] - before
+    assert (moved >= sum(t.nbytes for t in state["model"].values())) if direct else (moved == 0)
+    dest = zeros_like_state(state)
+    dcp.load(dest, storage_reader=DataStatesReader(shm_path))
+    assert_state_equal(snapshot, dest)

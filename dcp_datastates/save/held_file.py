@@ -42,8 +42,8 @@ __all__ = ["HeldFile"]
 
 
 class _Destination:
-    def __init__(self, storage: Storage, name: str, sync: bool) -> None:
-        self.storage, self.name, self.sync = storage, name, sync
+    def __init__(self, storage: Storage, name: str, sync: bool, direct_writes: bool | None) -> None:
+        self.storage, self.name, self.sync, self.direct_writes = storage, name, sync, direct_writes
 
 
 class HeldFile:
@@ -77,9 +77,9 @@ class HeldFile:
         threading.Thread(target=self._run, name="dcp-datastates-held", daemon=True).start()
 
     # ------------------------------------------------------------------------------ decisions
-    def set_destination(self, storage: Storage, name: str, *, sync: bool) -> None:
+    def set_destination(self, storage: Storage, name: str, *, sync: bool, direct_writes: bool | None = None) -> None:
         with self._ready:
-            self._dest = _Destination(storage, name, sync)
+            self._dest = _Destination(storage, name, sync, direct_writes)
             self.name = name
             self._ready.notify_all()
 
@@ -224,7 +224,7 @@ class HeldFile:
     def _submit(self, dest: _Destination, final, items: list):
         """(engine job, upload future or None) writing the final file at its destination."""
         return dest.storage.write_data_file(self.engine, dest.name, final.header, final.file_size, items,
-                                            sync=dest.sync, device=-1, stream=0)
+                                            sync=dest.sync, device=-1, stream=0, direct_writes=dest.direct_writes)
 
 
 def _segments(taken: list[tuple[int, int, int]], offset: int, nbytes: int) -> list[tuple[int, int]]:

@@ -395,7 +395,8 @@ def name_folder(staged: StagedSave, path: str, storage: Storage, config, tier) -
         tier.files_changing(staged.path, staged.rank)
     for k, h in enumerate(staged.held, start=len(staged.files)):
         if h.name is None:
-            h.set_destination(storage, data_file_name(staged.rank, k, staged.tag), sync=config.sync_files)
+            h.set_destination(storage, data_file_name(staged.rank, k, staged.tag), sync=config.sync_files,
+                              direct_writes=config.direct_writes)
 
 
 def sync_save(path: str, storage: Storage, rank: int, config, tier) -> StagedSave:

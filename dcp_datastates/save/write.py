@@ -134,7 +134,8 @@ def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, ti
         tier.files_changing(staged.path, staged.rank)
         held = hold(engine, sources, known=True, config=config, label=staged.path, incremental=staged.incremental,
                     copy_limit=config.copy_at_request_max_bytes)
-        held.set_destination(staged.storage, data_file_name(staged.rank, index, staged.tag), sync=config.sync_files)
+        held.set_destination(staged.storage, data_file_name(staged.rank, index, staged.tag), sync=config.sync_files,
+                             direct_writes=config.direct_writes)
         return held
     return submit_file(engine, staged, planned(engine, index, sources), config, tier)
 
