@@ -41,6 +41,11 @@ def ptr(a: np.ndarray) -> int:
     return a.ctypes.data
 
 
+def submit(eng, path, a: np.ndarray, **kw):
+    """One job writing ``a`` as the whole file ``path`` (no header)."""
+    return eng.submit_write(str(path), b"", a.nbytes, [(ptr(a), a.nbytes, 0)], **kw)
+
+
 @pytest.fixture
 def shm_path():
     """A fresh folder on a memory-backed file system (/dev/shm), removed afterwards."""
@@ -109,9 +114,8 @@ def test_a_direct_job_is_staged_only_once_its_sources_are_written(tmp_path):
     try:
         a = rand(1 * MiB, 2)
         eng.set_fault("stall", 0, "held")
-        cached = eng.submit_write(str(tmp_path / "held-cached.bin"), b"", a.nbytes, [(ptr(a), a.nbytes, 0)])
-        direct = eng.submit_write(str(tmp_path / "held-direct.bin"), b"", a.nbytes, [(ptr(a), a.nbytes, 0)],
-                                  direct=True)
+        cached = submit(eng, tmp_path / "held-cached.bin", a)
+        direct = submit(eng, tmp_path / "held-direct.bin", a, direct=True)
         assert cached.wait_staged(20) and not cached.is_done()
         assert not direct.wait_staged(0.3) and direct.bytes_done == 0
         eng.set_fault("none", 0, "")
@@ -128,7 +132,7 @@ def test_a_direct_job_needs_host_sources(tmp_path):
     try:
         a = rand(10, 3)
         with pytest.raises(ValueError, match=r"dev\.bin: a direct write needs host sources, got CUDA device 0"):
-            eng.submit_write(str(tmp_path / "dev.bin"), b"", a.nbytes, [(ptr(a), a.nbytes, 0)], device=0, direct=True)
+            submit(eng, tmp_path / "dev.bin", a, device=0, direct=True)
         assert not (tmp_path / "dev.bin").exists()
     finally:
         eng.shutdown()
@@ -141,11 +145,11 @@ def test_a_direct_job_reports_write_faults_and_the_engine_goes_on(tmp_path, kind
     try:
         a = rand(200 * KiB, 4)
         eng.set_fault(kind, 0, "bad")
-        job = eng.submit_write(str(tmp_path / "bad.bin"), b"", a.nbytes, [(ptr(a), a.nbytes, 0)], direct=True)
+        job = submit(eng, tmp_path / "bad.bin", a, direct=True)
         assert job.wait_done(20) and job.wait_staged(0)  # a failed job reaches both
         assert "bad.bin" in job.error() and cause in job.error()
         eng.set_fault("none", 0, "")
-        job = eng.submit_write(str(tmp_path / "good.bin"), b"", a.nbytes, [(ptr(a), a.nbytes, 0)], direct=True)
+        job = submit(eng, tmp_path / "good.bin", a, direct=True)
         assert job.wait_done(20) and job.error() is None
         assert (tmp_path / "good.bin").read_bytes() == a.tobytes()
     finally:
@@ -158,7 +162,7 @@ def test_failing_a_stalled_direct_job_ends_it_at_once(tmp_path):
     try:
         a = rand(512 * KiB, 5)
         eng.set_fault("stall", 0, "stalled")
-        job = eng.submit_write(str(tmp_path / "stalled.bin"), b"", a.nbytes, [(ptr(a), a.nbytes, 0)], direct=True)
+        job = submit(eng, tmp_path / "stalled.bin", a, direct=True)
         assert not job.wait_done(0.3)
         job.fail("checkpoint abandoned")
         assert job.wait_done(5) and job.wait_staged(0)
@@ -199,10 +203,10 @@ def test_a_flush_worker_takes_a_file_no_other_worker_is_writing(tmp_path):
     try:
         h, a, b = rand(1000, 6), rand(1 * MiB, 7), rand(512 * KiB, 8)
         eng.set_fault("stall", 0, "x-")
-        hold = eng.submit_write(str(tmp_path / "x-hold.bin"), b"", h.nbytes, [(ptr(h), h.nbytes, 0)], direct=True)
-        first = eng.submit_write(str(tmp_path / "x-first.bin"), b"", a.nbytes, [(ptr(a), a.nbytes, 0)], direct=True)
+        hold = submit(eng, tmp_path / "x-hold.bin", h, direct=True)
+        first = submit(eng, tmp_path / "x-first.bin", a, direct=True)
         time.sleep(0.2)  # both workers are in their stall loops
-        second = eng.submit_write(str(tmp_path / "second.bin"), b"", b.nbytes, [(ptr(b), b.nbytes, 0)], direct=True)
+        second = submit(eng, tmp_path / "second.bin", b, direct=True)
         eng.set_fault("stall", 0, "x-first")  # the short file's worker goes on
         assert hold.wait_done(20) and hold.error() is None
         assert second.wait_done(20) and second.error() is None
