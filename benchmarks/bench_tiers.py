@@ -13,7 +13,7 @@ Everyone writes the durable tier through the same file system, DCP through its F
 One process, one rank. Each round runs every method once, in turn; the medians of ``--runs``
 rounds (after one warm-up round) are printed, and written as JSON with ``--json``.
 
-    python benchmarks/bench_tiers.py --mib 512 --runs 3 --durable-mbps 200
+    python benchmarks/bench_tiers.py --mib 512 --runs 3 --durable-mbps 200 [--follow-from first-chunk]
 """
 
 from __future__ import annotations
@@ -123,8 +123,10 @@ def zeros_like(state: dict) -> dict:
     return {k: torch.zeros_like(v) for k, v in state.items()}
 
 
-def _timed_async(state, writer, planner=None) -> tuple[float, float | None, float]:
-    """(training blocked, local commit, durable commit) seconds of one async save."""
+def _timed_async(state, writer, planner=None) -> tuple[float, float, float | None, float]:
+    """(training blocked, staged, local commit, durable commit) seconds of one async save;
+    "staged": its ``staging_completion`` (the state may change from then on: a training loop's
+    next ``optimizer.step()`` waits until then)."""
     local = getattr(writer, "local_commit", None)
     t0 = time.perf_counter()
     marks = {}
@@ -132,10 +134,14 @@ def _timed_async(state, writer, planner=None) -> tuple[float, float | None, floa
         local.add_done_callback(lambda f: marks.setdefault("local", time.perf_counter()))
     resp = dcp.async_save(state, storage_writer=writer)
     blocked = time.perf_counter() - t0
+    staging = getattr(resp, "staging_completion", None)
+    if staging is not None:
+        staging.add_done_callback(lambda f: marks.setdefault("staged", time.perf_counter()))
     fut = getattr(resp, "upload_completion", resp)
     fut.result()
     durable = time.perf_counter() - t0
-    return blocked, (marks["local"] - t0 if "local" in marks else None), durable
+    staged = marks.get("staged", t0 + blocked) - t0
+    return blocked, staged, (marks["local"] - t0 if "local" in marks else None), durable
 
 
 def one_round(state: dict, root: str, local_tier: str, k: int) -> dict:
@@ -143,16 +149,17 @@ def one_round(state: dict, root: str, local_tier: str, k: int) -> dict:
     out: dict[str, float] = {}
     # (a) two tiers: local commit, then drained to the slow durable tier
     w = DataStatesWriter(f"{slow}/tiered/step-{k}", local_tier=local_tier, keep_local=1)
-    out["tiered.blocked"], out["tiered.local_commit"], out["tiered.durable_commit"] = _timed_async(state, w)
+    (out["tiered.blocked"], out["tiered.staged"], out["tiered.local_commit"],
+     out["tiered.durable_commit"]) = _timed_async(state, w)
     # (b) our single-tier writer straight to the durable tier
-    out["single.blocked"], _, out["single.durable_commit"] = _timed_async(
+    out["single.blocked"], out["single.staged"], _, out["single.durable_commit"] = _timed_async(
         state, DataStatesWriter(f"{slow}/single/step-{k}"))
     # (c) DCP, synchronous, FsspecWriter to the durable tier
     t0 = time.perf_counter()
     dcp.save(state, storage_writer=FsspecWriter(f"{slow}/dcp/step-{k}", sync_files=False))
     out["dcp_save.durable_commit"] = time.perf_counter() - t0
     # (d) DCP async_save (its default stager: a full host copy first), FsspecWriter
-    out["dcp_async.blocked"], _, out["dcp_async.durable_commit"] = _timed_async(
+    out["dcp_async.blocked"], out["dcp_async.staged"], _, out["dcp_async.durable_commit"] = _timed_async(
         state, FsspecWriter(f"{slow}/dcp_async/step-{k}", sync_files=False))
     # (e) torch.save to the durable tier
     fs = SlowFileSystem()
@@ -189,7 +196,14 @@ def main() -> None:
     ap.add_argument("--local-dir", default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
     ap.add_argument("--durable-dir", default=None, help="folder under the throttled durable tier (default: a temp dir)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--follow-from", choices=("auto", "first-chunk", "staged"), default="auto",
+                    help="when one process's copies to the durable tier start reading: auto (first chunk where "
+                         "the machine has cores to spare, else the end of staging: tiers/hooks.py), or forced")
     args = ap.parse_args()
+    if args.follow_from != "auto":
+        from dcp_datastates.tiers import hooks
+
+        hooks._cores_to_spare = lambda config: args.follow_from == "first-chunk"
     _Device.bandwidth = args.durable_mbps * 1e6
     state = make_state(args.mib, args.tensors)
     root = tempfile.mkdtemp(prefix="bench_tiers_durable_", dir=args.durable_dir)

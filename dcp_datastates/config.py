@@ -140,7 +140,7 @@ def default_cache_plan() -> CachePlan:
     return CachePlan(nbytes, memory, n, source)
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
     """CPUs this process may run on (its affinity where the OS tells it, else all of them)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
@@ -153,7 +153,7 @@ def _default_copy_threads() -> int:
     training thread's core during ``stage()`` (1 GiB in 1,612 tensors: the call 11-15 ms of wall
     for 6 ms of CPU with 2 workers, 6-9 ms with 1) without staging any faster (durable 0.57-0.58 s
     with 2, 0.54-0.56 s with 1; docs/benchmarks.md, "Engine thread counts")."""
-    return 1 if _usable_cpus() <= 2 else 2
+    return 1 if usable_cpus() <= 2 else 2
 
 
 def _default_read_threads() -> int:

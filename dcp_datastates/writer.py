@@ -241,7 +241,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 f"the ranks of one save name different checkpoint paths ({listing}); every rank must pass "
                 f"the same path (or checkpoint_id). Nothing was committed."
             )
-        return self.tier.global_plan(plans, self.save_id)
+        return self.tier.global_plan(plans, self.save_id, self._current)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         staged = self._current

@@ -21,9 +21,9 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ..errors import CheckpointWriteError, DataStatesError
-from ..format.layout import METADATA_NAME, ItemLocation, encode_commit, rank_marker_name
+from ..format.layout import METADATA_NAME, FileInfo, ItemLocation, encode_commit, rank_marker_name
 from ..storage import Storage, open_storage
-from .reading import check_data_files, referenced_by
+from .reading import check_data_files, referenced_by, remember_commit
 
 log = logging.getLogger("dcp_datastates")
 
@@ -57,7 +57,7 @@ def write_commit(
     in_use: frozenset = frozenset(),
     marker: str | None = None,
     references_beside: Storage | None = None,
-) -> None:
+) -> dict[str, FileInfo]:
     """Commit a checkpoint whose data files are all written: check that every data file the
     metadata lists is there with its size, write the marker atomically (``.metadata``,
     ``__<rank>.metadata`` for a rank-local save, or ``marker``), then remove what the new commit
@@ -66,8 +66,9 @@ def write_commit(
     incremental save's references are checked beside ``references_beside`` (default: this
     folder; a node-local copy's: its durable checkpoint's).
 
-    Raises CheckpointWriteError naming the folder and the cause; on failure the previous commit
-    (if any) is untouched and no temporary file is left behind."""
+    Returns the data files the commit lists. Raises CheckpointWriteError naming the folder and
+    the cause; on failure the previous commit (if any) is untouched and no temporary file is left
+    behind."""
     storage = open_storage(location, storage_options)
     path = storage.location
     try:
@@ -84,13 +85,15 @@ def write_commit(
         raise CheckpointWriteError(
             f"committing checkpoint {path} failed: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
         ) from exc
+    remember_commit(data, md.storage_meta.save_id if md.storage_meta is not None else None, files)
     if rank_local is None:  # rank-local commits run at once on every rank: their temporaries are live
         storage.remove_stale_temporaries(_TMP_PREFIX)
     try:
         names = storage.names()
     except Exception:  # noqa: BLE001 - the commit is durable; cleanup waits for the next one
-        return
+        return files
     _remove_obsolete(names, set(files) | set(in_use), rank_local, storage.remove, lambda: referenced_by(storage))
+    return files
 
 
 def _remove_obsolete(names, keep: set, rank_local: int | None, remove, referring) -> None:

@@ -140,6 +140,7 @@ class StagedSave:
     local_s: float | None = None  # local_tier: request -> the local copy committed
     tier_plan: Any = None  # what the tier's global-plan hook told this rank (None: nothing)
     tier_state: Any = None  # what the tier keeps for this save (tiers/: copies of files still being written)
+    tier_early: Future | None = None  # what the tier started at the request, before DCP's plan (tiers/hooks.py)
     _sealed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     finished: threading.Event = field(default_factory=threading.Event)
@@ -325,6 +326,7 @@ def prepare_destination(staged: StagedSave, config, tier, need) -> None:
             tier.files_changing(staged.path, staged.rank)
         for f in staged.files:
             _name_file(f, staged)
+        tier.files_started(staged)
     except Exception as exc:  # noqa: BLE001 - raised from prepare_local_plan, on every rank
         staged.fail(exc)
 

@@ -186,19 +186,40 @@ _FOLLOW_POLL_S = 1.0  # a follower waiting for the engine wakes this often (a fa
 class Follower:
     """The copy of one local data file to the durable tier, started while the engine writes it
     (its ``job``: ``written_prefix`` / ``wait_written``). ``delivered`` tells the drain whether
-    the copy can stand for the file."""
+    the copy can stand for the file. ``from_staged``: its first read waits until the job is
+    staged (the engine's copy of the sources ended), so that it never takes a core from it."""
 
     def __init__(self, local: Storage, name: str, job, size: int, item_locations, durable: Storage,
-                 durable_name: str, config: DataStatesConfig) -> None:
+                 durable_name: str, config: DataStatesConfig, from_staged: bool = False) -> None:
         self.name, self.durable_name, self.size = name, durable_name, size
-        self._job = job
+        self._job, self._from_staged = job, from_staged
         self._computed: dict[int, int] = {}
+        self._cancelled, self._cancel_reason = threading.Event(), ""
+        self._state_lock, self._copied, self._durable = threading.Lock(), False, durable
         pieces = sorted((off, length, None, key[0]) for key, loc in item_locations.items()
                         for off, length in piece_ranges(loc))
         self._future = _followers.submit(self._copy, local, durable, pieces, config)
 
+    def cancel(self, reason: str) -> None:
+        """Stop the copy (before its next block, within ``_FOLLOW_POLL_S`` when it waits for the
+        engine) and remove what it wrote, also when it had ended: the save does not use it
+        (``reason``)."""
+        with self._state_lock:
+            self._cancel_reason = reason
+            self._cancelled.set()
+            copied = self._copied
+        if copied:
+            self._durable.remove_quietly(self.durable_name)
+
     def _written(self, end: int) -> None:
-        while (got := self._job.wait_written(end, _FOLLOW_POLL_S)) < end:
+        while True:
+            if self._cancelled.is_set():
+                raise CheckpointWriteError(f"{self.name}: copy cancelled: {self._cancel_reason}")
+            if self._from_staged and not self._job.wait_staged(_FOLLOW_POLL_S):
+                continue
+            got = self._job.wait_written(end, _FOLLOW_POLL_S)
+            if got >= end:
+                return
             error = self._job.error()
             if error:
                 raise CheckpointWriteError(error)
@@ -206,8 +227,19 @@ class Follower:
                 raise CheckpointWriteError(f"{self.name}: {got} bytes written, {end} expected")
 
     def _copy(self, local: Storage, durable: Storage, pieces: list, config: DataStatesConfig) -> None:
-        _write_durable(local, self.name, durable, self.durable_name, self.size, pieces, get_engine(config), config,
-                       self._written, self._computed)
+        try:
+            _write_durable(local, self.name, durable, self.durable_name, self.size, pieces, get_engine(config), config,
+                           self._written, self._computed)
+        except BaseException:
+            if self._cancelled.is_set():
+                durable.remove_quietly(self.durable_name)
+            raise
+        with self._state_lock:
+            self._copied = True  # from here on, cancel() removes the file
+            cancelled = self._cancelled.is_set()
+        if cancelled:  # cancelled after its last block: the copy is not wanted either
+            durable.remove_quietly(self.durable_name)
+            raise CheckpointWriteError(f"{self.name}: copy cancelled: {self._cancel_reason}")
 
     def delivered(self, durable_name: str, size: int, pieces: list) -> bool:
         """True once the copy ended, to ``durable_name``, of ``size`` bytes, with each of
@@ -229,11 +261,14 @@ class Follower:
         return True
 
 
-def follow(local: Storage, files: list, durable: str, tag: str | None, config: DataStatesConfig) -> dict[str, Follower]:
+def follow(local: Storage, files: list, durable: str, tag: str | None, config: DataStatesConfig, *,
+           from_staged: bool = False) -> dict[str, Follower]:
     """Start copying each named, engine-written file of ``files`` (the rank's ``FileJob``s) to
-    ``durable`` under its tagged name while it is written: {local name: Follower}."""
+    ``durable`` under its tagged name while it is written: {local name: Follower}
+    (``from_staged``: see ``Follower``)."""
     store = open_storage(durable, config.storage_options)
-    return {f.name: Follower(local, f.name, f.job, f.file_size, f.locations, store, durable_name(f.name, tag), config)
+    return {f.name: Follower(local, f.name, f.job, f.file_size, f.locations, store, durable_name(f.name, tag), config,
+                             from_staged)
             for f in files if f.name is not None and hasattr(f.job, "wait_written") and f.upload is None}
 
 
@@ -246,18 +281,21 @@ _drain_locks_lock = threading.Lock()
 UNPREPARED = object()  # drain(tag=...): the durable folder is not prepared yet
 
 
-def drain(local: str, durable: str, config: DataStatesConfig, tag=UNPREPARED, followed: dict | None = None) -> None:
+def drain(local: str, durable: str, config: DataStatesConfig, tag=UNPREPARED, followed: dict | None = None,
+          committed: tuple | None = None) -> None:
     """Copy the committed checkpoint ``local`` to ``durable`` and commit it there with the same
     checkpoint id (nothing to do when it already holds it). Raises CheckpointWriteError naming
     ``durable``; its previous commit stays. ``tag``: the durable file names' tag when the folder
-    was prepared already (``prepare_durable``), with the files ``followed`` there under it."""
+    was prepared already (``prepare_durable``), with the files ``followed`` there under it.
+    ``committed``: (Metadata, locations, data files) of the local commit this process has just
+    written, in place of decoding its marker again."""
     with _drain_locks_lock:
         lock = _drain_locks.setdefault(durable, threading.Lock())
     with lock:
         local_id = checkpoint_id(local, references=False)
         if local_id is not None and checkpoint_id(durable, config.storage_options) == local_id:
             return
-        _drain_unlocked(local, durable, config, tag, followed)
+        _drain_unlocked(local, durable, config, tag, followed, committed)
 
 
 def prepare_durable(durable: str, config: DataStatesConfig) -> str | None:
@@ -267,9 +305,14 @@ def prepare_durable(durable: str, config: DataStatesConfig) -> str | None:
     return new_tag() if prepare_folder(store, overwrite=True) else None
 
 
-def _drain_unlocked(local: str, durable: str, config: DataStatesConfig, tag, followed: dict | None) -> None:
+def _drain_unlocked(local: str, durable: str, config: DataStatesConfig, tag, followed: dict | None,
+                    committed: tuple | None = None) -> None:
     try:
-        md, files = read_commit(local)
+        if committed is None:
+            md, files = read_commit(local)
+            local_locations = md.storage_data
+        else:
+            md, local_locations, files = committed
         check_data_files(local, files, references=False)
         store = open_storage(durable, config.storage_options)
         if tag is UNPREPARED:
@@ -278,9 +321,9 @@ def _drain_unlocked(local: str, durable: str, config: DataStatesConfig, tag, fol
         # commit there checks them; only the copy's own files are copied.
         own = {name: info.size for name, info in own_files(files).items()}
         renamed = {name: durable_name(name, tag) for name in files}
-        pieces = {name: p for name, p in pieces_by_file(md.storage_data).items() if name in own}
+        pieces = {name: p for name, p in pieces_by_file(local_locations).items() if name in own}
         _copy_all(open_storage(local), store, own, pieces, renamed, config, followed)
-        locations = {index: moved(loc, renamed[loc.file]) for index, loc in md.storage_data.items()}
+        locations = {index: moved(loc, renamed[loc.file]) for index, loc in local_locations.items()}
         write_commit(store, md, locations, sync=config.sync_files)
     except CheckpointWriteError as exc:
         if str(exc).startswith(f"draining {local}"):
@@ -411,10 +454,12 @@ def _under(durable: str, root: str | None) -> bool:
     return root is None or root_of(durable) == root.rstrip("/")
 
 
-def drain_pending_quietly(local_tier: str, config: DataStatesConfig, root: str | None = None) -> None:
+def drain_pending_quietly(local_tier: str, config: DataStatesConfig, root: str | None = None) -> list[str]:
     """``drain_pending`` after a save's own drain: what an earlier run left undrained goes to its
-    durable tier now; a failure is logged, it does not fail this save (retried next time)."""
+    durable tier now; a failure is logged, it does not fail this save (retried next time).
+    Returns the durable paths drained (none when one failed)."""
     try:
-        drain_pending(local_tier, config, root=root)
+        return drain_pending(local_tier, config, root=root)
     except CheckpointWriteError as exc:
         log.warning("dcp_datastates: a local copy is still not drained (retried at the next save): %s", exc)
+        return []
