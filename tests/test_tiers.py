@@ -733,3 +733,22 @@ def test_a_copy_from_the_end_of_staging_reads_nothing_before(tmp_path, from_stag
     job.staged.set()
     assert follower.delivered("f", len(data), [])
     assert copy.read_bytes() == data
+
+
+def test_copies_that_cannot_start_at_the_request_never_fail_the_save(tmp_path, monkeypatch):
+    """The tier's thread refuses work (the interpreter shutting down): the save is not failed for
+    it; the files are drained after the local commit, and both tiers hold the checkpoint."""
+
+    class Refusing:
+        def submit(self, *args, **kwargs):
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    monkeypatch.setattr(hooks, "_early", Refusing())
+    writes = _durable_writes(monkeypatch)
+    durable, nv = tmp_path / "durable" / "step-1", tmp_path / "nv"
+    state = _big_state(5)
+    w = save(state, str(durable), nv)
+    assert w.local_commit.result(timeout=0) == tiers.local_copy(str(nv), str(durable))
+    assert writes, writes
+    assert commit.is_committed(str(durable))
+    assert_state_equal(state, load(durable, nv, state))

@@ -224,7 +224,10 @@ class LocalTier(NoTier):
         names' tag, the folder's checks): their copies start in ``writing``."""
         if self.durable_path is None or _world_size() != 1 or not staged.files:
             return
-        staged.tier_early = _early.submit(self._copy_early, staged, self.durable_path)
+        try:
+            staged.tier_early = _early.submit(self._copy_early, staged, self.durable_path)
+        except RuntimeError as exc:  # the interpreter is shutting down: copied after the local commit
+            log.info("dcp_datastates: %s: copies not started at the request (%s)", self.durable_path, exc)
 
     def _copy_early(self, staged, durable: str) -> tuple | None:
         """(SoloDrain, {local name: Follower}), or None when the durable folder could not be
