@@ -198,7 +198,7 @@ class Follower:
         self._state_lock, self._copied, self._durable = threading.Lock(), False, durable
         pieces = sorted((off, length, None, key[0]) for key, loc in item_locations.items()
                         for off, length in piece_ranges(loc))
-        self._future = _followers.submit(self._copy, local, durable, pieces, config)
+        self._future = _followers.submit(self._copy, local, pieces, config)
 
     def cancel(self, reason: str) -> None:
         """Stop the copy (before its next block, within ``_FOLLOW_POLL_S`` when it waits for the
@@ -226,7 +226,8 @@ class Follower:
             if self._job.is_done():
                 raise CheckpointWriteError(f"{self.name}: {got} bytes written, {end} expected")
 
-    def _copy(self, local: Storage, durable: Storage, pieces: list, config: DataStatesConfig) -> None:
+    def _copy(self, local: Storage, pieces: list, config: DataStatesConfig) -> None:
+        durable = self._durable
         try:
             _write_durable(local, self.name, durable, self.durable_name, self.size, pieces, get_engine(config), config,
                            self._written, self._computed)
@@ -265,11 +266,13 @@ def follow(local: Storage, files: list, durable: str, tag: str | None, config: D
            from_staged: bool = False) -> dict[str, Follower]:
     """Start copying each named, engine-written file of ``files`` (the rank's ``FileJob``s) to
     ``durable`` under its tagged name while it is written: {local name: Follower}
-    (``from_staged``: see ``Follower``)."""
+    (``from_staged``: see ``Follower``). Another rank's file kept here (``mirror_of``) is not
+    drained by this one."""
     store = open_storage(durable, config.storage_options)
     return {f.name: Follower(local, f.name, f.job, f.file_size, f.locations, store, durable_name(f.name, tag), config,
                              from_staged)
-            for f in files if f.name is not None and hasattr(f.job, "wait_written") and f.upload is None}
+            for f in files if f.name is not None and hasattr(f.job, "wait_written") and f.upload is None
+            and f.mirror_of is None}
 
 
 # One drain per durable path at a time in this process (a save's own drain and another save's

@@ -23,13 +23,13 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..commit import prepare_folder, write_commit
 from ..config import usable_cpus
 from ..errors import CheckpointWriteError
 from ..format.layout import moved, new_tag, split_reference
+from ..save import global_rank_world
 from ..storage import Storage, open_storage, root_of
 from . import drain, peers
 from . import local_tier as tiers
@@ -222,7 +222,7 @@ class LocalTier(NoTier):
         what the training waits for (on 2 cores, following from the first chunk made staging
         ~0.15 s longer for 256 MiB). Several ranks must wait for the coordinator's plan (the
         names' tag, the folder's checks): their copies start in ``writing``."""
-        if self.durable_path is None or _world_size() != 1 or not staged.files:
+        if self.durable_path is None or global_rank_world()[1] != 1 or not staged.files:
             return
         try:
             staged.tier_early = _early.submit(self._copy_early, staged, self.durable_path)
@@ -234,8 +234,8 @@ class LocalTier(NoTier):
         prepared (then as without: prepared at planning, or drained after the local commit)."""
         try:
             plan = SoloDrain(drain.prepare_durable(durable, self.config), durable)
-            followed = drain.follow(staged.storage, [f for f in staged.files if f.mirror_of is None], durable,
-                                    plan.tag, self.config, from_staged=not _cores_to_spare(self.config))
+            followed = drain.follow(staged.storage, staged.files, durable, plan.tag, self.config,
+                                    from_staged=not _cores_to_spare(self.config))
         except Exception as exc:  # noqa: BLE001 - the local save never fails for the durable tier
             log.info("dcp_datastates: %s not prepared at the request (%s); prepared at planning", durable, exc)
             return None
@@ -268,7 +268,7 @@ class LocalTier(NoTier):
         # New names next to a commit, or next to a pending checkpoint whose drained files a
         # restart may still read.
         pending = tiers.read_pending(durable) is not None
-        plan = RankDrain(save_id, new_tag() if committed or pending else None, _global_rank())
+        plan = RankDrain(save_id, new_tag() if committed or pending else None, global_rank_world()[0])
         return [dataclasses.replace(p, storage_data=plan) for p in plans]
 
     def writing(self, staged) -> None:
@@ -278,7 +278,7 @@ class LocalTier(NoTier):
         early = self._early_copies(staged)
         if early is not None:
             plan, followed = early
-            if staged.tier_plan == plan and staged.moved_from is None:
+            if staged.tier_plan == plan:  # (global_plan handed it on: same folder, not moved)
                 staged.tier_state = {**(staged.tier_state or {}), **followed}
             else:  # DCP named another folder (reset), or planned without the request's plan
                 _cancel(followed, "the save's durable files are named otherwise")
@@ -294,8 +294,7 @@ class LocalTier(NoTier):
         # (Files staged into another folder are moved at the end of write_data: drained after.)
         if isinstance(plan, (RankDrain, SoloDrain)) and staged.storage is not None and staged.moved_from is None:
             followed = staged.tier_state or {}
-            # (another rank's file, kept here, is not drained; a file followed since the request is not copied twice)
-            files = [f for f in files if f.mirror_of is None and f.name not in followed]
+            files = [f for f in files if f.name not in followed]  # (followed since the request)
             try:
                 started = drain.follow(staged.storage, files, self.durable_path, plan.tag, self.config)
             except Exception as exc:  # noqa: BLE001 - the local save never fails for the durable tier
@@ -460,14 +459,6 @@ class LocalTier(NoTier):
 
     def local_files(self, plan: ReadPlan, save_id: str | None) -> dict[str, str]:
         return tiers.local_files(plan.local, save_id) if plan.local is not None else {}
-
-
-def _global_rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world_size() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def _cores_to_spare(config) -> bool:
