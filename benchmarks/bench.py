@@ -1684,6 +1684,7 @@ def main(argv: list[str] | None = None) -> int:
         "methods_help": {m: METHOD_HELP[m] for m in methods},
         "runs": [],
     }
+    in_progress: dict[str, Any] | None = None
     try:
         log(f"building the state: {_human(size)}, {args.tensors} tensors ({tiny} tiny) on {args.device}")
         spec = StateSpec(size=size, large=args.tensors - tiny, tiny=tiny, dtypes=dtypes, device=args.device)
@@ -1714,6 +1715,7 @@ def main(argv: list[str] | None = None) -> int:
                 ),
                 "methods": {},
             }
+            in_progress = run
             os.makedirs(d, exist_ok=True)
             meter = _CpuMeter()
             run["loadavg_start"] = os.getloadavg()
@@ -1752,6 +1754,7 @@ def main(argv: list[str] | None = None) -> int:
             run["loadavg_end"] = os.getloadavg()
             run["other_processes_cores"] = meter.other_cores()
             report["runs"].append(run)
+            in_progress = None
             shutil.rmtree(os.path.join(d, "raw"), ignore_errors=True)
         if args.stage_tensors > 0 and "datastates" in methods:
             log(f"stage cost: {args.stage_tensors} tiny tensors")
@@ -1767,6 +1770,13 @@ def main(argv: list[str] | None = None) -> int:
         }.get(cold_used or "", f"not dropped ({drop_note or 'tmpfs only, or --cold no'}): every load read from the page cache")
     except KeyboardInterrupt:
         print("dcp-datastates bench: interrupted", file=sys.stderr)
+        if args.json:
+            # A run cut short by its time limit (`timeout -s INT`) still leaves what it measured.
+            if in_progress is not None:
+                report["runs"].append({**in_progress, "interrupted": True})
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+            log(f"wrote {args.json} (interrupted: the methods measured so far)")
         return 130
     except Exception as exc:  # noqa: BLE001
         print(f"dcp-datastates bench: error: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -32,7 +32,7 @@ if [[ "$what" == bench || "$what" == all ]]; then
   python3 benchmarks/gpu_bench.py --ckpt-dir /tmp/gpu_bench --out "$out/gpu_bench.json" "$@" 2>&1 | tee "$out/gpu_bench.log" || rc=1
 fi
 if [[ "$what" == sidebyside ]]; then
-  timeout 420 python3 -m dcp_datastates bench --device cuda --size 512MiB --reps 3 --mem-ckpts 3 --load-reps 2 \
+  timeout -s INT "${SIDEBYSIDE_S:-420}" python3 -m dcp_datastates bench --device cuda --size 512MiB --reps 3 --mem-ckpts 3 --load-reps 2 \
     --cold no --stage-tensors 0 --json "$out/bench-cuda.json" 2>&1 | tee "$out/bench-cuda.log" || rc=1
 fi
 exit $rc
