@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+
 from dist_harness import run_ranks
 
 VAR = "DCP_DATASTATES_HARNESS_PROBE"
