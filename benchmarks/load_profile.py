@@ -23,7 +23,9 @@ file into fresh memory (``raw_bound``), ``torch.load`` of a ``torch.save`` of th
 ``map_location`` = the device, and (CUDA) a plain ``copy_`` of a pinned host copy of the state
 into the destinations, and the same from pageable memory. Medians; ``--json`` keeps every sample.
 
-    python benchmarks/load_profile.py [--device cuda] [--size 512MiB] [--tensors 2256] [--loads 5]
+    python benchmarks/load_profile.py [--device cuda] [--size 512MiB] [--tensors 2256] [--loads 5] [--cold]
+
+``--cold`` evicts the files (the checkpoint's, the raw bound's, torch.save's) before each load.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ class StepClock:
         setattr(owner, attr, timed)
 
 
-def profile(device: str, size: int, tensors: int, loads: int, root: str) -> dict:
+def profile(device: str, size: int, tensors: int, loads: int, root: str, cold: bool = False) -> dict:
     import torch
     import torch.distributed.checkpoint as dcp
 
@@ -110,9 +112,11 @@ def profile(device: str, size: int, tensors: int, loads: int, root: str) -> dict
         clock.wrap(read_mod, "finish_device_copies", "device_wait")
     clock.wrap(reader_mod.DataStatesReader, "read_data", "read_data")
 
+    evict = bench._Cold("fadvise" if cold else None)
     samples: dict[str, list[float]] = defaultdict(list)
     for _ in range(loads):
         bench.scrub_state(load_into)
+        evict(folder)  # --cold: the checkpoint's files out of the page cache (fsync + fadvise)
         clock.spent.clear()
         clock.marks.clear()
         _sync(device)
@@ -130,10 +134,11 @@ def profile(device: str, size: int, tensors: int, loads: int, root: str) -> dict
 
     data_files = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
     data_bytes = sum(os.path.getsize(os.path.join(folder, n)) for n in data_files)
-    raw = raw_bound.measure_raw(os.path.join(root, "raw"), data_bytes, 1, None)
+    raw = raw_bound.measure_raw(os.path.join(root, "raw"), data_bytes, 1 if not cold else loads, evict if cold else None)
     pt = os.path.join(root, "state.pt")
     torch.save(state, pt)
     for _ in range(loads):
+        evict(pt)
         _sync(device)
         t0 = time.perf_counter()
         torch.load(pt, map_location=device, weights_only=True)
@@ -152,7 +157,7 @@ def profile(device: str, size: int, tensors: int, loads: int, root: str) -> dict
     medians = {k: statistics.median(v) for k, v in samples.items()}
     import dcp_datastates
 
-    return {"package": os.path.dirname(dcp_datastates.__file__), "device": device, "bytes": nbytes, "tensors": count, "data_file_bytes": data_bytes, "loads": loads,
+    return {"package": os.path.dirname(dcp_datastates.__file__), "device": device, "bytes": nbytes, "tensors": count, "data_file_bytes": data_bytes, "loads": loads, "cold": cold,
             "medians_s": medians, "samples_s": dict(samples), "raw": raw,
             "cuda": torch.cuda.get_device_name() if device == "cuda" else None}
 
@@ -171,6 +176,8 @@ def main(argv=None) -> dict:
     p.add_argument("--tensors", type=int, default=2256, help="tensors in the state (default 2256; at most 256 large)")
     p.add_argument("--loads", type=int, default=5)
     p.add_argument("--dir", default=None, help="where to save (default: a new folder under /tmp)")
+    p.add_argument("--cold", action="store_true", help="evict the files from the page cache before each load "
+                   "(fsync + posix_fadvise(DONTNEED), as bench's cold loads; not on tmpfs)")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
@@ -184,7 +191,7 @@ def main(argv=None) -> dict:
         p.error("--loads must be >= 1 and --tensors >= 2")
     root = tempfile.mkdtemp(prefix="load_profile_", dir=args.dir)
     try:
-        out = profile(args.device, parse_size(args.size), args.tensors, args.loads, root)
+        out = profile(args.device, parse_size(args.size), args.tensors, args.loads, root, args.cold)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     m = out["medians_s"]
@@ -200,6 +207,8 @@ def main(argv=None) -> dict:
         print(f"  pageable host -> device     {m['pageable_h2d_copy'] * 1e3:8.1f} ms")
     raw = out["raw"]
     print(f"  raw read into fresh memory  {raw.get('read_warm_s', float('nan')) * 1e3:8.1f} ms ({raw.get('read_warm_how')})")
+    if args.cold:
+        print(f"  raw cold read               {raw.get('read_cold_s', float('nan')) * 1e3:8.1f} ms ({raw.get('read_cold_how')})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
