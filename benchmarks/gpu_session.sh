@@ -6,7 +6,8 @@
 # "load" (in "all" too, between the tests and the benchmark: about a minute) profiles a load into
 # CUDA tensors step by step (benchmarks/load_profile.py; docs/benchmarks.md "GPU").
 # "sidebyside" (not in "all", which with it would pass a call's 600 s: a second call) runs
-# `bench --device cuda` cut to 512 MiB with every method, the peers included (wheels from .whl/).
+# `bench --device cuda` cut to 512 MiB with every method, the peers included (wheels from .whl/),
+# stopped with SIGINT after SIDEBYSIDE_S seconds (default 420): the bench then writes what it measured.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-out}"; mkdir -p "$out"

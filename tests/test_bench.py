@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -126,6 +127,26 @@ def test_bench_skips_missing_peers(tmp_path, capsys, monkeypatch):
         assert f"n/a: {reason}" in text
 
 
+def test_an_interrupted_bench_writes_the_methods_it_measured(tmp_path, capsys, monkeypatch):
+    """Stopped by SIGINT (gpu_session.sh's time limit) during the second method: --json still
+    holds the run, marked interrupted, with the first method's results; the exit status is 130."""
+
+    def interrupted(self, state, path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench.DcpSaveMethod, "save", interrupted)
+    out = tmp_path / "bench.json"
+    rc = bench.main(["--size", "1MiB", "--tensors", "4", "--reps", "1", "--mem-ckpts", "1", "--cold", "no",
+                     "--methods", "datastates,dcp-save", "--stage-tensors", "0", "--dir", str(tmp_path / "ckpt"),
+                     "--json", str(out), "--quiet"])
+    assert rc == 130
+    assert "interrupted" in capsys.readouterr().err
+    (run,) = json.loads(out.read_text())["runs"]
+    assert run["interrupted"] is True
+    assert run["methods"]["datastates"]["available"] and _positive(run["methods"]["datastates"]["durable_s"])
+    assert "dcp-save" not in run["methods"] or not run["methods"]["dcp-save"].get("available")
+
+
 def test_bench_via_cli_and_bad_arguments(capsys):
     assert cli_main(["bench", "--size", "lots"]) == 2
     assert ("--size" if TESTING_THE_CHECKOUT else "bench is not available in this build") in capsys.readouterr().err
@@ -220,6 +241,21 @@ def test_load_profile_splits_a_load_into_its_steps(tmp_path):
     assert report["raw"]["read_warm_s"] > 0 and report["data_file_bytes"] >= report["bytes"] > 3 << 20
     assert json.loads(out.read_text())["tensors"] == 40
     assert list(tmp_path.iterdir()) == [out]  # its checkpoint folder is removed
+
+
+def test_load_profile_cold_evicts_before_each_load(tmp_path, monkeypatch):
+    """--cold: the checkpoint, the raw bound's file and torch.save's file are evicted before
+    each of their loads (a cold raw read is measured), and the loads still restore every byte."""
+    spec = importlib.util.spec_from_file_location("load_profile", BENCHMARKS / "load_profile.py")
+    lp = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lp)
+    evicted = []
+    real = bench._evict
+    monkeypatch.setattr(bench, "_evict", lambda path: (evicted.append(os.path.basename(path)), real(path)))
+    report = lp.main(["--size", "2MiB", "--tensors", "10", "--loads", "2", "--dir", str(tmp_path), "--cold"])
+    assert report["cold"] is True and report["medians_s"]["bitwise_equal"] == 1.0
+    assert evicted.count("ckpt") == 2 and evicted.count("state.pt") == 2, evicted
+    assert report["raw"]["read_cold_s"] > 0
 
 
 def test_planner_variants_run_and_share_the_loads_of_the_same_files(tmp_path, capsys):
