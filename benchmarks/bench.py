@@ -1606,6 +1606,11 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _write_json(path: str, report: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (0 ok, 1 failure, 2 usage error)."""
     parser = _parser()
@@ -1774,8 +1779,7 @@ def main(argv: list[str] | None = None) -> int:
             # A run cut short by its time limit (`timeout -s INT`) still leaves what it measured.
             if in_progress is not None:
                 report["runs"].append({**in_progress, "interrupted": True})
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1, default=str)
+            _write_json(args.json, report)
             log(f"wrote {args.json} (interrupted: the methods measured so far)")
         return 130
     except Exception as exc:  # noqa: BLE001
@@ -1785,8 +1789,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_report(report))
     status = 0
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+        _write_json(args.json, report)
         log(f"wrote {args.json}")
     if args.png:
         why = write_png(report, args.png)

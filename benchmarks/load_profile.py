@@ -134,7 +134,8 @@ def profile(device: str, size: int, tensors: int, loads: int, root: str, cold: b
 
     data_files = [n for n in os.listdir(folder) if n.endswith(".safetensors")]
     data_bytes = sum(os.path.getsize(os.path.join(folder, n)) for n in data_files)
-    raw = raw_bound.measure_raw(os.path.join(root, "raw"), data_bytes, 1 if not cold else loads, evict if cold else None)
+    # cold: as many raw samples as loads, each read after evicting the raw file
+    raw = raw_bound.measure_raw(os.path.join(root, "raw"), data_bytes, loads if cold else 1, evict if cold else None)
     pt = os.path.join(root, "state.pt")
     torch.save(state, pt)
     for _ in range(loads):

@@ -246,10 +246,10 @@ def test_benchmark_commands_take_their_arguments():
     helptexts = {}
     for i in range(0, len(scripts), 2):
         procs = {run: subprocess.Popen([sys.executable, *run, "--help"], cwd=ROOT, stdout=subprocess.PIPE,
-                                       stderr=subprocess.DEVNULL, text=True) for run in scripts[i:i + 2]}
+                                       stderr=subprocess.PIPE, text=True) for run in scripts[i:i + 2]}
         for run, proc in procs.items():
-            helptexts[run] = proc.communicate(timeout=120)[0]
-            assert proc.returncode == 0, f"{' '.join(run)} --help exited with {proc.returncode}"
+            helptexts[run], err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, f"{' '.join(run)} --help exited with {proc.returncode}:\n{err[-2000:]}"
     for b, words, run in commands:
         for flag in (w for w in words if w.startswith("--")):
             assert flag in helptexts[run], f"{b.doc}:{b.line}: {flag} is not an option of {' '.join(run)}"
