@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 from collections import defaultdict
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
@@ -80,6 +81,7 @@ class DataStatesReader(StorageReader):
         self.storage_data: _StorageIndex | None = None
         self.rank = 0
         self._load_pause = None  # Python's cyclic GC paused for the load in progress (runtime/inflight.py)
+        self.load_id = uuid.uuid4().hex  # as FileSystemReader: one per load, in storage_meta.load_id
         self._reset_load()
 
     def _reset_load(self) -> None:
@@ -97,6 +99,7 @@ class DataStatesReader(StorageReader):
         if checkpoint_id is not None:
             self.path = self.durable_path = normalize(checkpoint_id)
         self.storage_data = None
+        self.load_id = uuid.uuid4().hex
         self._reset_load()
 
     @property
@@ -155,6 +158,9 @@ class DataStatesReader(StorageReader):
         index.files = files
         index.checkpoint_path = self.path  # names this folder in planner errors (it may have moved)
         md.storage_data = index
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id  # stock DCP's readers say which load read the metadata
         return md
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:

@@ -156,6 +156,21 @@ def test_writer_and_reader_reused_with_checkpoint_id(tmp_path):
         assert sorted(os.listdir(tmp_path / f"step-{step}")) == [".metadata", "__0_0.safetensors"]
 
 
+def test_storage_meta_names_the_checkpoint_its_save_and_each_load(tmp_path):
+    # as stock DCP's FileSystemWriter/Reader fill StorageMeta (PyTorch's test_compatibility)
+    writer = DataStatesWriter(tmp_path / "c")
+    dcp.save({"a": torch.zeros(4, 4)}, storage_writer=writer)
+    reader = DataStatesReader(tmp_path / "c")
+    meta = reader.read_metadata().storage_meta
+    assert str(meta.checkpoint_id) == str(tmp_path / "c") and meta.save_id == writer.save_id
+    assert meta.load_id == reader.load_id and meta.load_id
+    first = reader.load_id
+    dest = {"a": torch.ones(4, 4)}
+    dcp.load(dest, checkpoint_id=tmp_path / "c", storage_reader=reader)  # reset(): a new load
+    assert torch.equal(dest["a"], torch.zeros(4, 4))
+    assert reader.load_id != first and reader.read_metadata().storage_meta.load_id == reader.load_id
+
+
 def test_overwrite_false_refuses_committed_folder(tmp_path):
     dcp.save({"w": torch.ones(3)}, storage_writer=DataStatesWriter(tmp_path / "c"))
     with raises_through_dcp("CheckpointWriteError.*already holds a committed checkpoint and overwrite=False"):
