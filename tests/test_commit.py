@@ -289,7 +289,7 @@ def test_overwrite_false_keeps_the_commit_and_its_bytes(tmp_path, small_engine):
     folder = tmp_path / "c"
     save(folder, 1.0, "sync")
     before = (folder / "__0_0.safetensors").read_bytes()
-    with raises_through_dcp("already holds a committed checkpoint and overwrite=False"):
+    with raises_through_dcp("Checkpoint already exists and overwrite=False: .* already holds a committed checkpoint"):
         save(folder, 2.0, "sync", overwrite=False)
     assert (folder / "__0_0.safetensors").read_bytes() == before
     assert_holds(folder, 1.0)

@@ -96,7 +96,7 @@ def test_memory_async_save_resave_and_overwrite_false(mem_url):
     state["w"].add_(1)
     out = save_load(mem_url, state, asynchronous=True)  # re-save into the same folder
     assert_state_equal(state, out)
-    with raises_through_dcp("already holds a committed checkpoint and overwrite=False"):
+    with raises_through_dcp("Checkpoint already exists and overwrite=False: .* already holds a committed checkpoint"):
         dcp.save(state, storage_writer=DataStatesWriter(mem_url, overwrite=False))
 
 

@@ -173,7 +173,7 @@ def test_storage_meta_names_the_checkpoint_its_save_and_each_load(tmp_path):
 
 def test_overwrite_false_refuses_committed_folder(tmp_path):
     dcp.save({"w": torch.ones(3)}, storage_writer=DataStatesWriter(tmp_path / "c"))
-    with raises_through_dcp("CheckpointWriteError.*already holds a committed checkpoint and overwrite=False"):
+    with raises_through_dcp("CheckpointWriteError.*Checkpoint already exists and overwrite=False: .*already holds a committed checkpoint"):
         dcp.save({"w": torch.ones(3)}, storage_writer=DataStatesWriter(tmp_path / "c", overwrite=False))
     resp = dcp.async_save({"w": torch.ones(3)}, storage_writer=DataStatesWriter(tmp_path / "c", overwrite=False))
     with raises_through_dcp("CheckpointWriteError.*overwrite=False"):

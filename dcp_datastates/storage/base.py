@@ -15,6 +15,8 @@ from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from typing import IO, Any
 
+from ..errors import CheckpointWriteError
+
 __all__ = ["Storage", "DataFileJob", "StartedDataFile"]
 
 #: (engine job, upload Future or None): what ``write_data_file`` returns. The Future, for object
@@ -100,7 +102,13 @@ class Storage(ABC):
     def prepare(self, *, overwrite: bool, marker: str) -> bool:
         """Before a save writes here: create the folder where that means something; True when
         file ``marker`` (the commit marker) is there, which ``overwrite=False`` refuses with
-        CheckpointWriteError."""
+        ``exists_error``."""
+
+    def exists_error(self) -> CheckpointWriteError:
+        """What ``prepare(overwrite=False)`` raises on a committed folder. Its words begin as stock
+        DCP's FileSystemWriter's do, for code that looks for them."""
+        return CheckpointWriteError(f"Checkpoint already exists and overwrite=False: {self.location} already holds a "
+                                    "committed checkpoint")
 
     @abstractmethod
     def make_folder(self) -> None:

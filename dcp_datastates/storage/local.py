@@ -222,7 +222,7 @@ class LocalStorage(Storage):
         self.make_folder()
         committed = os.path.lexists(self.where(marker))
         if committed and not overwrite:
-            raise CheckpointWriteError(f"{self.location} already holds a committed checkpoint and overwrite=False")
+            raise self.exists_error()
         return committed
 
     def names(self) -> list[str]:

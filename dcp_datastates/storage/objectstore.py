@@ -223,7 +223,7 @@ class ObjectStorage(Storage):
         except Exception as exc:  # noqa: BLE001 - any store error, with the URL
             raise CheckpointWriteError(f"cannot check for a previous commit in {self.location}: {_cause(exc)}") from exc
         if present and not overwrite:
-            raise CheckpointWriteError(f"{self.location} already holds a committed checkpoint and overwrite=False")
+            raise self.exists_error()
         return present
 
     def names(self) -> list[str]:
