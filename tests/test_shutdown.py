@@ -276,3 +276,34 @@ def test_threads_waiting_in_the_engine_at_exit_never_abort_the_process(tmp_path)
         r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
         assert r.returncode == 0 and r.stdout == "exiting\n", (r.returncode, r.stderr[-2000:])
         assert "terminate called" not in r.stderr
+
+
+def test_a_save_dcp_never_planned_frees_its_folder_and_the_exit(tmp_path):
+    """``dcp.async_save`` calls ``stage()`` and may fail right after it, before any thread of
+    DCP plans the save: ``AsyncCheckpointerType.PROCESS`` without a process group (ValueError),
+    or with one (our writer refuses to be pickled: TypeError from the upload). Nothing will write
+    or commit such a save: a later save into its folder goes ahead, and the interpreter exits
+    (it used to wait for that save forever, and the folder stayed refused for 10 minutes)."""
+    script = tmp_path / "never_planned.py"
+    script.write_text(PRELUDE + textwrap.dedent("""
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        from dcp_datastates import DataStatesReader
+        try:
+            dcp.async_save(make_state(1, 8), storage_writer=writer(folder),
+                           async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        except ValueError as exc:
+            print("refused:", type(exc).__name__, flush=True)
+        resp = dcp.async_save(make_state(2, 8), storage_writer=writer(folder))
+        resp.upload_completion.result()
+        dest = make_state(3, 8)
+        dcp.load(dest, storage_reader=DataStatesReader(folder))
+        expected = make_state(2, 8)
+        assert all(torch.equal(dest["model"][k], v) for k, v in expected["model"].items()) and dest["step"] == 2
+        print("saved again", flush=True)
+        dcp.async_save(make_state(4, 8), storage_writer=writer(os.path.join(folder, "other")),
+                       async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+        """))
+    r = subprocess.run([sys.executable, str(script), str(tmp_path / "ckpt")], capture_output=True, text=True,
+                       timeout=TIMEOUT_S)
+    assert r.stdout == "refused: ValueError\nsaved again\n", (r.stdout, r.stderr[-3000:])
+    assert r.returncode == 1 and "ValueError" in r.stderr and "still being written" not in r.stderr, r.stderr[-3000:]

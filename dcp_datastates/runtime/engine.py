@@ -211,14 +211,7 @@ _exiting = False
 
 
 def _checkpoint_threads(prefixes: tuple[str, ...] = _CHECKPOINT_THREAD_PREFIXES) -> list[threading.Thread]:
-    """Checkpoint threads that still run. Judged by the interpreter's live thread states, not by
-    ``Thread.is_alive()``: a join interrupted by Ctrl-C can mark a running thread as stopped
-    (CPython 3.11's bpo-45274 handling releases the thread's own lock)."""
-    import sys  # noqa: PLC0415
-
-    live = sys._current_frames()
-    me = threading.get_ident()
-    return [t for t in threading.enumerate() if t.ident != me and t.ident in live and t.name.startswith(prefixes)]
+    return inflight.running_threads(prefixes)
 
 
 def _join_checkpoint_threads(timeout: float | None, prefixes: tuple[str, ...] = _CHECKPOINT_THREAD_PREFIXES) -> bool:

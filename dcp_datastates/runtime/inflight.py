@@ -46,11 +46,12 @@ from typing import Any, Iterator, Protocol
 
 import torch
 
-from ..compat import global_optimizer_pre_hooks
+from ..compat import ASYNC_EXECUTOR_THREAD_PREFIX, global_optimizer_pre_hooks
 
 __all__ = ["SaveHandle", "register", "unregister", "inflight", "staging", "staged", "claim", "release",
            "names_in_use", "FolderBusyError", "wait_staged", "protect_optimizer", "install_step_wait",
-           "CollectorPause", "pause_collector", "gc_paused", "paused_count"]
+           "CollectorPause", "pause_collector", "gc_paused", "paused_count", "running_threads",
+           "dcp_executor_running"]
 
 
 class SaveHandle(Protocol):
@@ -117,12 +118,22 @@ _STALE_CLAIM_S = 600.0
 
 def claim(path: str, save: SaveHandle) -> None:
     """``save`` writes the folder ``path``; FolderBusyError when another unfinished save does."""
-    with _lock:
-        other = _claims.get(path)
-        if other is not None and other is not save and not other.is_over():
-            if not (other.all_written() and time.monotonic() - other.requested > _STALE_CLAIM_S):
+    while True:
+        with _lock:
+            other = _claims.get(path)
+            if other is None or other is save:
+                _claims[path] = save
+                return
+        # Judged outside the lock: is_over() may close a save that nothing can finish any more
+        # (which leaves this registry).
+        busy = not other.is_over() and not (other.all_written() and time.monotonic() - other.requested > _STALE_CLAIM_S)
+        with _lock:
+            if _claims.get(path) is not other:
+                continue  # claimed or released meanwhile: look again
+            if busy:
                 raise FolderBusyError(path)
-        _claims[path] = save
+            _claims[path] = save
+            return
 
 
 def release(path: str | None, save: SaveHandle) -> None:
@@ -139,6 +150,24 @@ def names_in_use(path: str) -> frozenset:
     if other is None or other.is_over():
         return frozenset()
     return other.file_names()
+
+
+def running_threads(prefixes: tuple[str, ...]) -> list[threading.Thread]:
+    """The threads whose names start with one of ``prefixes`` and still run. Judged by the
+    interpreter's live thread states, not by ``Thread.is_alive()``: a join interrupted by Ctrl-C
+    can mark a running thread as stopped (CPython 3.11's bpo-45274 handling releases the thread's
+    own lock)."""
+    import sys  # noqa: PLC0415
+
+    live = sys._current_frames()
+    me = threading.get_ident()
+    return [t for t in threading.enumerate() if t.ident != me and t.ident in live and t.name.startswith(prefixes)]
+
+
+def dcp_executor_running() -> bool:
+    """One of DCP's ``async_save`` executor threads runs: the only threads that take a staged save
+    on to its planning (each lives for its one save)."""
+    return bool(running_threads((ASYNC_EXECUTOR_THREAD_PREFIX,)))
 
 
 def _finished(save: Any) -> bool:

@@ -160,11 +160,29 @@ class StagedSave:
 
     def is_over(self) -> bool:
         """Finished, or given up by DCP: the thread that ran its DCP save has ended (the save
-        failed on some rank; DCP calls nothing more here)."""
+        failed on some rank; DCP calls nothing more here), or no DCP thread ever took it up."""
         if self.finished.is_set():
             return True
         t = self.planner
-        return t is not None and not t.is_alive()
+        if t is not None:
+            return not t.is_alive()
+        return self._never_planned()
+
+    def _never_planned(self) -> bool:
+        """Staged, not planned, and no DCP thread left that could plan it: the ``dcp.async_save``
+        that called ``stage()`` failed right after it (``AsyncCheckpointerType.PROCESS``, which
+        cannot take this writer; no process group). Nothing will write or commit it, so it is
+        closed here: its folder, its held cache slots and its references to the state come back.
+        (Before, a later save into its folder was refused and the interpreter's exit waited for
+        it forever.)"""
+        if not all(j.is_staged() for j in self.jobs()) or inflight.dcp_executor_running():
+            return False
+        self.abandon("save abandoned: DCP never planned it (the dcp.async_save that staged it failed)")
+        self.finished.set()
+        self.flat, self.payloads, self.guard = None, {}, None
+        self.end_collector_pause()
+        inflight.unregister(self)
+        return True
 
     def jobs(self) -> list:
         return [*self.files, *self.held]
