@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -150,6 +151,7 @@ class StagedSave:
     destination: Future | None = None  # the folder prepared and the files named (request.prepare_destination)
     collector_pause: Any = None  # Python's cyclic GC paused for this save (runtime/inflight.py), ended by end_collector_pause
     incremental: Any = None  # incremental=True: the save's decisions (incremental.Incremental); None: off
+    pid: int = field(default_factory=os.getpid)  # the process that requested it (not a forked child)
 
     def end_collector_pause(self, after: float = 0.0) -> None:
         """The save's objects are about to be freed (``after`` seconds from now, once the
@@ -175,6 +177,10 @@ class StagedSave:
         closed here: its folder, its held cache slots and its references to the state come back.
         (Before, a later save into its folder was refused and the interpreter's exit waited for
         it forever.)"""
+        if os.getpid() != self.pid:
+            # A forked child's copy (Megatron's async helper; its exit asks whether saves are
+            # over): the parent's threads and engine are not the child's to judge or to touch.
+            return False
         if not all(j.is_staged() for j in self.jobs()) or inflight.dcp_executor_running():
             return False
         self.abandon("save abandoned: DCP never planned it (the dcp.async_save that staged it failed)")
