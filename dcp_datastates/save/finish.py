@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import time
 
-from ..runtime import inflight
 from . import checkpoint_stats
 from .request import StagedSave, global_rank_world
 
@@ -20,12 +19,9 @@ def close_save(staged: StagedSave, *, path: str | None, coordinator: bool, error
                total_bytes: int | None = None, committed: bool = False) -> None:
     """The save needs nothing more from this rank: release its folder, leave the registry, and
     record its figures (the coordinator's record, with the commit, is logged)."""
-    staged.finished.set()
-    staged.flat, staged.payloads = None, {}
     # DCP's plans and metadata are freed when its save returns, right after this: the collector
     # resumes a moment later, so that it never sees them (runtime/inflight.py).
-    staged.end_collector_pause(after=0.25)
-    inflight.unregister(staged)
+    staged.close(collector_after=0.25)
     rank, world = global_rank_world()
     try:
         checkpoint_stats.record(checkpoint_stats.CheckpointStats(

@@ -184,11 +184,16 @@ class StagedSave:
         if not all(j.is_staged() for j in self.jobs()) or inflight.dcp_executor_running():
             return False
         self.abandon("save abandoned: DCP never planned it (the dcp.async_save that staged it failed)")
+        self.close()
+        return True
+
+    def close(self, collector_after: float = 0.0) -> None:
+        """Needs nothing more from this rank: finished, its references to the state dropped, the
+        collector free to run again (``collector_after`` seconds from now), out of the registry."""
         self.finished.set()
         self.flat, self.payloads, self.guard = None, {}, None
-        self.end_collector_pause()
+        self.end_collector_pause(after=collector_after)
         inflight.unregister(self)
-        return True
 
     def jobs(self) -> list:
         return [*self.files, *self.held]
