@@ -193,3 +193,58 @@ def test_registry_lists_saves_until_unregistered_or_done():
     finally:
         inflight.unregister(a)
         inflight.unregister(b)
+
+
+# A save that no DCP thread has planned: it settles (leaves the registry, as a save staged by a
+# failed ``async_save`` closes itself) ``argv[1]`` seconds after the program ends, while a thread
+# named like DCP's executor (the one of an earlier save, ending a moment after its save resolved)
+# still runs.
+UNPLANNED = """
+    import sys, threading, time
+    from dcp_datastates.runtime import inflight
+
+    settle_s = float(sys.argv[1])
+
+    class Save:
+        path = "ckpt/unplanned"
+        settled = False
+        def progress(self):
+            return (0, 8 << 20)
+        def abandon(self, reason):
+            pass
+        def awaits_planning(self):
+            return not self.settled
+        def is_over(self):
+            return self.settled
+
+    save = Save()
+    inflight.register(save)
+
+    def lingering_executor():
+        time.sleep(settle_s)
+        save.settled = True
+        inflight.unregister(save)
+        print("settled", flush=True)
+
+    threading.Thread(target=lingering_executor, name="AsyncCheckpointExecutor_0").start()
+    print("READY", flush=True)
+"""
+
+
+def test_a_save_nothing_planned_that_settles_at_exit_is_not_announced():
+    """The exit does not announce "still being written; waiting for it to commit" for a save
+    that no DCP thread took up and that settles within a moment (it will never commit)."""
+    child = Child(UNPLANNED, "0.5")
+    child.wait_for("settled")
+    assert child.finish() == 0
+    assert not any("still being written" in x for x in child.err), child.err
+
+
+def test_a_save_nothing_planned_that_does_not_settle_is_announced_and_waited_for():
+    """One still unplanned after the grace is named once, and the exit still waits for it."""
+    child = Child(UNPLANNED, "3.5")
+    line = child.wait_for("still being written", timeout=30)
+    assert "ckpt/unplanned (8.0 MiB of 8.0 MiB left to write)" in line
+    child.wait_for("settled")
+    assert child.finish() == 0
+    assert sum("still being written" in x for x in child.err) == 1

@@ -291,10 +291,12 @@ def _wait_for_inflight_before_exit() -> None:
 
     again = "again " if getattr(sys, "last_type", None) is KeyboardInterrupt else ""
     _release_uncaught_exception()
-    saves = _pending()
-    if not saves:
+    if not _pending():
         return
     try:  # the next Ctrl-C may land anywhere in here, the log call included
+        saves = _settled_pending(time)
+        if not saves:
+            return
         log.warning(
             "dcp_datastates: checkpoint %s still being written; waiting for it to commit. Ctrl-C %sto abandon it.",
             _describe(saves),
@@ -306,6 +308,31 @@ def _wait_for_inflight_before_exit() -> None:
     except KeyboardInterrupt:
         pass
     _abandon_all(time)
+
+
+# How long the exit gives saves that no DCP thread has planned to settle before naming what it waits for.
+_SETTLE_S = 2.0
+
+
+def _settled_pending(time) -> list:
+    """The saves still pending once those that nothing has planned yet have had a moment to
+    settle. A save staged by an ``async_save`` that failed right after ``stage()`` closes itself
+    (``is_over``) once its staging ends and DCP's last executor thread (which lingers a moment
+    after its save resolves) is gone: the exit must not announce it as "waiting for it to commit"."""
+    deadline = time.monotonic() + _SETTLE_S
+    while True:
+        saves = _pending()
+        unplanned = [s for s in saves if _awaits_planning(s)]
+        if not unplanned or time.monotonic() >= deadline:
+            return saves
+        time.sleep(0.02)
+
+
+def _awaits_planning(save) -> bool:
+    try:
+        return bool(save.awaits_planning()) and not save.is_over()
+    except Exception:  # noqa: BLE001 - a handle without the method (or broken) is not waited for
+        return False
 
 
 def _release_uncaught_exception() -> None:

@@ -28,6 +28,7 @@ A save handle is any object with:
 - ``wait_staged(timeout) -> bool``, ``seal()`` and, for copies from a GPU,
   ``device_wait(stream_of) -> bool`` (used by ``wait_staged``);
 - ``file_names() -> frozenset``: the data files it writes; ``is_over() -> bool``;
+  ``awaits_planning() -> bool``: no DCP thread has taken it up yet;
 - optionally ``done() -> bool``: True once the save needs nothing more (it is then not listed).
 """
 

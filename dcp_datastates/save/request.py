@@ -170,6 +170,10 @@ class StagedSave:
             return not t.is_alive()
         return self._never_planned()
 
+    def awaits_planning(self) -> bool:
+        """No DCP thread has taken it up yet (and it is not finished)."""
+        return self.planner is None and not self.finished.is_set()
+
     def _never_planned(self) -> bool:
         """Staged, not planned, and no DCP thread left that could plan it: the ``dcp.async_save``
         that called ``stage()`` failed right after it (``AsyncCheckpointerType.PROCESS``, which
