@@ -3,7 +3,6 @@ failures while committing, stale temporaries, and latest_checkpoint over step-N 
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import json
 import os
@@ -296,18 +295,18 @@ def test_overwrite_false_keeps_the_commit_and_its_bytes(tmp_path, small_engine):
 
 
 @pytest.mark.parametrize("break_it, message", [
-    (lambda locs, a, b: locs.__setitem__(b, dataclasses.replace(locs[b], offset=locs[a].offset)), r"share bytes"),
-    (lambda locs, a, b: locs.__setitem__(a, dataclasses.replace(locs[a], length=locs[a].length - 4,
+    (lambda locs, a, b: locs.__setitem__(b, locs[b]._replace(offset=locs[a].offset)), r"share bytes"),
+    (lambda locs, a, b: locs.__setitem__(a, locs[a]._replace(length=locs[a].length - 4,
                                                                 crc32c=locs[a].crc32c)), r"stored length|checksums for"),
-    (lambda locs, a, b: locs.__setitem__(a, dataclasses.replace(locs[a], crc32c=locs[a].crc32c + (7,))),
+    (lambda locs, a, b: locs.__setitem__(a, locs[a]._replace(crc32c=locs[a].crc32c + (7,))),
      r"checksums for \d+ pieces"),
-    (lambda locs, a, b: locs.__setitem__(a, dataclasses.replace(locs[a], piece_size=locs[a].piece_size * 2)),
+    (lambda locs, a, b: locs.__setitem__(a, locs[a]._replace(piece_size=locs[a].piece_size * 2)),
      r"checksum grid"),
-    (lambda locs, a, b: locs.__setitem__(a, dataclasses.replace(locs[a], offset=locs[a].data_start - 8)),
+    (lambda locs, a, b: locs.__setitem__(a, locs[a]._replace(offset=locs[a].data_start - 8)),
      r"item 'a'.*starts before the data region"),
-    (lambda locs, a, b: locs.__setitem__(a, dataclasses.replace(locs[a], piece_size=0)),
+    (lambda locs, a, b: locs.__setitem__(a, locs[a]._replace(piece_size=0)),
      r"piece_size must be positive|checksum grid"),
-    (lambda locs, a, b: locs.__setitem__(a, dataclasses.replace(locs[a], crc32c=(1 << 32,) * len(locs[a].crc32c))),
+    (lambda locs, a, b: locs.__setitem__(a, locs[a]._replace(crc32c=(1 << 32,) * len(locs[a].crc32c))),
      r"item 'a'.*crc32c must be a list of 32-bit integers"),
     (lambda locs, a, b: locs.pop(a), r"no write result for item 'a'"),
 ])

@@ -27,7 +27,7 @@ import struct
 import uuid
 from dataclasses import dataclass
 from json.encoder import encode_basestring_ascii as _json_str  # json.dumps's own string encoder (C)
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.metadata import (
@@ -205,10 +205,12 @@ _MAX_INT = (1 << 63) - 1
 _MAX_OVERLAP_CHECK = 256
 
 
-@dataclass(frozen=True)
-class ItemLocation:
+class ItemLocation(NamedTuple):
     """Where one saved item (a tensor chunk or a bytes value) lives. This is the ``storage_data``
-    of DCP's ``WriteResult`` and of the decoded ``Metadata``."""
+    of DCP's ``WriteResult`` and of the decoded ``Metadata``. Immutable (shared with cached
+    plans); a named tuple because one is built per item of every save and every load: 0.5 us,
+    against 2-4 us for a frozen dataclass (whose ``__init__`` sets each field through
+    ``object.__setattr__``)."""
 
     file: str
     offset: int  # absolute byte offset in the file
@@ -227,7 +229,7 @@ class ItemLocation:
 def moved(loc: "ItemLocation", file: str, *, crc32c: tuple[int, ...] | None = None,
           file_size: int | None = None) -> "ItemLocation":
     """The same bytes in a file renamed to ``file`` (with its checksums and size, when given)."""
-    # Built directly: dataclasses.replace costs ~4x more, once per item of a checkpoint.
+    # Built directly: _replace costs several times more, once per item of a checkpoint.
     return ItemLocation(file, loc.offset, loc.length, loc.dtype, loc.shape, loc.crc32c if crc32c is None else crc32c,
                         loc.data_start, loc.piece_size, loc.file_size if file_size is None else file_size,
                         loc.hash64)
@@ -534,7 +536,7 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
         elif kind == "bytes":
             state[fqn] = BytesStorageMetadata()
             loc = _location(c, item, where, files, "uint8", ())
-            storage[MetadataIndex(fqn)] = ItemLocation(**{**loc.__dict__, "shape": (loc.length,)})
+            storage[MetadataIndex(fqn)] = loc._replace(shape=(loc.length,))
         else:
             raise c.fail(f"{where}: unknown item type {kind!r}")
 
@@ -609,8 +611,12 @@ def _raise_shared(c: _Check, placed, fname: str, start: int, prev_end: int) -> N
 def _check_chunk_bounds(c: _Check, where: str, offsets, sizes, size) -> None:
     if len(offsets) != len(size) or len(sizes) != len(size):
         raise c.fail(f"{where}: rank of offsets/sizes does not match the tensor's {len(size)} dims")
-    if any(o + s > d for o, s, d in zip(offsets, sizes, size)):
-        raise c.fail(f"{where}: chunk {list(offsets)}+{list(sizes)} exceeds the tensor size {list(size)}")
+    for o, s, d in zip(offsets, sizes, size):  # a plain loop: no generator per chunk
+        if o + s > d:
+            break
+    else:
+        return
+    raise c.fail(f"{where}: chunk {list(offsets)}+{list(sizes)} exceeds the tensor size {list(size)}")
 
 
 def _check_chunk_length(c: _Check, where: str, length: int, sizes, nbytes: int, dtype_name: str) -> None:
