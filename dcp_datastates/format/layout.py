@@ -294,7 +294,9 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
     file_json: dict[str, str] = {}  # name -> the name as a JSON string
     spans: dict[str, list[tuple[int, int]]] = {}  # name -> (start, end) of each item's bytes
     items: list[str] = []
-    find = locations.get
+    # Looked up by (fqn, offset), MetadataIndex's own equality (its ``index`` hint is not
+    # compared): a MetadataIndex built per item only to look it up costs ~2.5 us more.
+    find = {(index.fqn, index.offset): loc for index, loc in locations.items()}.get
     dims_json: dict = {}  # the JSON text of each distinct shape and offset (a model repeats a few)
 
     def ints(dims) -> str:
@@ -309,7 +311,7 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
     def where(fqn: str, offsets) -> tuple[str, int]:
         """The item's location fields as JSON text, and its stored length; files and spans
         updated; checked against its file."""
-        loc = find(MetadataIndex(fqn, offsets))
+        loc = find((fqn, offsets))
         if loc is None:
             raise CheckpointFormatError(f"no write result for item {fqn!r} at offset {offsets}")
         info = files.get(loc.file)
