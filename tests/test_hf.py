@@ -187,3 +187,15 @@ def test_the_example_trains_crashes_resumes_and_exports_bitwise(tmp_path):
     assert "is a LlamaForCausalLM, weights bitwise equal to the checkpoint: True" in r.stdout
     assert sorted(os.listdir(tmp_path / "export")) == [
         "config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json"]
+
+
+def test_tied_llama_under_fsdp2_saves_its_request_time_values(tmp_path):
+    """A Hugging Face Llama with tied embeddings, FSDP2 on 2 gloo ranks, AdamW (foreach) with a
+    LambdaLR schedule: every lazy save, with a training step right after its request, loads back
+    bitwise equal to the model, optimizer and schedule at the request."""
+    pytest.importorskip("transformers")
+    import hf_workers
+
+    from dist_harness import run_ranks
+
+    run_ranks(2, hf_workers.tied_llama_saves_request_time_values, str(tmp_path), 3)
