@@ -413,3 +413,22 @@ def test_validate_checkpoint_accepts_every_dtype(tmp_path):
     by = {it.name: it for it in items}
     assert by["complex128"].dtype == "U8" and by["complex128"].length == 4 * 16  # raw bytes, real dtype in .metadata
     assert by["float8_e4m3fn"].dtype == "F8_E4M3" and by["empty"].shape == (0, 4) and by["scalar"].shape == ()
+
+
+@pytest.mark.parametrize("path, message", [
+    ("", r"checkpoint path '' is empty"),
+    ("file://", r"checkpoint path 'file://' is empty"),
+    ("s3://", r"checkpoint URL 's3://' names no bucket or folder after s3://"),
+    ("memory:///", r"checkpoint URL 'memory:///' names no bucket or folder after memory://"),
+])
+def test_an_empty_path_or_a_url_without_a_folder_is_refused_by_name(path, message, tmp_path, monkeypatch):
+    """Refused when given, naming what is missing (before: "cannot create checkpoint folder : No
+    such file or directory", or the store's bare "ValueError()"); nothing is written anywhere."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=message):
+        DataStatesWriter(path)
+    with pytest.raises(ValueError, match=message):
+        DataStatesReader(path)
+    with pytest.raises(ValueError, match=message):
+        dcp.save({"x": torch.ones(2)}, storage_writer=DataStatesWriter(), checkpoint_id=path, no_dist=True)
+    assert os.listdir(tmp_path) == []
