@@ -8,6 +8,7 @@ DeepSpeed-style ``datastates_ckpt`` section, and sizes written as strings ("16GB
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import re
@@ -447,9 +448,10 @@ def _normalize(data: Mapping[str, Any], *, bare_sizes_in_gb: bool) -> dict:
         if key in _IGNORED:
             continue
         if name not in known:
-            raise ValueError(
-                f"unknown DataStates option {key!r}; known options: {', '.join(sorted(known | set(_ALIASES)))}"
-            )
+            names = sorted(known | set(_ALIASES))
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"unknown DataStates option {key!r}{hint}; known options: {', '.join(names)}")
         if name in _GB_SIZES and value is not None:
             value = cache_size(value, name)
         elif name in _BYTE_SIZES:

@@ -63,6 +63,13 @@ def test_unknown_option_is_named():
         DataStatesConfig.from_dict({"host_cache": 3})
 
 
+def test_a_misspelt_option_names_the_closest_known_one():
+    with pytest.raises(ValueError, match=r"unknown DataStates option 'flush_thread' \(did you mean 'flush_threads'\?\)"):
+        DataStatesWriter("ckpt", flush_thread=2)
+    with pytest.raises(ValueError, match=r"unknown DataStates option 'zzz'; known options: "):  # nothing close: no guess
+        DataStatesConfig.from_dict({"zzz": 1})
+
+
 def test_bad_values_are_named():
     with pytest.raises(ValueError, match="flush_threads"):
         DataStatesConfig(flush_threads=0)
