@@ -15,6 +15,8 @@ import sys
 import textwrap
 import threading
 
+import pytest
+
 from dcp_datastates import latest_checkpoint
 from dcp_datastates.runtime import inflight
 
@@ -248,3 +250,50 @@ def test_a_save_nothing_planned_that_does_not_settle_is_announced_and_waited_for
     child.wait_for("settled")
     assert child.finish() == 0
     assert sum("still being written" in x for x in child.err) == 1
+
+
+class _UnplannedSave:
+    """A save in a folder that no DCP thread has taken up: after ``settle_s`` it is either over
+    (an ``async_save`` that failed right after ``stage()``: its staging ended) or, with
+    ``taken_up``, planned by DCP (a save still running)."""
+
+    path = "ckpt/latest"
+    requested = 0.0
+
+    def __init__(self, settle_s: float, taken_up: bool):
+        self.at = threading.Timer(settle_s, lambda: None)
+        self.at.start()
+        self.taken_up = taken_up
+
+    def awaits_planning(self):
+        return self.at.is_alive()
+
+    def is_over(self):
+        return not self.at.is_alive() and not self.taken_up
+
+    def all_written(self):
+        return False
+
+
+def test_a_folder_claim_waits_for_a_save_nothing_planned_to_settle():
+    """A second save into the folder goes ahead once the first, which DCP never took up,
+    turns out to be over (before: refused at once while the first was still staging, "a save
+    to ... is still running"); a save that DCP takes up keeps the folder busy."""
+    import time
+
+    first, second = _UnplannedSave(0.3, taken_up=False), object()
+    inflight.claim("ckpt/latest", first)
+    try:
+        t = time.monotonic()
+        inflight.claim("ckpt/latest", second)  # no FolderBusyError
+        assert 0.2 < time.monotonic() - t < 5
+    finally:
+        inflight.release("ckpt/latest", first)
+        inflight.release("ckpt/latest", second)
+    running = _UnplannedSave(0.3, taken_up=True)
+    inflight.claim("ckpt/other", running)
+    try:
+        with pytest.raises(inflight.FolderBusyError):
+            inflight.claim("ckpt/other", object())
+    finally:
+        inflight.release("ckpt/other", running)

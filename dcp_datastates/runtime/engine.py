@@ -294,7 +294,7 @@ def _wait_for_inflight_before_exit() -> None:
     if not _pending():
         return
     try:  # the next Ctrl-C may land anywhere in here, the log call included
-        saves = _settled_pending(time)
+        saves = _settled_pending()
         if not saves:
             return
         log.warning(
@@ -314,25 +314,12 @@ def _wait_for_inflight_before_exit() -> None:
 _SETTLE_S = 2.0
 
 
-def _settled_pending(time) -> list:
+def _settled_pending() -> list:
     """The saves still pending once those that nothing has planned yet have had a moment to
-    settle. A save staged by an ``async_save`` that failed right after ``stage()`` closes itself
-    (``is_over``) once its staging ends and DCP's last executor thread (which lingers a moment
-    after its save resolves) is gone: the exit must not announce it as "waiting for it to commit"."""
-    deadline = time.monotonic() + _SETTLE_S
-    while True:
-        saves = _pending()
-        unplanned = [s for s in saves if _awaits_planning(s)]
-        if not unplanned or time.monotonic() >= deadline:
-            return saves
-        time.sleep(0.02)
-
-
-def _awaits_planning(save) -> bool:
-    try:
-        return bool(save.awaits_planning()) and not save.is_over()
-    except Exception:  # noqa: BLE001 - a handle without the method (or broken) is not waited for
-        return False
+    settle (``inflight.settle``): a save staged by an ``async_save`` that failed right after
+    ``stage()`` will never commit, and the exit must not announce it as "waiting for it to commit"."""
+    inflight.settle(_pending(), _SETTLE_S)
+    return _pending()
 
 
 def _release_uncaught_exception() -> None:

@@ -52,7 +52,7 @@ from ..compat import ASYNC_EXECUTOR_THREAD_PREFIX, global_optimizer_pre_hooks
 __all__ = ["SaveHandle", "register", "unregister", "inflight", "staging", "staged", "claim", "release",
            "names_in_use", "FolderBusyError", "wait_staged", "protect_optimizer", "install_step_wait",
            "CollectorPause", "pause_collector", "gc_paused", "paused_count", "running_threads",
-           "dcp_executor_running"]
+           "dcp_executor_running", "awaits_planning", "settle"]
 
 
 class SaveHandle(Protocol):
@@ -126,7 +126,9 @@ def claim(path: str, save: SaveHandle) -> None:
                 _claims[path] = save
                 return
         # Judged outside the lock: is_over() may close a save that nothing can finish any more
-        # (which leaves this registry).
+        # (which leaves this registry). One that no DCP thread has taken up yet may be such a
+        # save, not judged yet: it gets a moment to settle first.
+        settle([other], _CLAIM_SETTLE_S)
         busy = not other.is_over() and not (other.all_written() and time.monotonic() - other.requested > _STALE_CLAIM_S)
         with _lock:
             if _claims.get(path) is not other:
@@ -135,6 +137,30 @@ def claim(path: str, save: SaveHandle) -> None:
                 raise FolderBusyError(path)
             _claims[path] = save
             return
+
+
+def awaits_planning(save: Any) -> bool:
+    """No DCP thread has taken ``save`` up yet, and it is not over (a handle without
+    ``awaits_planning`` never does)."""
+    try:
+        return bool(save.awaits_planning()) and not save.is_over()
+    except Exception:  # noqa: BLE001 - a broken handle is not waited for
+        return False
+
+
+def settle(saves: list, timeout: float) -> None:
+    """Wait, at most ``timeout`` seconds, until none of ``saves`` awaits planning: DCP took it
+    up, or it is over. A save staged by an ``async_save`` that failed right after ``stage()``
+    is judged over (and closed) only once its staging has ended and DCP's last executor thread
+    (which outlives its own save by a moment) is gone; a save that DCP will plan is taken up
+    as soon as its staging ends."""
+    deadline = time.monotonic() + timeout
+    while any(awaits_planning(s) for s in saves) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+# How long a save into a folder waits for the save it finds there to settle (``settle``).
+_CLAIM_SETTLE_S = 10.0
 
 
 def release(path: str | None, save: SaveHandle) -> None:
