@@ -285,3 +285,15 @@ def test_rss_loop_reports_memory_per_checkpoint(small_engine, capsys):
     rows = rl.main(["--tensors", "40", "--checkpoints", "3", "--host-cache", "16MiB"])
     assert len(rows) == 3 and all(rss > 50 and objects > 1000 for rss, objects in rows)
     assert capsys.readouterr().out.count("Python objects") == 3
+
+
+def test_overwrite_folder_times_replacing_and_fresh_saves(tmp_path):
+    """benchmarks/overwrite_folder.py: both series run every save to its commit, and the folder
+    is removed afterwards."""
+    spec = importlib.util.spec_from_file_location("overwrite_folder", BENCHMARKS / "overwrite_folder.py")
+    ow = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ow)
+    report = ow.main(["--dir", str(tmp_path / "ow"), "--size", "2MiB", "--tensors", "10", "--saves", "2", "--pause", "0"])
+    assert set(report["seconds"]) == {"one folder, replaced", "a new folder each"}
+    assert all(len(v) == 2 and min(v) > 0 for v in report["seconds"].values())
+    assert not (tmp_path / "ow").exists()

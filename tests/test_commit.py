@@ -387,3 +387,34 @@ def test_planner_data_is_written_only_when_it_is_flat_keys_to_paths():
     assert json.loads(json.dumps(_jsonable_planner_data({"a": (Name.A, True)}))) == {"a": ["a", True]}
     for bad in ({"a": ("m", 1.5)}, {1: ("m",)}, {"a": "m"}, {"a": ({"x": 1},)}, ["a"], None):
         assert _jsonable_planner_data(bad) is None, bad
+
+
+def test_files_a_commit_replaces_are_freed_without_delaying_the_save(tmp_path, small_engine, monkeypatch):
+    """The replaced checkpoint's data files leave their names at the commit (renamed aside, so
+    nothing lists them as data) and are unlinked in the background: a save into the same folder
+    completes while that unlink is still held, and the folder is clean once it ends."""
+    import threading
+
+    folder = tmp_path / "latest"
+    save(folder, 1.0, "sync")
+    (folder / ".dcpds-discarded-left-by-a-dead-process").write_bytes(b"x" * 10)
+    release, held = threading.Event(), []
+    real_unlink = local_storage._unlink_quietly
+
+    def held_unlink(path):
+        if os.path.basename(path).startswith(".dcpds-discarded-"):
+            held.append(path)
+            release.wait(60)
+        real_unlink(path)
+
+    monkeypatch.setattr(local_storage, "_unlink_quietly", held_unlink)
+    done = threading.Event()
+    saver = threading.Thread(target=lambda: (save(folder, 2.0, "async"), done.set()), daemon=True)
+    saver.start()
+    assert done.wait(60), "the save waited for the unlink of the files it replaced"
+    assert "__0_0.safetensors" not in os.listdir(folder) and len(data_files(folder)) == 1
+    assert_holds(folder, 2.0)
+    release.set()
+    local_storage.wait_for_discards(60)
+    assert held, "the replaced file was not discarded through the background unlink"
+    assert sorted(os.listdir(folder)) == [".metadata", *data_files(folder)]  # a dead process's leftover too

@@ -92,7 +92,7 @@ def write_commit(
         names = storage.names()
     except Exception:  # noqa: BLE001 - the commit is durable; cleanup waits for the next one
         return files
-    _remove_obsolete(names, set(files) | set(in_use), rank_local, storage.remove, lambda: referenced_by(storage))
+    _remove_obsolete(names, set(files) | set(in_use), rank_local, storage.discard, lambda: referenced_by(storage))
     return files
 
 

@@ -124,6 +124,11 @@ class Storage(ABC):
     def remove(self, name: str) -> None:
         """Delete file ``name`` (raises when that fails)."""
 
+    def discard(self, name: str) -> None:
+        """Delete file ``name``, which nothing needs any more, waiting only until its name is
+        free (what the commit's cleanup calls). Here: ``remove``."""
+        self.remove(name)
+
     def remove_quietly(self, name: str) -> None:
         try:
             self.remove(name)
