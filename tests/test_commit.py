@@ -418,3 +418,18 @@ def test_files_a_commit_replaces_are_freed_without_delaying_the_save(tmp_path, s
     local_storage.wait_for_discards(60)
     assert held, "the replaced file was not discarded through the background unlink"
     assert sorted(os.listdir(folder)) == [".metadata", *data_files(folder)]  # a dead process's leftover too
+
+
+def test_a_discard_while_the_interpreter_shuts_down_unlinks_at_once(tmp_path, monkeypatch):
+    """No background work can start during the interpreter's shutdown (a commit at exit): the
+    discarded file is unlinked on the caller's thread instead of being left aside."""
+    class _ShutDownPool:
+        def submit(self, *args, **kwargs):
+            raise RuntimeError("cannot schedule new futures after interpreter shutdown")
+
+    discards = local_storage._Discards()
+    discards._pool, discards._pid = _ShutDownPool(), os.getpid()
+    monkeypatch.setattr(local_storage, "_discards", discards)
+    (tmp_path / "__0_0.safetensors").write_bytes(b"old")
+    local_storage.LocalStorage(str(tmp_path)).discard("__0_0.safetensors")
+    assert os.listdir(tmp_path) == []

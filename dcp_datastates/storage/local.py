@@ -110,7 +110,12 @@ class _Discards:
             if self._pool is None or self._pid != os.getpid():
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-datastates-discard")
                 self._pid = os.getpid()
-            self._pool.submit(_unlink_discarded, folder, path)
+            try:
+                self._pool.submit(_unlink_discarded, folder, path)
+                return
+            except RuntimeError:  # the interpreter is shutting down: no new background work
+                pass
+        _unlink_discarded(folder, path)
 
     def wait(self, timeout: float | None = None) -> None:
         """Until what was discarded so far is unlinked (TimeoutError after ``timeout`` seconds)."""
