@@ -65,6 +65,8 @@ def tied_llama_saves_request_time_values(rank: int, world: int, root: str, saves
     schedule included."""
     from dcp_datastates import DataStatesReader, DataStatesWriter
 
+    from conftest import assert_state_equal
+
     ckpt_group = dist.new_group(backend="gloo")  # the training's collectives keep the default group
     model, opt, sched = _tied_llama(0)
     _train_step(model, opt, sched, 0)
@@ -88,11 +90,5 @@ def tied_llama_saves_request_time_values(rank: int, world: int, root: str, saves
         assert model2.lm_head.weight is model2.model.embed_tokens.weight, "the tie survives the load"
         msd, osd = get_state_dict(model2, opt2)
         loaded = _full_values({"model": msd, "optim": osd})
-        assert loaded.keys() == values.keys(), (i, sorted(loaded.keys() ^ values.keys()))
-        for key, want in values.items():
-            got = loaded[key]
-            same = (got.dtype == want.dtype and got.shape == want.shape
-                    and torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))) if isinstance(want, torch.Tensor) \
-                else got == want
-            assert same, f"rank {rank}: checkpoint step-{i}: {key} differs from its request-time value"
-        assert state["sched"] == sched_state, (i, state["sched"], sched_state)
+        assert_state_equal(values, loaded, f"rank {rank}: checkpoint step-{i}")
+        assert_state_equal(sched_state, state["sched"], f"rank {rank}: checkpoint step-{i}: sched")
