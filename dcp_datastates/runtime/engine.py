@@ -291,10 +291,15 @@ def _wait_for_inflight_before_exit() -> None:
 
     again = "again " if getattr(sys, "last_type", None) is KeyboardInterrupt else ""
     _release_uncaught_exception()
-    if not _pending():
+    saves = _pending()
+    if not saves:
         return
     try:  # the next Ctrl-C may land anywhere in here, the log call included
-        saves = _settled_pending()
+        # A save that nothing has planned yet gets a moment to settle first: one staged by an
+        # async_save that failed right after stage() will never commit, and must not be
+        # announced as "waiting for it to commit".
+        inflight.settle(saves, _SETTLE_S)
+        saves = _pending()
         if not saves:
             return
         log.warning(
@@ -312,14 +317,6 @@ def _wait_for_inflight_before_exit() -> None:
 
 # How long the exit gives saves that no DCP thread has planned to settle before naming what it waits for.
 _SETTLE_S = 2.0
-
-
-def _settled_pending() -> list:
-    """The saves still pending once those that nothing has planned yet have had a moment to
-    settle (``inflight.settle``): a save staged by an ``async_save`` that failed right after
-    ``stage()`` will never commit, and the exit must not announce it as "waiting for it to commit"."""
-    inflight.settle(_pending(), _SETTLE_S)
-    return _pending()
 
 
 def _release_uncaught_exception() -> None:
