@@ -4,8 +4,11 @@
 #include <chrono>
 #include <cstdlib>
 #include <stdexcept>
+#include <cerrno>
+#include <cstring>
 #include <system_error>
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 namespace {
@@ -31,14 +34,25 @@ HostCache::HostCache(uint64_t cache_bytes, uint64_t slot_bytes, uint64_t alignme
     throw std::invalid_argument("host cache: " + std::to_string(nslots) + " slots is too many; use a larger chunk");
   slots_total_ = static_cast<int>(nslots);
 
-  // posix_memalign needs a power of two that is a multiple of sizeof(void*).
-  size_t align = alignment < sizeof(void*) ? sizeof(void*) : static_cast<size_t>(alignment);
-  void* p = nullptr;
-  int rc = posix_memalign(&p, align, static_cast<size_t>(cache_bytes));
-  if (rc != 0 || p == nullptr)
-    throw HostAllocError("cannot allocate the host cache: posix_memalign of " + std::to_string(cache_bytes) +
-                         " bytes aligned to " + std::to_string(align) + " failed");
-  base_ = static_cast<char*>(p);
+  if (alignment == 0 || (alignment & (alignment - 1)) != 0)
+    throw std::invalid_argument("host cache: alignment " + std::to_string(alignment) + " is not a power of two");
+  // A mapping of its own (not malloc's heap), so that it can be left out of forked children:
+  // a child (a DataLoader worker, any os.fork) would otherwise share every page copy-on-write,
+  // and each page a copy then writes here would be duplicated for as long as the child lives
+  // (the cache's size again in memory, and a page fault per 4 KiB on the copy threads).
+  // Nothing in a child may use the parent's cache: its engine is set aside there
+  // (runtime/engine.py) and a save in the child starts an engine of its own.
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t align = std::max<uint64_t>(alignment, page);
+  map_bytes_ = (cache_bytes + page - 1) / page * page + (align - page);
+  void* m = ::mmap(nullptr, static_cast<size_t>(map_bytes_), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED)
+    throw HostAllocError("cannot allocate the host cache: mmap of " + std::to_string(map_bytes_) + " bytes (" +
+                         std::to_string(cache_bytes) + " aligned to " + std::to_string(alignment) +
+                         ") failed: " + std::strerror(errno));
+  map_ = static_cast<char*>(m);
+  base_ = map_ + ((align - reinterpret_cast<uintptr_t>(map_) % align) % align);
+  ::madvise(map_, static_cast<size_t>(map_bytes_), MADV_DONTFORK);  // best effort: a kernel without it forks as before
 
   free_.reserve(slots_total_);
   for (int i = slots_total_ - 1; i >= 0; --i) free_.push_back(i);  // slot 0 handed out first
@@ -47,7 +61,7 @@ HostCache::HostCache(uint64_t cache_bytes, uint64_t slot_bytes, uint64_t alignme
 HostCache::~HostCache() {
   stop_prefault();
   unpin();
-  std::free(base_);
+  ::munmap(map_, static_cast<size_t>(map_bytes_));
 }
 
 std::string HostCache::pin(const CudaApi& api) {

@@ -29,8 +29,9 @@ class HostAllocError : public std::bad_alloc {
 
 class HostCache {
  public:
-  // Allocates `cache_bytes` aligned to `alignment` (a power of two) and splits it into
-  // cache_bytes / slot_bytes slots. Throws HostAllocError if the allocation fails.
+  // Maps `cache_bytes` aligned to `alignment` (a power of two), left out of forked children
+  // (MADV_DONTFORK), and splits it into cache_bytes / slot_bytes slots. Throws HostAllocError if
+  // the mapping fails.
   HostCache(uint64_t cache_bytes, uint64_t slot_bytes, uint64_t alignment);
   ~HostCache();
   HostCache(const HostCache&) = delete;
@@ -80,6 +81,8 @@ class HostCache {
   bool wait_while(const std::function<bool()>& busy);
 
 
+  char* map_ = nullptr;  // the mapping (base_ is map_ aligned up)
+  uint64_t map_bytes_ = 0;
   char* base_ = nullptr;
   uint64_t bytes_;
   uint64_t slot_bytes_;

@@ -15,6 +15,7 @@ from ..compat import ASYNC_EXECUTOR_THREAD_PREFIX, register_before_thread_join
 from ..config import CACHE_SIZE_ENV, ENGINE_OPTIONS, DataStatesConfig, check_cache_fits, memory_limit
 from ..native import engine_module
 from . import inflight
+from .forking import keep_forever
 
 __all__ = ["get_engine", "start_engine", "engine_stats", "shutdown_engine"]
 
@@ -201,6 +202,21 @@ def shutdown_engine() -> None:
         eng, _engine, _engine_config, _engine_provisional = _engine, None, None, False
     if eng is not None:
         eng.shutdown()
+
+
+def _set_aside_in_child() -> None:
+    """After ``os.fork``, in the child: the parent's engine has no threads here and can neither
+    run a save nor be shut down (see ``forking``). It is kept, untouched, and the child's first
+    checkpoint starts an engine of its own."""
+    global _lock, _engine, _engine_config, _engine_settings, _engine_provisional
+    _lock = threading.Lock()  # the parent's may have been held by one of its threads
+    if _engine is not None:
+        keep_forever(_engine)
+    _engine, _engine_config, _engine_settings, _engine_provisional = None, None, {}, False
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_set_aside_in_child)
 
 
 # ------------------------------------------------------------------------------ interpreter exit

@@ -48,6 +48,7 @@ from typing import Any, Iterator, Protocol
 import torch
 
 from ..compat import ASYNC_EXECUTOR_THREAD_PREFIX, global_optimizer_pre_hooks
+from .forking import keep_forever
 
 __all__ = ["SaveHandle", "register", "unregister", "inflight", "staging", "staged", "claim", "release",
            "names_in_use", "FolderBusyError", "wait_staged", "protect_optimizer", "install_step_wait",
@@ -504,5 +505,14 @@ def _forget_pauses_in_child() -> None:
         gc.enable()
 
 
+def _forget_saves_in_child() -> None:
+    """A forked child has none of the parent's saves: its optimizer steps must not wait for
+    them, nor its exit, nor may it destroy them (``forking``). They are kept, untouched."""
+    global _lock, _saves, _staging, _claims
+    keep_forever((_saves, _staging, _claims))
+    _lock, _saves, _staging, _claims = threading.Lock(), [], [], {}
+
+
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pauses_in_child)
+    os.register_at_fork(after_in_child=_forget_saves_in_child)
