@@ -102,14 +102,17 @@ class _Discards:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pid: int | None = None
         self._pool: ThreadPoolExecutor | None = None
+
+    def forget_in_child(self) -> None:
+        """After os.fork, in the child: the parent's pool has no thread here, and its lock may
+        have been held by one of the parent's threads."""
+        self._lock, self._pool = threading.Lock(), None
 
     def submit(self, folder: str, path: str) -> None:
         with self._lock:
-            if self._pool is None or self._pid != os.getpid():
+            if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-datastates-discard")
-                self._pid = os.getpid()
             try:
                 self._pool.submit(_unlink_discarded, folder, path)
                 return
@@ -120,7 +123,7 @@ class _Discards:
     def wait(self, timeout: float | None = None) -> None:
         """Until what was discarded so far is unlinked (TimeoutError after ``timeout`` seconds)."""
         with self._lock:
-            pool = self._pool if self._pid == os.getpid() else None
+            pool = self._pool
         if pool is not None:
             pool.submit(lambda: None).result(timeout)
 
@@ -139,6 +142,8 @@ def _unlink_discarded(folder: str, path: str) -> None:
 
 
 _discards = _Discards()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_discards.forget_in_child)
 
 
 def wait_for_discards(timeout: float | None = None) -> None:
