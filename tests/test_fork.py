@@ -1,7 +1,8 @@
 """A process forked while a save is in flight (``os.fork``, ``multiprocessing``'s fork context,
 DataLoader workers): the child has none of the parent's engine threads. Its optimizer steps and
 ``wait_staged`` must not wait for the parent's save, its own saves must work, its exit must not
-hang, and it must not share the parent's host cache (copy-on-write would duplicate every page
+hang (nor wait on the library's thread pools, whose threads it does not have), and it must not
+share the parent's host cache (copy-on-write would duplicate every page
 the parent's copies write while the child lives). The parent's save still commits exactly.
 
 Each scenario is a script in a subprocess, so that the forks happen outside pytest's process."""
@@ -51,13 +52,20 @@ SCRIPT = textwrap.dedent(
         assert time.monotonic() - t0 < 10, f"{tag}: waited {time.monotonic() - t0:.1f} s for the parent's save"
         mine = state(int(tag[-1]) + 10)
         path = os.path.join(root, "child")
-        dcp.save(mine, storage_writer=DataStatesWriter(path, **CHILD_OPTIONS))  # replaces the checkpoint there
+        # Its own engine and the library's thread pools (staging watchers, folder preparation,
+        # freed files, uploads), whose threads in the parent were idle at the fork.
+        resp = dcp.async_save(mine, storage_writer=DataStatesWriter(path, **CHILD_OPTIONS))  # replaces the one there
+        resp.upload_completion.result(timeout=30)
         assert load_equal(path, mine), f"{tag}: its checkpoint loads back different"
+        url = f"memory://forked/{tag}"
+        dcp.async_save(mine, storage_writer=DataStatesWriter(url)).upload_completion.result(timeout=30)
+        assert load_equal(url, mine), f"{tag}: its object-store checkpoint loads back different"
         print(f"{tag} ok", flush=True)
 
     if __name__ == "__main__":
         start_engine(host_cache_size=1 << 20, chunk_size=256 << 10)  # a cache far smaller than the save
         dcp.save(state(99), storage_writer=DataStatesWriter(os.path.join(root, "child")))  # the children replace it
+        dcp.async_save(state(98), storage_writer=DataStatesWriter("memory://parent/a")).upload_completion.result()
         current_engine().set_fault("stall", 0, os.sep + "parent")  # its flushes wait: it stays staging
         saved = state(1)
         resp = dcp.async_save(saved, storage_writer=DataStatesWriter(os.path.join(root, "parent")))

@@ -13,9 +13,9 @@ import threading
 
 from ..compat import ASYNC_EXECUTOR_THREAD_PREFIX, register_before_thread_join
 from ..config import CACHE_SIZE_ENV, ENGINE_OPTIONS, DataStatesConfig, check_cache_fits, memory_limit
+from ..forking import keep_forever
 from ..native import engine_module
 from . import inflight
-from .forking import keep_forever
 
 __all__ = ["get_engine", "start_engine", "engine_stats", "shutdown_engine"]
 

@@ -48,7 +48,7 @@ from typing import Any, Iterator, Protocol
 import torch
 
 from ..compat import ASYNC_EXECUTOR_THREAD_PREFIX, global_optimizer_pre_hooks
-from .forking import keep_forever
+from ..forking import keep_forever
 
 __all__ = ["SaveHandle", "register", "unregister", "inflight", "staging", "staged", "claim", "release",
            "names_in_use", "FolderBusyError", "wait_staged", "protect_optimizer", "install_step_wait",

@@ -28,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ..commit import prepare_folder
 from ..compat import unflatten_state_dict
 from ..errors import CheckpointWriteError
+from ..forking import ThreadPool
 from ..format.layout import ItemLocation, data_file_name, new_tag
 from ..runtime import get_engine, inflight
 from ..storage import Storage
@@ -266,11 +267,11 @@ GC_PAUSE_MAX_S = 60.0
 
 # Waits for staging and resolves the Futures handed to DCP; frees replaced files; never runs
 # Python on engine threads. (runtime.engine joins threads of this name at exit.)
-_watchers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dcp-datastates-staging")
+_watchers = ThreadPool(max_workers=2, thread_name_prefix="dcp-datastates-staging")
 # Prepares folders and names the files the request started (prepare_destination), in request
 # order. Its own thread, because its work never waits for the engine while the watchers' does:
 # copies can wait for cache slots that only named files free.
-_namer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-datastates-staging-folder")
+_namer = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-staging-folder")
 
 
 def current_stream(device: int) -> int:

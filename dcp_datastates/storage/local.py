@@ -13,13 +13,12 @@ import functools
 import os
 import shutil
 import stat
-import threading
 import uuid
 from collections.abc import Iterable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from ..errors import CheckpointFormatError, CheckpointWriteError
+from ..forking import ThreadPool
 from ..native import engine_module
 from .base import StartedDataFile, Storage
 
@@ -101,31 +100,19 @@ class _Discards:
     has none of its parent's threads). Python's exit waits for what is queued."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pool: ThreadPoolExecutor | None = None
-
-    def forget_in_child(self) -> None:
-        """After os.fork, in the child: the parent's pool has no thread here, and its lock may
-        have been held by one of the parent's threads."""
-        self._lock, self._pool = threading.Lock(), None
+        self._pool = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-discard")
 
     def submit(self, folder: str, path: str) -> None:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-datastates-discard")
-            try:
-                self._pool.submit(_unlink_discarded, folder, path)
-                return
-            except RuntimeError:  # the interpreter is shutting down: no new background work
-                pass
+        try:
+            self._pool.submit(_unlink_discarded, folder, path)
+            return
+        except RuntimeError:  # the interpreter is shutting down: no new background work
+            pass
         _unlink_discarded(folder, path)
 
     def wait(self, timeout: float | None = None) -> None:
         """Until what was discarded so far is unlinked (TimeoutError after ``timeout`` seconds)."""
-        with self._lock:
-            pool = self._pool
-        if pool is not None:
-            pool.submit(lambda: None).result(timeout)
+        self._pool.submit(lambda: None).result(timeout)
 
 
 def _unlink_discarded(folder: str, path: str) -> None:
@@ -142,8 +129,6 @@ def _unlink_discarded(folder: str, path: str) -> None:
 
 
 _discards = _Discards()
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_discards.forget_in_child)
 
 
 def wait_for_discards(timeout: float | None = None) -> None:

@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import CheckpointFormatError, CheckpointWriteError, IncompleteCheckpointError
+from ..forking import ThreadPool
 from ..format.pieces import bad_pieces
 from .base import StartedDataFile, Storage
 from .paths import normalize
@@ -57,7 +58,7 @@ READ_CONCURRENCY = 8
 #: Data files uploading at once per process (more wait, in order).
 UPLOAD_THREADS = 8
 
-_upload_pool = ThreadPoolExecutor(max_workers=UPLOAD_THREADS, thread_name_prefix="dcp-datastates-upload")
+_upload_pool = ThreadPool(max_workers=UPLOAD_THREADS, thread_name_prefix="dcp-datastates-upload")
 _submit_lock = threading.Lock()
 
 

@@ -26,6 +26,7 @@ import torch
 from ..commit import check_data_files, checkpoint_id, prepare_folder, read_commit, write_commit
 from ..config import DataStatesConfig
 from ..errors import CheckpointWriteError, ChecksumMismatchError
+from ..forking import ThreadPool
 from ..format.layout import data_file_name, data_file_parts, moved, new_tag, own_files, piece_ranges, split_reference
 from ..runtime import get_engine
 from ..storage import Storage, open_storage, root_of
@@ -179,7 +180,7 @@ def _copy_all(local: Storage, durable: Storage, sizes: dict[str, int], pieces: d
 
 # Copies of files still being written: a thread each, up to _FILES_AT_ONCE at once (a later file waits
 # for a thread; each mostly waits for the engine).
-_followers = ThreadPoolExecutor(max_workers=_FILES_AT_ONCE, thread_name_prefix="dcp-datastates-drain-follow")
+_followers = ThreadPool(max_workers=_FILES_AT_ONCE, thread_name_prefix="dcp-datastates-drain-follow")
 _FOLLOW_POLL_S = 1.0  # a follower waiting for the engine wakes this often (a failed job wakes it at once)
 
 

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from ..commit import prepare_folder, write_commit
 from ..config import usable_cpus
 from ..errors import CheckpointWriteError
+from ..forking import ThreadPool
 from ..format.layout import moved, new_tag, split_reference
 from ..save import global_rank_world
 from ..storage import Storage, open_storage, root_of
@@ -40,12 +41,12 @@ __all__ = ["NoTier", "LocalTier", "tier_for", "RankDrain", "ReadPlan"]
 
 # Several ranks: each rank's drain of its files (drain.drain_rank), off DCP's thread so the
 # coordinator can gather while ranks drain.
-_drainers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="dcp-datastates-drain")
+_drainers = ThreadPool(max_workers=2, thread_name_prefix="dcp-datastates-drain")
 # One rank: the durable folder prepared at the request and its copies started (files_started),
 # off the request's own threads, whose end staging waits for (the durable store may be slow).
-_early = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-datastates-drain-early")
+_early = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-drain-early")
 # One rank: the local copies evicted (keep_local) while the save's own drain runs.
-_evictors = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-datastates-evict")
+_evictors = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-evict")
 
 
 @dataclass(frozen=True)

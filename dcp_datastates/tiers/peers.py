@@ -53,13 +53,14 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ..forking import ThreadPool
 from ..runtime import get_engine
 from ..save.ownership import Mirroring
 from ..storage import open_storage
@@ -135,7 +136,7 @@ class _Peers:
 _peers: _Peers | None = None
 _peers_lock = threading.Lock()
 # The exchanges, one at a time, in save order (every rank runs the same sequence).
-_exchanges = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcp-datastates-peers")
+_exchanges = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-peers")
 
 
 def join(config) -> None:

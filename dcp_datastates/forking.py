@@ -1,0 +1,67 @@
+"""What a forked child keeps of its parent's checkpoint machinery: nothing it can use.
+
+``os.fork`` (a DataLoader worker, ``multiprocessing``'s fork context, an evaluation child)
+copies every object of the process but none of its threads. In the child, the objects that
+stand for threads are dead:
+
+- the engine and the saves in flight: a save through the parent's engine would wait forever for
+  copy workers that do not exist, and destroying them would hang too (their C++ destructors join
+  those threads and wait on condition variables that only the parent's threads could release).
+  ``runtime`` sets them aside with ``keep_forever`` and starts empty; the child's first save or
+  load starts an engine of its own. (The host cache is not even mapped in the child:
+  csrc/host_cache.cpp maps it with MADV_DONTFORK.)
+- thread pools: a ``ThreadPoolExecutor`` whose threads were idle at the fork counts them as idle
+  in the child too and starts none, so work submitted there never runs. Every pool of the
+  library is a ``ThreadPool``, made again in each process on first use.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+__all__ = ["keep_forever", "ThreadPool"]
+
+
+def keep_forever(obj: Any) -> None:
+    """One more reference to ``obj`` that nothing ever drops: it is never destroyed in this
+    process, not even when the interpreter finalizes (which would run its destructor)."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+class ThreadPool:
+    """A ``ThreadPoolExecutor`` of this process, made on first use; a forked child makes its own."""
+
+    def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
+        self._max_workers = max_workers
+        self._prefix = thread_name_prefix
+        self._lock = threading.Lock()
+        self._executor: ThreadPoolExecutor | None = None
+        _pools.add(self)
+
+    def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix=self._prefix)
+            executor = self._executor
+        return executor.submit(fn, *args, **kwargs)
+
+    def _forget_in_child(self) -> None:
+        # The parent's executor (and its lock, which one of its threads may have held) stay behind.
+        self._lock, self._executor = threading.Lock(), None
+
+
+_pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()
+
+
+def _forget_pools_in_child() -> None:
+    for pool in list(_pools):
+        pool._forget_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools_in_child)
