@@ -1,3 +1,4 @@
+import math
 import os
 import shutil
 import tempfile
@@ -37,30 +38,30 @@ def tensors_equal_bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(ac.view(-1).view(torch.uint8), bc.view(-1).view(torch.uint8)))
 
 
-def assert_state_equal(expected, actual, path="state"):
+def assert_state_equal(expected, actual, path="state", *, strict=False):
+    """Bitwise for tensors (dtype and shape included), equal elsewhere. ``strict``: non-tensor
+    values also of the same type, floats equal with their sign (NaN equals NaN)."""
     if isinstance(expected, torch.Tensor):
         assert isinstance(actual, torch.Tensor), f"{path}: expected a tensor, got {type(actual).__name__}"
         assert tensors_equal_bitwise(expected, actual), f"{path}: tensors differ ({expected.dtype} {tuple(expected.shape)})"
     elif isinstance(expected, dict):
         assert isinstance(actual, dict) and set(expected) == set(actual), f"{path}: keys differ"
         for k in expected:
-            assert_state_equal(expected[k], actual[k], f"{path}.{k}")
+            assert_state_equal(expected[k], actual[k], f"{path}.{k}", strict=strict)
     elif isinstance(expected, (list, tuple)):
         assert len(expected) == len(actual), f"{path}: lengths differ"
         for i, (e, a) in enumerate(zip(expected, actual)):
-            assert_state_equal(e, a, f"{path}[{i}]")
+            assert_state_equal(e, a, f"{path}[{i}]", strict=strict)
+    elif strict:
+        assert type(expected) is type(actual), f"{path}: {type(expected).__name__} {expected!r} != {type(actual).__name__} {actual!r}"
+        if isinstance(expected, float):
+            same = (math.isnan(expected) and math.isnan(actual)) or (
+                expected == actual and math.copysign(1, expected) == math.copysign(1, actual))
+            assert same, f"{path}: {expected!r} != {actual!r}"
+        else:
+            assert expected == actual, f"{path}: {expected!r} != {actual!r}"
     else:
         assert expected == actual or (expected != expected and actual != actual), f"{path}: {expected!r} != {actual!r}"
-
-
-def clone_state(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: clone_state(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [clone_state(v) for v in obj]
-    return obj
 
 
 def zeros_like_state(obj):
