@@ -13,6 +13,8 @@ stand for threads are dead:
 - thread pools: a ``ThreadPoolExecutor`` whose threads were idle at the fork counts them as idle
   in the child too and starts none, so work submitted there never runs. Every pool of the
   library is a ``ThreadPool``, made again in each process on first use.
+- module-level locks: one that a parent's thread held at the fork stays held in the child
+  forever. Each module names its own to ``new_locks_in_child``.
 """
 
 from __future__ import annotations
@@ -24,13 +26,24 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-__all__ = ["keep_forever", "ThreadPool"]
+__all__ = ["keep_forever", "ThreadPool", "new_locks_in_child"]
 
 
 def keep_forever(obj: Any) -> None:
     """One more reference to ``obj`` that nothing ever drops: it is never destroyed in this
     process, not even when the interpreter finalizes (which would run its destructor)."""
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
+
+
+def new_locks_in_child(namespace: dict, *names: str) -> None:
+    """After ``os.fork``, in the child, the module-level locks ``names`` of ``namespace`` (the
+    module's ``globals()``) are new, unheld ones. The module must use them by name only."""
+    def renew() -> None:
+        for name in names:
+            namespace[name] = threading.Lock()
+
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=renew)
 
 
 class ThreadPool:

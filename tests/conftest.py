@@ -64,6 +64,18 @@ def assert_state_equal(expected, actual, path="state", *, strict=False):
         assert expected == actual or (expected != expected and actual != actual), f"{path}: {expected!r} != {actual!r}"
 
 
+def clone_state(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: clone_state(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [clone_state(v) for v in obj]
+    if type(obj) is tuple:
+        return tuple(clone_state(v) for v in obj)
+    return obj
+
+
 def zeros_like_state(obj):
     """A destination for dcp.load: same structure, tensors zeroed (non-tensor values kept)."""
     if isinstance(obj, torch.Tensor):

@@ -1,8 +1,8 @@
 """A process forked while a save is in flight (``os.fork``, ``multiprocessing``'s fork context,
 DataLoader workers): the child has none of the parent's engine threads. Its optimizer steps and
 ``wait_staged`` must not wait for the parent's save, its own saves must work, its exit must not
-hang (nor wait on the library's thread pools, whose threads it does not have), and it must not
-share the parent's host cache (copy-on-write would duplicate every page
+hang (nor wait on the library's thread pools, whose threads it does not have, nor on its locks,
+which the parent's threads may hold at the fork), and it must not share the parent's host cache (copy-on-write would duplicate every page
 the parent's copies write while the child lives). The parent's save still commits exactly.
 
 Each scenario is a script in a subprocess, so that the forks happen outside pytest's process."""
@@ -72,6 +72,13 @@ SCRIPT = textwrap.dedent(
         assert inflight.staging(), "the parent's save is not staging at the fork"
         cache_address = engine_stats()["cache_address"]
 
+        # Locks of the library that a parent's thread may hold at the fork (a commit, a request),
+        # held here by this thread instead: the child's save takes each of them.
+        from dcp_datastates.commit import reading
+        from dcp_datastates.save import checkpoint_stats, pipeline
+        held = [pipeline._plans_lock, checkpoint_stats._lock, reading._summaries_lock]
+        for lock in held:
+            lock.acquire()
         pid = os.fork()
         if pid == 0:  # the child ends the way a script does: atexit hooks, then finalization
             try:
@@ -80,6 +87,8 @@ SCRIPT = textwrap.dedent(
                 print(f"fork1 failed: {exc!r}", flush=True)
                 sys.exit(1)
             sys.exit(0)
+        for lock in held:
+            lock.release()
         deadline = time.monotonic() + 60
         done, status = os.waitpid(pid, os.WNOHANG)
         while done == 0 and time.monotonic() < deadline:

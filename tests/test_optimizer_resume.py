@@ -47,7 +47,7 @@ from torch.optim.swa_utils import SWALR, AveragedModel
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
 
-from conftest import assert_state_equal, zeros_like_state
+from conftest import assert_state_equal, clone_state, zeros_like_state
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -233,17 +233,7 @@ def snapshot(run: Run) -> dict:
         snap["scale"] = run.scaler.get_scale()
     if run.swa is not None:
         snap["swa_model"] = run.swa.state_dict()
-    return deep_clone(snap)
-
-
-def deep_clone(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
-    if isinstance(obj, dict):
-        return {k: deep_clone(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(deep_clone(v) for v in obj)
-    return obj
+    return clone_state(snap)
 
 
 # ------------------------------------------------------------------------------------ backends
@@ -313,7 +303,7 @@ def test_resume_is_bitwise(tmp_path, fresh_engine, config, backend):
     for step in range(K):
         train_step(ref, step)
     state = capture(ref, K)
-    at_request = deep_clone(state)
+    at_request = clone_state(state)
     if run_has_frozen(ref):
         assert ref.model[3].bias not in ref.opt.state, f"{what}: the frozen parameter got optimizer state"
     saving = Saving(backend, state, path)
@@ -358,7 +348,7 @@ def test_resume_is_bitwise(tmp_path, fresh_engine, config, backend):
     if isinstance(run.model, _Tied):
         assert run.model.b.weight is run.model.a.weight, f"{what}: the weights are no longer tied"
     restored = capture(run, start)
-    assert_state_equal(at_request, deep_clone(restored), f"{what} state after set_state_dict", strict=True)
+    assert_state_equal(at_request, clone_state(restored), f"{what} state after set_state_dict", strict=True)
 
     for i, step in enumerate(range(start, start + M)):
         train_step(run, step)

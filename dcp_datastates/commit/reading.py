@@ -14,6 +14,7 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointFormatError, DataStatesError, IncompleteCheckpointError
+from ..forking import new_locks_in_child
 from ..format.layout import (
     MAX_METADATA_BYTES,
     METADATA_NAME,
@@ -108,6 +109,7 @@ def _read_marker(storage: Storage, name: str) -> bytes:
 _SUMMARIES_KEPT = 64
 _summaries: OrderedDict[bytes, tuple[str | None, dict[str, FileInfo]]] = OrderedDict()
 _summaries_lock = threading.Lock()
+new_locks_in_child(globals(), "_summaries_lock")
 
 
 def _commit_summary(storage: Storage) -> tuple[str | None, dict[str, FileInfo]]:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointFormatError, UnsafeCheckpointError
+from ..forking import new_locks_in_child
 
 __all__ = ["EXTRA_SAFE_GLOBALS", "decode_value", "restricted_pickle_loads", "TRUST_HINT"]
 
@@ -67,6 +68,7 @@ EXTRA_SAFE_GLOBALS: list = [g for group in _EXTRA_GROUPS.values() for g in group
 # torch keeps the allowlist in one process-wide set: add our extras for the duration of a
 # decode, and only those the user had not added already (so leaving never removes theirs).
 _allow_lock = threading.Lock()
+new_locks_in_child(globals(), "_allow_lock")
 
 
 def _restricted_load(data: bytes) -> Any:

@@ -54,6 +54,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
 from .. import DataStatesReader, DataStatesWriter
+from ..forking import new_locks_in_child
 
 __all__ = [
     "BACKEND",
@@ -100,6 +101,7 @@ def _require() -> None:
 
 # ------------------------------------------------------------------------------ process group
 _group_lock = threading.Lock()
+new_locks_in_child(globals(), "_group_lock")
 _shared_group: Any = None
 
 

@@ -48,7 +48,7 @@ from typing import Any, Iterator, Protocol
 import torch
 
 from ..compat import ASYNC_EXECUTOR_THREAD_PREFIX, global_optimizer_pre_hooks
-from ..forking import keep_forever
+from ..forking import keep_forever, new_locks_in_child
 
 __all__ = ["SaveHandle", "register", "unregister", "inflight", "staging", "staged", "claim", "release",
            "names_in_use", "FolderBusyError", "wait_staged", "protect_optimizer", "install_step_wait",
@@ -268,6 +268,7 @@ class _StepGuard:
 
 # The one process-wide hook that makes every torch.optim optimizer's step wait for staging.
 _hook_lock = threading.Lock()
+new_locks_in_child(globals(), "_hook_lock")
 _hook_handle: Any = None
 
 

@@ -15,6 +15,8 @@ import logging
 import threading
 from dataclasses import dataclass
 
+from ..forking import new_locks_in_child
+
 __all__ = ["CheckpointStats", "record", "recent_checkpoints", "HISTORY"]
 
 log = logging.getLogger("dcp_datastates")
@@ -89,6 +91,7 @@ class CheckpointStats:
 
 
 _lock = threading.Lock()
+new_locks_in_child(globals(), "_lock")
 _history: collections.deque = collections.deque(maxlen=HISTORY)
 
 

@@ -36,6 +36,7 @@ import threading
 
 from ..commit import check_data_files, step_folders
 from ..errors import CheckpointFormatError, DataStatesError
+from ..forking import new_locks_in_child
 from ..format.layout import (
     MAX_METADATA_BYTES,
     METADATA_NAME,
@@ -154,6 +155,7 @@ def find_base(storage: Storage) -> Base | None:
 # on the same few checkpoints, and decoding a large marker holds the GIL (~0.4 s at 20,000 items).
 _decoded: dict[tuple[str, str], tuple[int, Base]] = {}
 _decoded_lock = threading.Lock()
+new_locks_in_child(globals(), "_hints_lock", "_decoded_lock")
 _MAX_DECODED = 4
 
 

@@ -35,6 +35,7 @@ from ..compat import (
     tensor_version,
     versions_of,
 )
+from ..forking import new_locks_in_child
 from ..format.layout import FileEntry, FileLayout, ItemLocation, data_file_name, moved, plan_file
 from .items import DTENSOR, PLAIN, VALUE, ItemKey, SourceItem, classify, items_of_flat
 from .ownership import DecisionKey, Mirroring, Ownership, decisions, plain_signature, split_by_owner
@@ -604,6 +605,7 @@ class StagePlan:
 
 _plans: dict[PlanContext, list[StagePlan]] = {}
 _plans_lock = threading.Lock()
+new_locks_in_child(globals(), "_plans_lock")
 _hits = [0, 0]  # hits, misses (process-wide; tests read them through plan_stats)
 
 

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from ..commit import prepare_folder
 from ..compat import unflatten_state_dict
 from ..errors import CheckpointWriteError
-from ..forking import ThreadPool
+from ..forking import ThreadPool, new_locks_in_child
 from ..format.layout import ItemLocation, data_file_name, new_tag
 from ..runtime import get_engine, inflight
 from ..storage import Storage
@@ -565,6 +565,7 @@ _ALIGN = 16
 _POOL_BYTES = 256 << 20  # at most this much kept between saves (a few buffers: one per layout)
 _pool: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
 _pool_lock = threading.Lock()
+new_locks_in_child(globals(), "_pool_lock")
 
 
 def _take(device: torch.device, nbytes: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from ..errors import CheckpointFormatError, CheckpointWriteError, IncompleteCheckpointError
-from ..forking import ThreadPool
+from ..forking import ThreadPool, new_locks_in_child
 from ..format.pieces import bad_pieces
 from .base import StartedDataFile, Storage
 from .paths import normalize
@@ -60,6 +60,7 @@ UPLOAD_THREADS = 8
 
 _upload_pool = ThreadPool(max_workers=UPLOAD_THREADS, thread_name_prefix="dcp-datastates-upload")
 _submit_lock = threading.Lock()
+new_locks_in_child(globals(), "_submit_lock")
 
 
 def _buffer(ptr: int, nbytes: int) -> memoryview:

@@ -26,7 +26,7 @@ import torch
 from ..commit import check_data_files, checkpoint_id, prepare_folder, read_commit, write_commit
 from ..config import DataStatesConfig
 from ..errors import CheckpointWriteError, ChecksumMismatchError
-from ..forking import ThreadPool
+from ..forking import ThreadPool, new_locks_in_child
 from ..format.layout import data_file_name, data_file_parts, moved, new_tag, own_files, piece_ranges, split_reference
 from ..runtime import get_engine
 from ..storage import Storage, open_storage, root_of
@@ -280,6 +280,7 @@ def follow(local: Storage, files: list, durable: str, tag: str | None, config: D
 # drain_pending may both find the same local copy).
 _drain_locks: dict[str, threading.Lock] = {}
 _drain_locks_lock = threading.Lock()
+new_locks_in_child(globals(), "_drain_locks_lock")
 
 
 UNPREPARED = object()  # drain(tag=...): the durable folder is not prepared yet

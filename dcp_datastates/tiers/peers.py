@@ -60,7 +60,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..forking import ThreadPool
+from ..forking import ThreadPool, new_locks_in_child
 from ..runtime import get_engine
 from ..save.ownership import Mirroring
 from ..storage import open_storage
@@ -135,6 +135,7 @@ class _Peers:
 
 _peers: _Peers | None = None
 _peers_lock = threading.Lock()
+new_locks_in_child(globals(), "_peers_lock")
 # The exchanges, one at a time, in save order (every rank runs the same sequence).
 _exchanges = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-peers")
 
