@@ -1,7 +1,7 @@
-"""Time of the commit's metadata work: the ``.metadata`` document of a checkpoint of N tensors,
-encoded and checked (``format.layout.encode_commit``, what ``commit.write_commit`` runs), and for
-comparison encoded then decoded (what the commit did before). Medians of 9, with Python's cyclic
-GC on (as in a training process) and paused.
+"""Time of the metadata work: the ``.metadata`` document of a checkpoint of N tensors, encoded
+and checked (``format.layout.encode_commit``, what ``commit.write_commit`` runs), for comparison
+encoded then decoded (what the commit did before), and decoded (``decode_metadata``, what every
+load runs first). Medians of 9, with Python's cyclic GC on (as in a training process) and paused.
 
     python scripts/commit_time.py [--tensors 1612 10000]
 """
@@ -41,11 +41,13 @@ def main(argv=None) -> None:
         folder = tempfile.mkdtemp(prefix="commit_time_")
         dcp.save(state, storage_writer=DataStatesWriter(folder))
         with open(f"{folder}/.metadata", "rb") as f:
-            md, _ = decode_metadata(f.read(), folder)
+            raw = f.read()
+        md, _ = decode_metadata(raw, folder)
         locations = dict(md.storage_data)
 
         runs = (("encode + decode", lambda md=md, loc=locations, f=folder: decode_metadata(encode_metadata(md, loc), f)),
-                ("encode_commit", lambda md=md, loc=locations, f=folder: encode_commit(md, loc, f)))
+                ("encode_commit", lambda md=md, loc=locations, f=folder: encode_commit(md, loc, f)),
+                ("decode", lambda raw=raw, f=folder: decode_metadata(raw, f)))
         for name, fn in runs:
             with_gc = _median_ms(fn)
             gc.disable()
