@@ -432,6 +432,12 @@ for k, v in model2.state_dict().items():
 mgr2.close()
 dist.destroy_process_group()
 print("ok")
+# Leave without interpreter finalization, as tests/dist_harness.py does (torch 2.13's gloo
+# worker thread can abort a finalizing rank: "terminate called without an active exception").
+from dcp_datastates import shutdown_engine
+shutdown_engine()
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)
 '''
 
 
@@ -561,6 +567,12 @@ else:
 dist.barrier()
 dist.destroy_process_group()
 print("ok")
+# Leave without interpreter finalization, as tests/dist_harness.py does (torch 2.13's gloo
+# worker thread can abort a finalizing rank: "terminate called without an active exception").
+from dcp_datastates import shutdown_engine
+shutdown_engine()
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)
 '''
 
 
