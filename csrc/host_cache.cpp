@@ -1,11 +1,10 @@
 #include "host_cache.h"
 
 #include <algorithm>
-#include <chrono>
-#include <cstdlib>
-#include <stdexcept>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
+#include <stdexcept>
 #include <system_error>
 
 #include <sys/mman.h>

@@ -12,7 +12,7 @@ stand for threads are dead:
   csrc/host_cache.cpp maps it with MADV_DONTFORK.)
 - thread pools: a ``ThreadPoolExecutor`` whose threads were idle at the fork counts them as idle
   in the child too and starts none, so work submitted there never runs. Every pool of the
-  library is a ``ThreadPool``, made again in each process on first use.
+  library is a ``ThreadPool``, made again in a forked child.
 - module-level locks: one that a parent's thread held at the fork stays held in the child
   forever. Each module names its own to ``new_locks_in_child``.
 """
@@ -47,25 +47,19 @@ def new_locks_in_child(namespace: dict, *names: str) -> None:
 
 
 class ThreadPool:
-    """A ``ThreadPoolExecutor`` of this process, made on first use; a forked child makes its own."""
+    """A ``ThreadPoolExecutor`` of this process; a forked child gets a new one (an executor
+    starts no thread until work is submitted)."""
 
     def __init__(self, max_workers: int, thread_name_prefix: str) -> None:
-        self._max_workers = max_workers
-        self._prefix = thread_name_prefix
-        self._lock = threading.Lock()
-        self._executor: ThreadPoolExecutor | None = None
+        self._new = lambda: ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self._executor = self._new()
         _pools.add(self)
 
     def submit(self, fn: Callable, /, *args: Any, **kwargs: Any) -> Future:
-        with self._lock:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=self._max_workers, thread_name_prefix=self._prefix)
-            executor = self._executor
-        return executor.submit(fn, *args, **kwargs)
+        return self._executor.submit(fn, *args, **kwargs)
 
     def _forget_in_child(self) -> None:
-        # The parent's executor (and its lock, which one of its threads may have held) stay behind.
-        self._lock, self._executor = threading.Lock(), None
+        self._executor = self._new()  # the parent's stays behind, with its threads' bookkeeping
 
 
 _pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()

@@ -427,9 +427,7 @@ def test_a_discard_while_the_interpreter_shuts_down_unlinks_at_once(tmp_path, mo
         def submit(self, *args, **kwargs):
             raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
-    discards = local_storage._Discards()
-    discards._pool = _ShutDownPool()
-    monkeypatch.setattr(local_storage, "_discards", discards)
+    monkeypatch.setattr(local_storage, "_discards", _ShutDownPool())
     (tmp_path / "__0_0.safetensors").write_bytes(b"old")
     local_storage.LocalStorage(str(tmp_path)).discard("__0_0.safetensors")
     assert os.listdir(tmp_path) == []

@@ -237,21 +237,6 @@ def snapshot(run: Run) -> dict:
 
 
 # ------------------------------------------------------------------------------------ backends
-@pytest.fixture
-def fresh_engine():
-    """Each case starts and ends with no engine, so each backend gets its own configuration."""
-    from dcp_datastates import shutdown_engine
-
-    shutdown_engine()
-    yield
-    from dcp_datastates.runtime import current_engine
-
-    eng = current_engine()
-    if eng is not None:
-        eng.set_fault("none", 0, "")
-    shutdown_engine()
-
-
 class Saving:
     """Save ``state`` the way the backend does; ``done()`` waits until it is durable."""
 
@@ -293,7 +278,7 @@ def reader(backend: str, path):
 # ---------------------------------------------------------------------------------------- test
 @pytest.mark.parametrize("backend", ["datastates", "datastates-stalled", "stock"])
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_resume_is_bitwise(tmp_path, fresh_engine, config, backend):
+def test_resume_is_bitwise(tmp_path, small_engine, config, backend):
     build = CONFIGS[config]
     path = tmp_path / "ckpt"
     what = f"[{config} / {backend}]"

@@ -13,7 +13,7 @@ import threading
 
 from ..compat import ASYNC_EXECUTOR_THREAD_PREFIX, register_before_thread_join
 from ..config import CACHE_SIZE_ENV, ENGINE_OPTIONS, DataStatesConfig, check_cache_fits, memory_limit
-from ..forking import keep_forever
+from ..forking import keep_forever, new_locks_in_child
 from ..native import engine_module
 from . import inflight
 
@@ -22,6 +22,7 @@ __all__ = ["get_engine", "start_engine", "engine_stats", "shutdown_engine"]
 log = logging.getLogger("dcp_datastates")
 
 _lock = threading.Lock()
+new_locks_in_child(globals(), "_lock")
 _engine = None
 _engine_config: DataStatesConfig | None = None
 _engine_settings: dict = {}  # the engine options in force, resolved (cache size in bytes)
@@ -208,8 +209,7 @@ def _set_aside_in_child() -> None:
     """After ``os.fork``, in the child: the parent's engine has no threads here and can neither
     run a save nor be shut down (see ``forking``). It is kept, untouched, and the child's first
     checkpoint starts an engine of its own."""
-    global _lock, _engine, _engine_config, _engine_settings, _engine_provisional
-    _lock = threading.Lock()  # the parent's may have been held by one of its threads
+    global _engine, _engine_config, _engine_settings, _engine_provisional
     if _engine is not None:
         keep_forever(_engine)
     _engine, _engine_config, _engine_settings, _engine_provisional = None, None, {}, False

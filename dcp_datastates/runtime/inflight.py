@@ -69,6 +69,7 @@ class FolderBusyError(Exception):
 
 
 _lock = threading.Lock()
+new_locks_in_child(globals(), "_lock")
 _saves: list[Any] = []  # every save in flight, oldest first
 _staging: list[Any] = []  # those whose bytes are not all in the host cache yet
 _claims: dict[str, Any] = {}  # folder -> the save writing it
@@ -509,9 +510,9 @@ def _forget_pauses_in_child() -> None:
 def _forget_saves_in_child() -> None:
     """A forked child has none of the parent's saves: its optimizer steps must not wait for
     them, nor its exit, nor may it destroy them (``forking``). They are kept, untouched."""
-    global _lock, _saves, _staging, _claims
+    global _saves, _staging, _claims
     keep_forever((_saves, _staging, _claims))
-    _lock, _saves, _staging, _claims = threading.Lock(), [], [], {}
+    _saves, _staging, _claims = [], [], {}
 
 
 if hasattr(os, "register_at_fork"):

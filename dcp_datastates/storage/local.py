@@ -95,24 +95,15 @@ def _unlink_quietly(path: str) -> None:
 _DISCARDED_PREFIX = ".dcpds-discarded-"
 
 
-class _Discards:
-    """Unlinks discarded files on one thread of this process (made again in a forked child, which
-    has none of its parent's threads). Python's exit waits for what is queued."""
+# Unlinks discarded files, one at a time. Python's exit waits for what is queued.
+_discards = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-discard")
 
-    def __init__(self) -> None:
-        self._pool = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-discard")
 
-    def submit(self, folder: str, path: str) -> None:
-        try:
-            self._pool.submit(_unlink_discarded, folder, path)
-            return
-        except RuntimeError:  # the interpreter is shutting down: no new background work
-            pass
+def _discard_in_background(folder: str, path: str) -> None:
+    try:
+        _discards.submit(_unlink_discarded, folder, path)
+    except RuntimeError:  # the interpreter is shutting down: no new background work
         _unlink_discarded(folder, path)
-
-    def wait(self, timeout: float | None = None) -> None:
-        """Until what was discarded so far is unlinked (TimeoutError after ``timeout`` seconds)."""
-        self._pool.submit(lambda: None).result(timeout)
 
 
 def _unlink_discarded(folder: str, path: str) -> None:
@@ -128,12 +119,10 @@ def _unlink_discarded(folder: str, path: str) -> None:
             _unlink_quietly(os.path.join(folder, name))
 
 
-_discards = _Discards()
-
-
 def wait_for_discards(timeout: float | None = None) -> None:
-    """Wait until every file this process discarded so far (``LocalStorage.discard``) is unlinked."""
-    _discards.wait(timeout)
+    """Wait until every file this process discarded so far (``LocalStorage.discard``) is unlinked
+    (TimeoutError after ``timeout`` seconds)."""
+    _discards.submit(lambda: None).result(timeout)
 
 
 class LocalStorage(Storage):
@@ -287,7 +276,7 @@ class LocalStorage(Storage):
         it obsolete is durable already; its ``upload_completion`` need not wait for that."""
         aside = self.where(f"{_DISCARDED_PREFIX}{uuid.uuid4().hex}")
         os.rename(self.where(name), aside)
-        _discards.submit(self.location, aside)
+        _discard_in_background(self.location, aside)
 
     def open_read(self, name: str):
         return os.fdopen(open_for_reading(self.where(name)), "rb")
