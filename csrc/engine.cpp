@@ -324,6 +324,13 @@ void Engine::device_chunk_ready(ChunkRef&& ref, bool copied) {
 void Engine::snapshot(int device, uint64_t stream, uint64_t dst, const std::vector<WriteItem>& items,
                       const std::string& what) {
   check_copy_device(device, cuda_devices_, cuda_status_);
+  // Checked before any copy: a null source (a tensor with no memory) must be an error, not a crash.
+  for (size_t i = 0; i < items.size(); ++i) {
+    const WriteItem& it = items[i];
+    if (it.nbytes && (it.src == 0 || dst == 0))
+      throw std::invalid_argument(what + ": snapshot item " + std::to_string(i) + " of " + std::to_string(it.nbytes) +
+                                  " bytes has a null " + (it.src == 0 ? "source" : "destination"));
+  }
   if (device != kHostDevice) {
     stager_->snapshot(device, stream, dst, items, what);
     return;

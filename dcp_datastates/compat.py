@@ -29,6 +29,7 @@ __all__ = [
     "checkpointable_global_shape",
     "ASYNC_EXECUTOR_THREAD_PREFIX",
     "default_stager_reusable",
+    "is_zero_tensor",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -199,3 +200,13 @@ def tensor_version(t: torch.Tensor) -> int | None:
         return t._version
     except (RuntimeError, AttributeError):
         return None
+
+
+# -------------------------------------------------------------------------- ZeroTensor
+def is_zero_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is one of autograd's ZeroTensors (``torch._efficientzerotensor``): all zeros,
+    with no memory behind it (``data_ptr()`` is 0)."""
+    try:
+        return bool(t._is_zerotensor())
+    except AttributeError as exc:  # pragma: no cover - depends on the torch release
+        raise _missing("Tensor._is_zerotensor", exc) from None

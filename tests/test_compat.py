@@ -155,3 +155,13 @@ def test_default_stager_reusable_matches_the_release():
         assert not works, f"{RELEASE}: DefaultStager became reusable (docs/torch-versions.md says it is not in 2.11-2.12)"
     elif release in ((2, 9), (2, 10), (2, 13), (2, 14), (2, 15)):
         assert works, f"{RELEASE}: a DefaultStager can no longer stage twice (dcp-async-stager baseline must make one per save)"
+
+
+def test_is_zero_tensor_tells_autograds_zero_tensors_apart():
+    try:
+        zero = compat.is_zero_tensor(torch._efficientzerotensor(3))
+        plain = compat.is_zero_tensor(torch.zeros(3))
+    except Exception as exc:  # noqa: BLE001
+        pytest.fail(f"{RELEASE}: Tensor._is_zerotensor / torch._efficientzerotensor broke: {exc!r}")
+    assert zero is True and plain is False, f"{RELEASE}: _is_zerotensor answered {zero} / {plain}"
+    assert torch._efficientzerotensor(3).data_ptr() == 0, f"{RELEASE}: a ZeroTensor has memory now (save/items.py)"

@@ -433,6 +433,20 @@ def test_submit_time_cuda_errors_raise_and_queue_nothing(tmp_path, fake, make_en
     assert eng.stats()["jobs_submitted"] == 0 and not (tmp_path / "oom.bin").exists()
 
 
+def test_a_device_snapshot_with_a_null_source_queues_no_copy(fake, make_engine):
+    """The request-time device-to-device copy checks every item before queueing the first copy:
+    an item with bytes and no memory (a ZeroTensor) raises, and nothing reaches the stream."""
+    eng = make_engine(1 * MiB)
+    src, dst = rand(256), np.zeros(256, dtype=np.uint8)
+    before = fake.count("cudaMemcpyAsync")
+    with pytest.raises(ValueError, match=r"probe: snapshot item 1 of 16 bytes has a null source"):
+        eng.snapshot(0, 0, ptr(dst), [(ptr(src), 128, 0), (0, 16, 128)], "probe")
+    assert fake.count("cudaMemcpyAsync") == before and not dst.any()
+    eng.snapshot(0, 0, ptr(dst), [(ptr(src), 128, 0)], "probe")  # a valid one is queued and runs
+    assert fake.count("cudaMemcpyAsync") == before + 1
+    assert until(lambda: dst[:128].tobytes() == src[:128].tobytes())
+
+
 # --------------------------------------------------------------------------------------------
 # many jobs, shutdown
 

@@ -194,6 +194,24 @@ def test_engine_crc32c_on_pointer():
         eng.shutdown()
 
 
+def test_snapshot_refuses_a_null_source_or_destination_before_copying_anything():
+    """The request-time copy of small items: an item with bytes but no memory (a ZeroTensor's
+    pointer is 0) is an error naming it, never a copy from address 0 (which killed the process)."""
+    rng = np.random.default_rng(4)
+    src, dst = rand_array(rng, 64), np.zeros(128, dtype=np.uint8)
+    eng = build_engine(1 * MiB)
+    try:
+        with pytest.raises(ValueError, match=r"probe: snapshot item 1 of 8 bytes has a null source"):
+            eng.snapshot(-1, 0, ptr(dst), [(ptr(src), 64, 0), (0, 8, 64)], "probe")
+        assert not dst.any()  # checked first: not even the valid item was copied
+        with pytest.raises(ValueError, match=r"null destination"):
+            eng.snapshot(-1, 0, 0, [(ptr(src), 64, 0)], "probe")
+        eng.snapshot(-1, 0, ptr(dst), [(ptr(src), 64, 0), (0, 0, 64)], "probe")  # empty items need no memory
+        assert dst[:64].tobytes() == src.tobytes()
+    finally:
+        eng.shutdown()
+
+
 # --------------------------------------------------------------------------------------------
 # construction
 

@@ -286,6 +286,74 @@ def test_load_casts_into_other_dtype(tmp_path):
     assert torch.equal(dest["w"], state["w"].double())
 
 
+def lazy_view_state():
+    """Tensors whose memory is not their values: torch applies a conjugate or negative bit when
+    reading them. Next to plain tensors, so the rest of the state still takes its usual path."""
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(6, dtype=torch.complex64, generator=g)
+    return {
+        "plain": torch.randn(8, generator=g),
+        "conj": z.conj(),  # contiguous, conjugate bit
+        "neg": torch._neg_view(torch.randn(7, generator=g)),  # contiguous, negative bit
+        "conj_imag": z.conj().imag,  # strided, negative bit
+        "neg_conj": torch._neg_view(torch.randn(3, dtype=torch.complex128, generator=g).conj()),
+        "small_conj": torch.randn(2, dtype=torch.complex64, generator=g).conj(),
+        "big_conj": torch.randn(40_000, dtype=torch.complex64, generator=g).conj(),  # over the request-copy size
+    }
+
+
+@pytest.mark.parametrize("save", ["sync", "async", "async twice"])
+def test_conjugate_and_negative_views_save_their_values(tmp_path, save):
+    """A conjugate or negative view saves the values it shows, not the memory under it (which
+    holds them before the bit): stock DCP does; the lazy path once wrote the raw memory."""
+    state = lazy_view_state()
+    assert all(t.is_conj() or t.is_neg() for k, t in state.items() if k != "plain")
+    if save == "async twice":  # the second save with the structure's plan cached
+        roundtrip(tmp_path / "first", state, "async")
+        save = "async"
+    expected, dest, _ = roundtrip(tmp_path, state, save)
+    for k, t in state.items():
+        assert not dest[k].is_conj() and not dest[k].is_neg()
+        assert torch.equal(dest[k], t.resolve_conj().resolve_neg()), k
+        assert torch.equal(dest[k], expected[k]), k
+
+
+def test_a_cached_plan_does_not_take_a_view_for_the_tensor_it_was_made_for(tmp_path):
+    """The structure's plan is cached from saves of plain tensors; then the same names hold
+    conjugate / negative views and a ZeroTensor of the same dtypes and shapes (the signature the
+    cache keys on): their values are saved, not the memory under them (nor address 0)."""
+    g = torch.Generator().manual_seed(9)
+    z = torch.randn(6, dtype=torch.complex64, generator=g)
+    plain = {"c": z.clone(), "n": torch.randn(7, generator=g), "zero": torch.ones(5), "w": torch.randn(4, generator=g)}
+    for k in range(2):
+        roundtrip(tmp_path / f"plain-{k}", plain, "async")
+    views = {"c": z.conj(), "n": torch._neg_view(plain["n"]), "zero": torch._efficientzerotensor(5), "w": plain["w"]}
+    _, dest, _ = roundtrip(tmp_path, views, "async")
+    assert torch.equal(dest["c"], z.conj().resolve_conj()) and torch.equal(dest["n"], -plain["n"])
+    assert torch.equal(dest["zero"], torch.zeros(5)) and torch.equal(dest["w"], plain["w"])
+
+
+def test_loads_into_conjugate_and_negative_views(tmp_path):
+    """A load target that is a conjugate or negative view shows the saved values afterwards (its
+    memory gets the conjugated or negated bytes), as with stock DCP's copy_."""
+    z, r = torch.randn(5, dtype=torch.complex64), torch.randn(4)
+    dcp.save({"z": z, "r": r}, storage_writer=DataStatesWriter(tmp_path / "c"))
+    dest = {"z": torch.zeros(5, dtype=torch.complex64).conj(), "r": torch._neg_view(torch.zeros(4))}
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert dest["z"].is_conj() and dest["r"].is_neg()  # loaded in place
+    assert torch.equal(dest["z"], z) and torch.equal(dest["r"], r)
+
+
+@pytest.mark.parametrize("save", ["sync", "async"])
+@pytest.mark.parametrize("numel", [3, 1 << 20])
+def test_zero_tensor_saves_as_zeros(tmp_path, save, numel):
+    """Autograd's ZeroTensor has no memory (data_ptr 0): it is saved as the zeros it is. The small
+    one is one the request copies at once: that copy read address 0 and killed the process."""
+    state = {"z": torch._efficientzerotensor(numel), "w": torch.arange(4.0)}
+    _, dest, _ = roundtrip(tmp_path, state, save)
+    assert torch.equal(dest["z"], torch.zeros(numel)) and torch.equal(dest["w"], torch.arange(4.0))
+
+
 def test_second_save_to_a_path_still_being_written_is_refused(tmp_path):
     state = {f"t{i}": torch.randn(1 << 20) for i in range(16)}  # 64 MiB: still flushing after stage()
     snapshot = clone_state(state)

@@ -382,6 +382,31 @@ def test_a_planner_building_other_tensors_from_live_state_fails_the_lazy_save_cl
     assert torch.equal(dest["w"], state["w"])
 
 
+class ConjugatingSavePlanner(DefaultSavePlanner):
+    """Hands back a conjugate view of each complex tensor: the same memory, other values."""
+
+    def lookup_object(self, index):
+        obj = super().lookup_object(index)
+        return obj.conj() if isinstance(obj, torch.Tensor) and obj.is_complex() else obj
+
+
+def test_a_planner_handing_back_a_conjugate_view_is_not_taken_for_the_state(tmp_path):
+    """Same memory, dtype, shape and strides as the state's tensor, but its conjugate: the lazy
+    save must not write the state's bytes for it (it did, silently). It fails clearly, as for any
+    other tensor the planner builds; dcp.save writes what the planner hands back, as stock DCP."""
+    state = {"z": torch.randn(16, dtype=torch.complex64), "w": torch.randn(4)}
+    resp = dcp.async_save(state, storage_writer=DataStatesWriter(tmp_path / "c"), planner=ConjugatingSavePlanner())
+    with raises_through_dcp(r"ConjugatingSavePlanner, item 'z'.*Use dcp.save"):
+        resp.upload_completion.result(timeout=120)
+    dcp.save(state, storage_writer=DataStatesWriter(tmp_path / "d"), planner=ConjugatingSavePlanner())
+    dcp.save(state, storage_writer=FileSystemWriter(tmp_path / "stock"), planner=ConjugatingSavePlanner())
+    ours, stock = zeros_like_state(state), zeros_like_state(state)
+    dcp.load(ours, storage_reader=DataStatesReader(tmp_path / "d"))
+    dcp.load(stock, storage_reader=FileSystemReader(tmp_path / "stock"))
+    assert torch.equal(ours["z"], state["z"].conj()) and torch.equal(stock["z"], state["z"].conj())
+    assert torch.equal(ours["w"], state["w"])
+
+
 def test_convert_to_dcp_copies_packed_objects_verbatim(tmp_path):
     from dcp_datastates.convert import to_dcp
 

@@ -73,6 +73,8 @@ def _target(req: ReadItem, loc: ItemLocation, planner: LoadPlanner, verify: bool
         not any(req.storage_offsets)
         and tuple(req.lengths) == loc.shape
         and dst.is_contiguous()
+        and not dst.is_conj()  # a conjugate or negative view: copy_ applies its bit, bytes would not
+        and not dst.is_neg()
         and dst.dtype == name_to_dtype(loc.dtype)
         and dst.nbytes == loc.length
     )

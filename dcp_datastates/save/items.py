@@ -17,7 +17,8 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.utils import find_tensor_shard
 
-from ..compat import HAS_CHECKPOINTABLE_TENSOR, create_write_items, is_checkpointable_tensor
+from ..compat import HAS_CHECKPOINTABLE_TENSOR, create_write_items, is_checkpointable_tensor, is_zero_tensor
+from ..errors import CheckpointWriteError
 from ..format.layout import FileEntry, dtype_to_name
 
 __all__ = ["ItemKey", "SourceItem", "bytes_source", "items_of_flat", "item_key", "source_for_resolved",
@@ -62,12 +63,29 @@ def _tensor_source(key: ItemKey, name: str, tensor: torch.Tensor, kind: str = PL
             device = t.device.index if t.device.index is not None else torch.cuda.current_device()
         else:
             t = t.to("cpu")  # other devices: copy now
+    if t.is_conj() or t.is_neg():
+        # A lazy conjugate or negative view (``x.conj()``, ``x.conj().imag``): its memory holds
+        # the values before the conjugation or negation, which torch applies only when reading.
+        t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
         t = t.contiguous()  # views: one copy here, on the training thread (rare in state dicts)
     nbytes = t.numel() * t.element_size()
+    if nbytes and not t.data_ptr():
+        t = _zeros_with_memory(t, name)
     entry = FileEntry(name=name, kind="tensor", dtype=dtype_to_name(t.dtype), shape=tuple(t.shape), nbytes=nbytes)
     return SourceItem(key=key, entry=entry, ptr=t.data_ptr() if nbytes else 0, keepalive=t, device=device,
                       copied=t is not original, kind=kind)
+
+
+def _zeros_with_memory(t: torch.Tensor, name: str) -> torch.Tensor:
+    """The values of a tensor that has no memory behind it: autograd's ZeroTensor is all zeros
+    (stock DCP refuses it: "ZeroTensor is not serializable"); anything else is refused by name."""
+    if is_zero_tensor(t):
+        return torch.zeros(t.shape, dtype=t.dtype, device=t.device)
+    raise CheckpointWriteError(
+        f"item {name!r}: a {t.dtype} tensor of shape {tuple(t.shape)} on {t.device} has no memory "
+        f"(data_ptr() is 0 for {t.numel() * t.element_size()} bytes); nothing to save from"
+    )
 
 
 def bytes_source(key: ItemKey, name: str, data: bytes) -> SourceItem:

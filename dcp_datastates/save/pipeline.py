@@ -546,10 +546,17 @@ def scan_state(flat: dict) -> Scan | None:
             kinds.append(VALUE)
             continue
         dev = _host_or_cuda(t)
-        if dev is None or not t.is_contiguous():
+        dtype = t.dtype
+        # Views whose memory is not their values (strided; a negative bit; a conjugate bit, which
+        # changes nothing in a real tensor) and tensors with no memory (ZeroTensor) take the full
+        # path: items.py makes their bytes.
+        if dev is None or not t.is_contiguous() or t.is_neg() or (dtype.is_complex and t.is_conj()):
             return None
-        sig.append((name, t.dtype, t.shape, dev, extra))
-        ptrs.append(t.data_ptr())
+        ptr = t.data_ptr()
+        if not ptr and t.numel():
+            return None
+        sig.append((name, dtype, t.shape, dev, extra))
+        ptrs.append(ptr)
         keeps.append(t.untyped_storage())  # the memory itself, even if the tensor's .data is swapped
         devices.append(dev)
         tensors.append(t)
