@@ -15,6 +15,7 @@
 
 #include "device_stager.h"
 #include "crc32c.h"
+#include "fault_guard.h"
 #include "io_util.h"
 
 namespace {
@@ -57,6 +58,13 @@ std::string internal_error(const std::string& path, const char* what) {
   return path + ": internal error in the write engine: " + what;
 }
 
+// Why a job failed whose source memory went away while it was read (fault_guard.h).
+std::string source_gone(const Piece& p) {
+  return "the source memory of file bytes [" + std::to_string(p.file_off) + ", " + std::to_string(p.file_off + p.len) +
+         ") was unmapped while it was copied: a tensor of the state was freed or resized (or an mmap'ed file "
+         "truncated) before the save was staged; nothing of this save is committed";
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -73,6 +81,7 @@ Engine::Engine(const EngineConfig& cfg) : cfg_(cfg) {
     throw std::invalid_argument("cache_wait_timeout_s must be >= 0, got " + std::to_string(cfg.cache_wait_timeout_s));
   if (!cfg.pin.has_value()) throw std::invalid_argument("pin must be set");
   if (!cfg.prefault.has_value()) throw std::invalid_argument("prefault must be set");
+  install_fault_guard();  // the copies read the sources under it (stage_chunk, write_from_sources)
 
   // Effective chunk: at most a quarter of the cache so copy and flush overlap, aligned, and
   // never larger than the cache itself (a tiny cache is one slot).
@@ -282,10 +291,13 @@ void Engine::stage_chunk(WriteJob& job, Chunk& c) {
   try {
     if (job.failed() || c.slot < 0) return;  // the slot goes back in the flush worker
     const int slot = c.slot;
-    place_pieces(cache_->slot_ptr(slot), c, job.pieces(), [](char* dst, const Piece& p) {
-      copy_bytes(dst, p.src, static_cast<size_t>(p.len));
-      return true;
+    const bool copied = place_pieces(cache_->slot_ptr(slot), c, job.pieces(), [&job](char* dst, const Piece& p) {
+      const size_t n = static_cast<size_t>(p.len);
+      if (read_guarded(p.src, n, [&] { copy_bytes(dst, p.src, n); })) return true;
+      job.fail(job.path() + ": " + source_gone(p));
+      return false;
     });
+    if (!copied) return;
     bytes_staged_.fetch_add(c.data_bytes, std::memory_order_relaxed);
     chunks_staged_.fetch_add(1, std::memory_order_relaxed);
   } catch (const std::exception& e) {
@@ -492,7 +504,9 @@ std::string Engine::write_from_sources(FileJob& job, const Chunk& c, FaultKind f
       const uint64_t n = std::min(p.len - done, kFlushBlock);
       if (crc) {
         const uint64_t t0 = now_ns();
-        job.checksum_part(p, p.src + done, n);
+        const char* src = p.src + done;
+        if (!read_guarded(src, static_cast<size_t>(n), [&] { job.checksum_part(p, src, n); }))
+          return source_gone(p);
         *crc_ns += now_ns() - t0;
       }
       std::string err = pwrite_full(job.fd(), p.src + done, static_cast<size_t>(n), p.file_off + done, fault);

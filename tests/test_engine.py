@@ -1164,3 +1164,82 @@ def test_crc32c_ranges_match_one_call_per_range():
             eng.crc32c_ranges(ptr(a), [(0, -1)])
     finally:
         eng.shutdown()
+
+
+# --------------------------------------------------------------------------------------------
+# sources that go away while they are read (csrc/fault_guard.h)
+
+_libc = __import__("ctypes").CDLL(None, use_errno=True)
+_libc.mmap.restype = __import__("ctypes").c_void_p
+_libc.mmap.argtypes = [__import__("ctypes").c_void_p, __import__("ctypes").c_size_t, __import__("ctypes").c_int,
+                       __import__("ctypes").c_int, __import__("ctypes").c_int, __import__("ctypes").c_long]
+_libc.munmap.argtypes = [__import__("ctypes").c_void_p, __import__("ctypes").c_size_t]
+
+
+def _mapped(nbytes: int) -> int:
+    """Anonymous memory of our own, filled, that the test can unmap under the engine."""
+    import ctypes
+
+    addr = _libc.mmap(None, nbytes, 0x1 | 0x2, 0x02 | 0x20, -1, 0)  # PROT_READ|WRITE, MAP_PRIVATE|ANONYMOUS
+    assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    ctypes.memset(addr, 0x5A, nbytes)
+    return addr
+
+
+@pytest.mark.parametrize("direct", [False, True], ids=["through the cache", "direct write"])
+def test_a_source_unmapped_before_its_copy_fails_the_job_not_the_process(tmp_path, direct):
+    """The state's memory freed and returned to the system (a storage resized to 0, a truncated
+    mmap) while the copies wait for room in the cache (flushes held): the read faults on the
+    guarded range, the job fails naming the file and the cause, and the engine goes on."""
+    size = 8 * MiB
+    src = _mapped(size)
+    eng = build_engine(1 * MiB, chunk_bytes=256 * 1024)
+    path = tmp_path / "gone.bin"
+    try:
+        eng.set_fault("stall", 0, str(path))  # the first chunks fill the cache; the rest wait
+        job = eng.submit_write(str(path), b"", size, [(src, size, 0)], direct=direct)
+        time.sleep(0.2)
+        assert _libc.munmap(src, size) == 0
+        eng.set_fault("none", 0, "")
+        wait(job)
+        error = job.error() or ""
+        assert re.search(r"gone\.bin: the source memory of file bytes \[\d+, \d+\) was unmapped while it was "
+                         r"copied: a tensor of the state was freed or resized", error), error
+        assert error.count("gone.bin") == 1, error
+        ok = tmp_path / "after.bin"  # the engine still works
+        a = np.arange(1000, dtype=np.uint8)
+        job2 = eng.submit_write(str(ok), b"", a.nbytes, [(ptr(a), a.nbytes, 0)])
+        wait(job2)
+        assert job2.error() is None and ok.read_bytes() == a.tobytes()
+    finally:
+        eng.set_fault("none", 0, "")
+        eng.shutdown()
+
+
+_OTHER_FAULT = """
+import ctypes, sys
+import dcp_datastates._engine as E
+sys.path.insert(0, sys.argv[1])
+from engine_util import build_engine
+eng = build_engine(1 << 20)  # the fault guard is installed
+print("READY", flush=True)
+ctypes.string_at(8)  # a fault outside any guarded read: the process must still die of it
+print("SURVIVED", flush=True)
+"""
+
+
+@pytest.mark.parametrize("faulthandler", [False, True])
+def test_a_fault_outside_the_engines_reads_still_ends_the_process(tmp_path, faulthandler):
+    """The guard takes only faults on the range a copy worker is reading: any other goes to the
+    handler installed before (Python's faulthandler, which prints the traceback) or the default
+    action, and the process dies of SIGSEGV as it would have without the engine."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "fault.py"
+    script.write_text(_OTHER_FAULT)
+    args = [sys.executable, *(["-X", "faulthandler"] if faulthandler else []), str(script), os.path.dirname(__file__)]
+    res = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert "READY" in res.stdout and "SURVIVED" not in res.stdout, res.stdout + res.stderr
+    assert res.returncode == -11, (res.returncode, res.stderr)
+    assert ("Fatal Python error: Segmentation fault" in res.stderr) == faulthandler, res.stderr

@@ -140,3 +140,57 @@ def test_multi_process_launch_without_process_group_refuses_before_writing(tmp_p
     assert not folder.exists() or not [n for n in os.listdir(folder) if n.endswith(".safetensors")]
     res = subprocess.run([sys.executable, str(script), str(folder), api, "1"], env=env, capture_output=True, text=True, timeout=120)
     assert "SAVED" in res.stdout, res.stdout + res.stderr
+
+
+_FREED_CHILD = textwrap.dedent(
+    """
+    import ctypes, sys, warnings
+    warnings.filterwarnings("ignore")
+    # Freed memory stays mapped (no mmap'd chunks, no trimming): the copies then read freed memory
+    # instead of faulting, the case a save could otherwise commit without a word.
+    path, how = sys.argv[1], sys.argv[2]
+    if how != "unmap":  # unmap: glibc's defaults, an 8 MiB block is its own mapping, unmapped when freed
+        libc = ctypes.CDLL(None)
+        libc.mallopt(-3, 1 << 30)  # M_MMAP_THRESHOLD
+        libc.mallopt(-1, 1 << 30)  # M_TRIM_THRESHOLD
+    import torch, torch.distributed.checkpoint as dcp
+    from dcp_datastates import DataStatesReader, DataStatesWriter
+    from dcp_datastates.runtime import current_engine
+    opts = dict(host_cache_size=8 << 20, chunk_size=1 << 20, sync_files=False)
+    state = {f"w{i}": torch.full((2 << 20,), float(i)) for i in range(4)}  # 8 MiB each
+    dcp.save(state, storage_writer=DataStatesWriter(path, **opts))  # the last good checkpoint
+    current_engine().set_fault("stall", 0, path)  # flushes held: w1..w3 are not copied yet
+    resp = dcp.async_save(state, storage_writer=DataStatesWriter(path, **opts))
+    if how in ("free", "unmap"):
+        state["w2"].untyped_storage().resize_(0)
+    else:
+        state["w2"].untyped_storage().resize_(16 << 20)  # reallocated elsewhere, values kept
+    state["w3"] = torch.zeros(1)  # the memory of w3 is kept alive by the save: nothing to report
+    current_engine().set_fault("none", 0, "")
+    try:
+        resp.upload_completion.result(timeout=120)
+        print("COMMITTED")
+    except BaseException as exc:
+        print("ERROR " + " ".join(str(exc).split()))
+    dest = {f"w{i}": torch.empty(2 << 20) for i in range(4)}
+    dcp.load(dest, storage_reader=DataStatesReader(path))
+    print("LOADED", [float(dest[f"w{i}"][0]) for i in range(4)], all(bool((dest[f"w{i}"] == i).all()) for i in range(4)))
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["free", "reallocate", "unmap"])
+def test_a_storage_freed_or_reallocated_while_staging_fails_the_save(tmp_path, how):
+    """A storage resized before its copy ended (no version bump: the guard's counters cannot see
+    it) may have had its old memory reused while the engine read it, or unmapped (the copy then
+    faults: csrc/fault_guard.h). The save fails naming the tensor, the process lives on, and the
+    previous checkpoint stays, loaded bitwise."""
+    script = tmp_path / "child.py"
+    script.write_text(_FREED_CHILD)
+    res = subprocess.run([sys.executable, str(script), str(tmp_path / "ck"), how], capture_output=True, text=True,
+                         timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    assert "ERROR" in res.stdout and "the memory of tensor 'w2' was freed or reallocated" in res.stdout, out
+    assert "not committed" in res.stdout and "staging_completion" in res.stdout, out
+    assert "LOADED [0.0, 1.0, 2.0, 3.0] True" in res.stdout, out

@@ -191,7 +191,7 @@ def _from_cache(cached: StagePlan, scan: Scan, copied_at_request: int, total: in
     late = cached.late
     return RankPlan(
         [fp.planned(scan) for fp in cached.files], [], set(cached.skipped), set(cached.elsewhere),
-        VersionGuard(scan.names, scan.tensors, versions),
+        VersionGuard(scan.names, scan.tensors, versions, scan.keeps, scan.ptrs),
         VersionGuard([scan.names[i] for i in late], [scan.tensors[i] for i in late], [scan.versions[i] for i in late]),
         payloads={scan.names[i]: buf for i, buf in scan.payloads.items()}, copy_limit=limit,
     )
@@ -290,7 +290,8 @@ def _guards(flat: dict, own: Ownership, copied_at_request: int) -> tuple[Version
         obj = flat.get(key[0])
         if isinstance(obj, torch.Tensor):
             later.append((key[0], obj.to_local() if hasattr(obj, "to_local") else obj))
-    return (VersionGuard([it.key[0] for it in lazy], [it.keepalive for it in lazy]),
+    return (VersionGuard([it.key[0] for it in lazy], [it.keepalive for it in lazy], None,
+                         [it.keepalive for it in lazy], [it.ptr for it in lazy]),
             VersionGuard([n for n, _ in later], [t for _, t in later]))
 
 
@@ -685,16 +686,37 @@ def plan_stats() -> dict:
 
 
 class VersionGuard:
-    """Names, tensors and their version counters at ``stage()``, in state-dict order."""
+    """Names, tensors and their version counters at ``stage()``, in state-dict order; and, for
+    the lazily copied ones, the memory the copies read."""
 
-    __slots__ = ("names", "tensors", "versions", "_index")
+    __slots__ = ("names", "tensors", "versions", "_index", "owners", "addresses")
 
-    def __init__(self, names: list[str], tensors: list[Any], versions: list | None = None) -> None:
-        """``versions``: the counters read already (None entries are not checked); else read now."""
+    def __init__(self, names: list[str], tensors: list[Any], versions: list | None = None,
+                 owners: list | None = None, addresses: list[int] | None = None) -> None:
+        """``versions``: the counters read already (None entries are not checked); else read now.
+        ``owners`` / ``addresses``: per entry, the storage (or a tensor on it) the copy reads and
+        the address it reads from (0: nothing), checked by ``first_freed``."""
         self.names = names
         self.tensors = tensors
         self.versions = versions if versions is not None else versions_of(tensors)
         self._index: dict[str, int] | None = None
+        self.owners = owners
+        self.addresses = addresses
+
+    def first_freed(self) -> str | None:
+        """The name of the first guarded tensor whose memory is no longer its storage's (the
+        storage was resized: ``untyped_storage().resize_(0)`` frees it, a resize reallocates it,
+        with no version bump), so a copy may have read memory reused for something else."""
+        if not self.owners:
+            return None
+        for name, v, owner, address in zip(self.names, self.versions, self.owners, self.addresses):
+            if v is None or not address:
+                continue
+            storage = owner.untyped_storage() if isinstance(owner, torch.Tensor) else owner
+            start = storage.data_ptr()
+            if not start <= address < start + storage.nbytes():
+                return name
+        return None
 
     def first_changed(self) -> tuple[str, int, int] | None:
         """(name, version at stage, version now) of the first tensor changed since, or None."""
@@ -721,6 +743,17 @@ class VersionGuard:
         self.versions = []
         self.names = []
         self._index = None
+        self.owners = self.addresses = None
+
+
+def freed_message(path: str, name: str) -> str:
+    return (
+        f"checkpoint {path}: the memory of tensor {name!r} was freed or reallocated (its storage "
+        f"resized, e.g. untyped_storage().resize_(0)) after the save was requested and before its "
+        f"copy finished, so the copy may hold other data; it was not committed (the previous "
+        f"checkpoint stays). Free or resize a tensor of the state only after the save's "
+        f"staging_completion (or dcp_datastates.wait_staged())."
+    )
 
 
 def torn_message(path: str, name: str, before: int, after: int) -> str:

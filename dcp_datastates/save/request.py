@@ -46,7 +46,17 @@ from .held_file import HeldFile
 from .incremental import Incremental, hint_key
 from .items import ItemKey, SourceItem
 from .ownership import DecisionKey
-from .pipeline import PlannedFile, VersionGuard, flatten, on_one_device, plan_stage, planned_file, torn_message, written
+from .pipeline import (
+    PlannedFile,
+    VersionGuard,
+    flatten,
+    freed_message,
+    on_one_device,
+    plan_stage,
+    planned_file,
+    torn_message,
+    written,
+)
 
 __all__ = ["FileJob", "StagedSave", "request_save", "name_folder", "sync_save", "submit_file", "start_file", "prepare_destination", "hold", "claim_folder", "current_stream",
            "global_rank_world", "finish_staging", "planned", "copy_small_at_request", "give_back", "hold_limit"]
@@ -232,9 +242,15 @@ class StagedSave:
                 return
             self._sealed = True
             guard, self.guard = self.guard, None
-        changed = guard.first_changed() if guard is not None else None
-        if changed is not None and self.error is None:
+        if guard is None or self.error is not None:
+            return
+        changed = guard.first_changed()
+        if changed is not None:
             self.error = CheckpointWriteError(torn_message(self.path or "(unnamed)", *changed))
+            return
+        freed = guard.first_freed()
+        if freed is not None:
+            self.error = CheckpointWriteError(freed_message(self.path or "(unnamed)", freed))
 
     def fail(self, exc: BaseException) -> None:
         """An error before DCP's planning: kept to be raised from prepare_local_plan (inside the
