@@ -31,7 +31,7 @@ from .errors import CheckpointFormatError, DataStatesError, IncompleteCheckpoint
 from .format.layout import FileInfo, ItemLocation, rank_marker_name
 from .load import read
 from .runtime import get_engine
-from .runtime.inflight import gc_paused, pause_collector
+from .runtime.inflight import gc_paused, pause_collector, wait_staged
 from .storage import LocalStorage, is_supported_url, normalize, open_storage
 from .tiers.hooks import ReadPlan, tier_for
 
@@ -190,6 +190,10 @@ class DataStatesReader(StorageReader):
             self._end_load_pause(after=0.25)  # DCP's plan is freed once dcp.load returns, right after
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
+        # The targets may be the very tensors a lazy save of this process still copies (a restore
+        # right after a save): the reads below would change them under that save, bumping no
+        # version its guard could see. Wait for its staging first, as an optimizer step does.
+        wait_staged()
         with gc_paused():  # read_metadata's pause may be over (a reader used outside dcp.load)
             by_file: dict[str, list[tuple[ReadItem, ItemLocation]]] = defaultdict(list)
             for req in plan.items:

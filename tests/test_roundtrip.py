@@ -354,6 +354,19 @@ def test_zero_tensor_saves_as_zeros(tmp_path, save, numel):
     assert torch.equal(dest["z"], torch.zeros(numel)) and torch.equal(dest["w"], torch.arange(4.0))
 
 
+def test_a_load_counts_as_an_in_place_change_of_its_targets(tmp_path):
+    """Targets read straight into (the stored chunk is the target, byte for byte) get their version
+    counters bumped, as stock DCP's copy_ does: autograd's checks of saved tensors and the lazy
+    save's guard both read them."""
+    state = {"whole": torch.randn(64), "cast": torch.randn(8), "big": torch.randn(1 << 18)}
+    dcp.save(state, storage_writer=DataStatesWriter(tmp_path / "c"))
+    dest = {"whole": torch.zeros(64), "cast": torch.zeros(8, dtype=torch.float64), "big": torch.zeros(1 << 18)}
+    before = {k: t._version for k, t in dest.items()}
+    dcp.load(dest, storage_reader=DataStatesReader(tmp_path / "c"))
+    assert all(dest[k]._version > before[k] for k in dest), {k: (before[k], dest[k]._version) for k in dest}
+    assert torch.equal(dest["big"], state["big"]) and torch.equal(dest["cast"], state["cast"].double())
+
+
 def test_second_save_to_a_path_still_being_written_is_refused(tmp_path):
     state = {f"t{i}": torch.randn(1 << 20) for i in range(16)}  # 64 MiB: still flushing after stage()
     snapshot = clone_state(state)

@@ -194,3 +194,32 @@ def test_a_storage_freed_or_reallocated_while_staging_fails_the_save(tmp_path, h
     assert "ERROR" in res.stdout and "the memory of tensor 'w2' was freed or reallocated" in res.stdout, out
     assert "not committed" in res.stdout and "staging_completion" in res.stdout, out
     assert "LOADED [0.0, 1.0, 2.0, 3.0] True" in res.stdout, out
+
+
+def test_a_load_into_the_tensors_of_a_save_still_staging_waits_for_it(tmp_path, small_engine):
+    """A restore right after a save (the same tensors as targets): the load's reads would change
+    them under the lazy copies without a version bump the guard could see, and the save committed
+    the loaded values as its own. The load now waits for the save's staging, as a step does."""
+    import threading
+    import time
+
+    start_engine(**OPTS)
+    state = {f"w{i}": torch.full((2 << 20,), float(i)) for i in range(4)}  # 32 MiB, 8 MiB cache
+    other = tmp_path / "other"
+    dcp.save({k: v + 100 for k, v in state.items()}, storage_writer=DataStatesWriter(other, **OPTS))
+    path = tmp_path / "new"
+    current_engine().set_fault("stall", 0, str(path))
+    resp = dcp.async_save(state, storage_writer=DataStatesWriter(path, **OPTS))
+    resume = threading.Timer(0.5, lambda: current_engine().set_fault("none", 0, ""))
+    resume.start()  # the flushes go on half a second later: until then staging cannot end
+    t0 = time.monotonic()
+    versions = [t._version for t in state.values()]
+    dcp.load(state, storage_reader=DataStatesReader(other))
+    assert time.monotonic() - t0 >= 0.4  # it waited for the staging
+    resume.join()
+    assert all(bool((state[f"w{i}"] == 100 + i).all()) for i in range(4))  # restored
+    assert all(t._version > v for t, v in zip(state.values(), versions))  # as copy_ would have counted
+    resp.upload_completion.result(timeout=120)
+    saved = {f"w{i}": torch.empty(2 << 20) for i in range(4)}
+    dcp.load(saved, storage_reader=DataStatesReader(path))
+    assert all(bool((saved[f"w{i}"] == i).all()) for i in range(4))  # the values at the request

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..format import safe_unpickle
@@ -163,6 +164,9 @@ def read_targets(storage: Storage, name: str, reading: list[ReadTarget], engine,
 def deliver(pending: list[ReadTarget], planner: LoadPlanner, *, trusted: bool, checkpoint: str) -> None:
     """Hand every read item to the planner: tensors copied into their targets and committed,
     values decoded and loaded (CUDA destinations go through ``DeviceStaging`` instead)."""
+    written = [p.dst for p in pending if p.direct and p.nbytes]
+    if written:  # the engine wrote into their memory: bump their versions as copy_ would have
+        increment_version(written)
     for p in pending:
         if p.dst is None:
             _load_value(p, planner, trusted, checkpoint)
