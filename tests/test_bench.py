@@ -315,3 +315,16 @@ def test_overwrite_folder_times_replacing_and_fresh_saves(tmp_path):
     assert set(report["seconds"]) == {"one folder, replaced", "a new folder each"}
     assert all(len(v) == 2 and min(v) > 0 for v in report["seconds"].values())
     assert not (tmp_path / "ow").exists()
+
+
+def test_staged_vs_durable_times_both_paths(tmp_path):
+    """scripts/staged_vs_durable.py: a lazy save through the cache and with direct writes, each
+    staged no later than durable, the checkpoints removed."""
+    spec = importlib.util.spec_from_file_location("staged_vs_durable", BENCHMARKS.parent / "scripts" / "staged_vs_durable.py")
+    svd = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(svd)
+    for mode in ("off", "on"):
+        out = svd.main(["--dir", str(tmp_path / mode), "--direct-writes", mode, "--saves", "3", "--mib", "4"])
+        assert out["direct_writes"] == mode and len(out["durable_samples"]) == 1
+        assert 0 < out["staged_s"] <= out["durable_s"]
+        assert not list((tmp_path / mode).iterdir())

@@ -99,7 +99,7 @@ ARGS_ONLY = ("python -m dcp_datastates bench --dir", "python benchmarks/bench_re
              "python -m dcp_datastates bench --size", "python scripts/commit_time.py",
              "python scripts/scale_table.py", "python scripts/direct_write_time.py",
              "python benchmarks/load_profile.py", "python benchmarks/overwrite_folder.py",
-             "python benchmarks/fork_children.py")  # minutes each: arguments checked
+             "python benchmarks/fork_children.py", "python scripts/staged_vs_durable.py")  # minutes each: arguments checked
 
 # Code a block needs from the surrounding text (a model, a saved checkpoint), run before it.
 _SAVED = """
