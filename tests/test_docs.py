@@ -145,14 +145,14 @@ state = {"model": {"w": torch.zeros(3, 4)}, "step": 0}
     ("docs/migrating.md", "dcp-datastates convert ckpt/step-100 dcp-out --to dcp"): _SAVED + '_save_ckpt("ckpt/step-100")\n',
     # a checkpoint holding values outside PyTorch's restricted unpickler, loaded after opting in
     ("docs/security.md", "torch.serialization.add_safe_globals([MyTrainState])"): _SAVED + """
-import dataclasses, datetime
+import dataclasses, decimal
 from dcp_datastates import DataStatesReader
 @dataclasses.dataclass
 class MyTrainState:
     step: int = 0
 path = "ckpt/values"
-dcp.save({"ts": MyTrainState(5), "day": datetime.date(2026, 11, 23)}, storage_writer=DataStatesWriter(path))
-state = {"ts": None, "day": None}
+dcp.save({"ts": MyTrainState(5), "loss_scale": decimal.Decimal("0.5")}, storage_writer=DataStatesWriter(path))
+state = {"ts": None, "loss_scale": None}
 """,
     ("docs/security.md", "DataStatesReader(path, trusted=True)"): _SAVED + """
 from dcp_datastates import DataStatesReader

@@ -5,6 +5,7 @@ opting in (docs/security.md)."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -212,6 +213,10 @@ def trainer_state():
             "dtype": torch.bfloat16,
             "device": torch.device("cpu"),
             "nested_tensor_value": {"t": torch.ones(2), "s": "x", "n": None, "c": 1 + 2j},
+            "started": __import__("datetime").datetime(2026, 11, 27, 9, 30, tzinfo=__import__("datetime").timezone.utc),
+            "budget": __import__("datetime").timedelta(hours=3),
+            "out_dir": __import__("pathlib").PurePosixPath("/runs/exp-7"),
+            "sampler_generator": torch.Generator().manual_seed(11),
         },
     }
 
@@ -255,6 +260,10 @@ def test_trainer_states_load_without_opting_in(tmp_path, planner):
     assert extra["dtype"] is torch.bfloat16 and extra["device"] == torch.device("cpu")
     assert torch.equal(extra["nested_tensor_value"]["t"], torch.ones(2))
     assert {k: v for k, v in extra["nested_tensor_value"].items() if k != "t"} == {"s": "x", "n": None, "c": 1 + 2j}
+    for k in ("started", "budget", "out_dir"):
+        assert type(extra[k]) is type(want[k]) and extra[k] == want[k], k
+    assert isinstance(extra["sampler_generator"], torch.Generator)
+    assert torch.equal(extra["sampler_generator"].get_state(), want["sampler_generator"].get_state())
 
 
 def test_torchtitan_lr_scheduler_container_state_loads(tmp_path):
@@ -270,20 +279,40 @@ def test_torchtitan_lr_scheduler_container_state_loads(tmp_path):
     assert other.state_dict() == sched.state_dict() and other.state_dict()["last_epoch"] == 2
 
 
+@dataclasses.dataclass
+class RunConfig:
+    lr: float
+    name: str
+
+
 def test_values_outside_the_allowlist_are_named(tmp_path):
-    """Which common values are not accepted without opting in: a Decimal, a datetime."""
-    import datetime
+    """Which common values are not accepted without opting in: a Decimal, a class of the user's
+    own (a config dataclass)."""
     import decimal
 
-    save(tmp_path / "ck", {"dec": decimal.Decimal("1.5"), "when": datetime.date(2024, 1, 2)})
+    save(tmp_path / "ck", {"dec": decimal.Decimal("1.5"), "config": RunConfig(3e-4, "exp-7")})
     with raises_through_dcp(r"UnsafeCheckpointError: .*item 'dec'.*decimal.Decimal"):
         load(tmp_path / "ck", {"dec": None})
-    with raises_through_dcp(r"UnsafeCheckpointError: .*item 'when'.*datetime.date"):
-        load(tmp_path / "ck", {"when": None})
+    with raises_through_dcp(r"UnsafeCheckpointError: .*item 'config'.*test_security.RunConfig"):
+        load(tmp_path / "ck", {"config": None})
     # The user's own allowlist is honoured (and left as it was).
-    with torch.serialization.safe_globals([datetime.date]):
-        assert load(tmp_path / "ck", {"when": None})["when"] == datetime.date(2024, 1, 2)
-    assert datetime.date not in torch.serialization.get_safe_globals()
+    with torch.serialization.safe_globals([decimal.Decimal]):
+        assert load(tmp_path / "ck", {"dec": None})["dec"] == decimal.Decimal("1.5")
+    assert decimal.Decimal not in torch.serialization.get_safe_globals()
+
+
+def test_an_allowlisted_constructor_given_bad_arguments_is_a_format_error(tmp_path):
+    """A crafted Generator state (wrong size) or device: the constructor refuses it, and the
+    load fails with CheckpointFormatError naming the item, as for any undecodable value."""
+    from dcp_datastates.errors import CheckpointFormatError
+    from dcp_datastates.format.safe_unpickle import decode_value
+
+    g = torch.Generator()
+    buf = io.BytesIO()
+    torch.save(g, buf)
+    data = buf.getvalue().replace(b"cpu", b"xla", 1)  # the device the pickle names
+    with pytest.raises(CheckpointFormatError, match=r"item 'gen' cannot be decoded as a stored value"):
+        decode_value(data, checkpoint="ck", item="gen")
 
 
 def test_decoding_leaves_torch_allowlist_unchanged(tmp_path):

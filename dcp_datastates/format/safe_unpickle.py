@@ -14,7 +14,9 @@ the item and the classes or functions it would import, unless the load is ``trus
 
 from __future__ import annotations
 
+import datetime
 import io
+import pathlib
 import pickle
 import re
 import threading
@@ -38,9 +40,15 @@ TRUST_HINT = (
 def _extra_safe_globals() -> dict[bytes, list]:
     """Types beyond torch's defaults that trainers save and that build only data, keyed by a
     byte string their pickled names contain: BytesIO values (DCP stores them pickled), a few
-    side-effect-free builtins, numpy scalars and numeric arrays (numpy's legacy RNG state is a
-    tuple holding one). numpy is optional."""
+    side-effect-free builtins, ``datetime`` and ``pathlib`` values, ``torch.Generator``, numpy
+    scalars and numeric arrays (numpy's legacy RNG state is a tuple holding one). numpy is
+    optional."""
     groups: dict[bytes, list] = {b"BytesIO": [io.BytesIO], b"frozenset": [frozenset], b"range": [range], b"slice": [slice]}
+    # Constructors of plain data that trainers keep in their state (a run's start time, its output
+    # folder, a sampler's generator): none of them touches files, imports or calls anything else.
+    groups[b"datetime"] = [datetime.datetime, datetime.date, datetime.time, datetime.timedelta, datetime.timezone]
+    groups[b"pathlib"] = [pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath]
+    groups[b"Generator"] = [torch.Generator]  # its state is a uint8 tensor, checked by set_state
     try:
         import numpy as np  # noqa: PLC0415
     except ImportError:
