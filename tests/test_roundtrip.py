@@ -333,6 +333,23 @@ def test_a_cached_plan_does_not_take_a_view_for_the_tensor_it_was_made_for(tmp_p
     assert torch.equal(dest["zero"], torch.zeros(5)) and torch.equal(dest["w"], plain["w"])
 
 
+@pytest.mark.parametrize("save", ["sync", "async"])
+def test_a_tensor_whose_storage_was_freed_before_the_save_is_refused_by_name(tmp_path, save):
+    """A tensor whose storage was already resized to 0 (memory-saving code frees unsharded
+    parameters so) has a shape and no memory (torch's own clone() of it segfaults): the save
+    fails naming it, nothing is committed."""
+    freed = torch.randn(8)
+    freed.untyped_storage().resize_(0)
+    state = {"w": torch.randn(4), "freed": freed}
+    path = tmp_path / "ckpt"
+    with raises_through_dcp(r"item 'freed': a torch.float32 tensor of shape \(8,\) on cpu has no memory"):
+        if save == "sync":
+            dcp.save(state, storage_writer=DataStatesWriter(path))
+        else:
+            dcp.async_save(state, storage_writer=DataStatesWriter(path)).upload_completion.result()
+    assert not (path / ".metadata").exists()
+
+
 def test_loads_into_conjugate_and_negative_views(tmp_path):
     """A load target that is a conjugate or negative view shows the saved values afterwards (its
     memory gets the conjugated or negated bytes), as with stock DCP's copy_."""

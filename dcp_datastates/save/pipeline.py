@@ -290,8 +290,8 @@ def _guards(flat: dict, own: Ownership, copied_at_request: int) -> tuple[Version
         obj = flat.get(key[0])
         if isinstance(obj, torch.Tensor):
             later.append((key[0], obj.to_local() if hasattr(obj, "to_local") else obj))
-    return (VersionGuard([it.key[0] for it in lazy], [it.keepalive for it in lazy], None,
-                         [it.keepalive for it in lazy], [it.ptr for it in lazy]),
+    kept_alive = [it.keepalive for it in lazy]  # the tensors the copies read, detached at the request
+    return (VersionGuard([it.key[0] for it in lazy], kept_alive, None, kept_alive, [it.ptr for it in lazy]),
             VersionGuard([n for n, _ in later], [t for _, t in later]))
 
 
