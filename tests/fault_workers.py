@@ -221,6 +221,30 @@ def run_protocol(rank: int, world: int, root: str) -> None:
     back = {f"t{i}": torch.zeros(512, 512) for i in range(16)}
     dcp.load(back, storage_reader=DataStatesReader(path))
     out["torn_kept_old"] = all(torch.equal(back[f"t{i}"], torch.full((512, 512), float(i))) for i in range(16))
+    dist.barrier()
+    # 4. Rank 1 frees the storage of a tensor the save still copies (no version bump): every rank
+    # raises CheckpointException (the seal's memory check, or the copy's fault guard when the
+    # memory was unmapped), within the timeout; the previous checkpoint stays.
+    state = {f"t{i}": torch.full((512, 512), float(i)) for i in range(16)}
+    current_engine().set_fault("stall", 0, "/torn/")
+    resp = dcp.async_save(state, storage_writer=DataStatesWriter(path, host_cache_size=CACHE, chunk_size=CHUNK))
+    if rank == 1:
+        state["t12"].untyped_storage().resize_(0)
+    current_engine().set_fault("none", 0, "")
+    t0 = time.monotonic()
+    try:
+        resp.upload_completion.result(timeout=60)
+        out["freed"] = "no error"
+    except BaseException as exc:  # noqa: BLE001
+        text = str(exc)
+        out["freed"] = type(exc).__name__ == "CheckpointException" and (
+            "was freed or reallocated" in text or "was unmapped while it was copied" in text)
+    out["freed_s"] = time.monotonic() - t0
+    wait_staged()
+    dist.barrier()
+    back = {f"t{i}": torch.zeros(512, 512) for i in range(16)}
+    dcp.load(back, storage_reader=DataStatesReader(path))
+    out["freed_kept_old"] = all(torch.equal(back[f"t{i}"], torch.full((512, 512), float(i))) for i in range(16))
     gathered = [None] * world
     dist.all_gather_object(gathered, out)
     if rank == 0:

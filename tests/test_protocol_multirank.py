@@ -33,3 +33,8 @@ def test_ranks_naming_different_paths_all_raise_and_nothing_commits(results):
 def test_a_tensor_torn_on_one_rank_fails_the_save_everywhere_and_keeps_the_old_one(results):
     for r in results:
         assert r["torn"] is True and r["torn_kept_old"] is True, r
+
+
+def test_a_storage_freed_on_one_rank_fails_the_save_everywhere_and_keeps_the_old_one(results):
+    for r in results:
+        assert r["freed"] is True and r["freed_s"] < 30 and r["freed_kept_old"] is True, r
