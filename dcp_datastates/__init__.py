@@ -26,6 +26,7 @@ from .planners import DataStatesLoadPlanner, DataStatesSavePlanner
 from .reader import DataStatesReader
 from .runtime import engine_stats, shutdown_engine, start_engine
 from .runtime.inflight import protect_optimizer, wait_staged
+from .runtime.process_group import checkpoint_process_group
 from .save.checkpoint_stats import CheckpointStats, recent_checkpoints
 from .tiers.local_tier import latest_checkpoint
 from .tiers.peers import wait_peer_copies
@@ -43,6 +44,7 @@ __all__ = [
     "parse_size",
     "protect_optimizer",
     "wait_staged",
+    "checkpoint_process_group",
     "latest_checkpoint",
     "prepare_restart",
     "wait_peer_copies",

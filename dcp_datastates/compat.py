@@ -30,6 +30,7 @@ __all__ = [
     "ASYNC_EXECUTOR_THREAD_PREFIX",
     "default_stager_reusable",
     "is_zero_tensor",
+    "on_save_failure_sent",
 ]
 
 TORCH_VERSION = torch.__version__
@@ -210,3 +211,46 @@ def is_zero_tensor(t: torch.Tensor) -> bool:
         return bool(t._is_zerotensor())
     except AttributeError as exc:  # pragma: no cover - depends on the torch release
         raise _missing("Tensor._is_zerotensor", exc) from None
+
+
+# -------------------------------------------------- a collective save's failure, on every rank
+# DCP fails a collective save on every rank by sending one CheckpointException (the failing
+# ranks' errors) from the coordinator through its object collectives, which pickle it: the
+# coordinator pickles it, every other rank unpickles it, each on the thread running that DCP
+# call. That is the only moment a rank whose own part succeeded learns that the save failed
+# (DCP calls nothing more on its storage writer). A reducer registered for the class (copyreg,
+# Python's public hook) lets ``callback()`` run at both ends; the exception itself travels
+# unchanged. What this relies on (DCP sending its failure pickled) is behaviour, not a name:
+# tests/test_compat.py checks it on real ranks and names the torch release when it changes.
+_failure_callbacks: list[Callable[[], None]] = []
+
+
+def on_save_failure_sent(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` (with no argument, on the DCP thread concerned) wherever a
+    ``CheckpointException`` is pickled or unpickled. Registering one callback twice is a no-op.
+    A callback's own error is swallowed: it must never break DCP's collective."""
+    import copyreg  # noqa: PLC0415
+
+    from torch.distributed.checkpoint.api import CheckpointException  # noqa: PLC0415
+
+    if callback not in _failure_callbacks:
+        _failure_callbacks.append(callback)
+    copyreg.pickle(CheckpointException, _reduce_checkpoint_exception)
+
+
+def _run_failure_callbacks() -> None:
+    for callback in list(_failure_callbacks):
+        try:
+            callback()
+        except Exception:  # noqa: BLE001, S110 - see on_save_failure_sent
+            pass
+
+
+def _reduce_checkpoint_exception(exc: BaseException):
+    _run_failure_callbacks()
+    return _rebuild_checkpoint_exception, (type(exc), exc.args), exc.__dict__ or None
+
+
+def _rebuild_checkpoint_exception(cls, args):
+    _run_failure_callbacks()
+    return cls(*args)

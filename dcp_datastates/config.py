@@ -249,9 +249,16 @@ class DataStatesConfig:
             drained in the background to the checkpoint path (``tiers/local_tier.py``). None: off.
         keep_local: local copies kept in ``local_tier`` (newest first); older ones are removed
             once drained, never before.
-        drain_timeout: with ``local_tier`` and several ranks, seconds the coordinator waits for
-            every rank's drain report before failing the save (the checkpoint then stays on the
-            local tiers); a rank that fails reports at once.
+        drain_timeout: with ``local_tier`` and several ranks, the most seconds the coordinator
+            waits for every rank's drain report before failing the save (the checkpoint then
+            stays on the local tiers), however steadily the ranks progress; a rank that fails
+            reports at once.
+        stall_timeout: seconds a save waits on a rank, or a peer, that shows no sign of progress
+            before it fails (the one knob for a frozen or cut-off node): with ``local_tier`` and
+            several ranks, a rank whose drain has not reported progress for this long fails the
+            save on every rank (each drain reports progress every quarter of it); with
+            ``peer_copies``, the default ``peer_timeout``. docs/configuration.md, "When a node
+            stops", gives the bounds.
         incremental: a tensor whose bytes are unchanged since the newest committed checkpoint
             beside this one (same parent folder) is not written again; the new checkpoint's
             metadata refers to that checkpoint's file, and stays complete for a strict load
@@ -265,6 +272,7 @@ class DataStatesConfig:
             Nodes are told apart by the host name, or by ``DCPDS_NODE``. 0 (default): off.
         peer_timeout: seconds a peer copy may wait for its peer before this process stops
             making peer copies (the checkpoints themselves are saved and drained as usual).
+            None (default): ``stall_timeout``.
     """
 
     host_cache_size: int | None = None
@@ -289,9 +297,10 @@ class DataStatesConfig:
     local_tier: str | None = None
     keep_local: int = 2
     drain_timeout: float = 3600.0
+    stall_timeout: float = 300.0
     incremental: bool = False
     peer_copies: int = 0
-    peer_timeout: float = 300.0
+    peer_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.local_tier is not None:
@@ -324,8 +333,12 @@ class DataStatesConfig:
             raise ValueError(f"peer_copies: expected 0 or 1 (copies on other nodes), got {self.peer_copies!r}")
         if self.peer_copies and self.local_tier is None:
             raise ValueError("peer_copies: needs local_tier (the copies are kept in the other nodes' local tiers)")
-        if isinstance(self.peer_timeout, bool) or not isinstance(self.peer_timeout, (int, float)) \
-                or not (self.peer_timeout > 0):
+        if isinstance(self.stall_timeout, bool) or not isinstance(self.stall_timeout, (int, float)) \
+                or not (self.stall_timeout > 0):
+            raise ValueError(f"stall_timeout: expected seconds > 0, got {self.stall_timeout!r}")
+        if self.peer_timeout is not None and (isinstance(self.peer_timeout, bool)
+                                              or not isinstance(self.peer_timeout, (int, float))
+                                              or not (self.peer_timeout > 0)):
             raise ValueError(f"peer_timeout: expected seconds > 0, got {self.peer_timeout!r}")
         if not (self.cache_wait_timeout > 0):
             raise ValueError(f"cache_wait_timeout: expected seconds > 0, got {self.cache_wait_timeout!r}")
@@ -396,6 +409,10 @@ class DataStatesConfig:
         if not options:
             return base
         return dataclasses.replace(base, **_normalize(options, bare_sizes_in_gb=False))
+
+    def peer_wait(self) -> float:
+        """Seconds a peer copy waits for its peer: ``peer_timeout``, else ``stall_timeout``."""
+        return float(self.stall_timeout if self.peer_timeout is None else self.peer_timeout)
 
     def cache_plan(self) -> tuple[int, str]:
         """(host cache bytes, how they were chosen): the option, the environment, or the default."""

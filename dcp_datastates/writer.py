@@ -190,6 +190,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if staged is None:
             return
         staged.planner = threading.current_thread()
+        save.watch(staged, self.tier)  # a failure DCP sends to this thread removes what it wrote
         for h in staged.held:
             h.watch(staged.planner)
         if staged.error is not None or self.path is None:
@@ -205,9 +206,12 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         try:
             return self._prepare_local_plan(plan)
-        except BaseException:
-            if self._current is not None:
-                self._current.end_collector_pause()  # DCP stops here: nothing closes the save
+        except BaseException as exc:
+            staged = self._current
+            if staged is not None:
+                save.discard(staged, f"save abandoned: {exc}", self.tier)
+                save.unwatch(staged)
+                staged.end_collector_pause()  # DCP stops here: nothing closes the save
             raise
 
     def _prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -224,6 +228,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             staged = self._current = save.sync_save(self.path, self._storage(self.path), self.rank, self.config,
                                                     self.tier)
             staged.planner = threading.current_thread()
+            save.watch(staged, self.tier)
         report = RankReport(self.rank, self.tier.reported(self.path))
         if self.use_collectives:
             plan = save.skip_replicas(staged, plan)
@@ -257,6 +262,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             error = exc
             staged.abandon(f"save abandoned: {exc}")
             self.tier.rank_failed(staged)
+            save.discard(staged, f"save abandoned: {exc}", self.tier)
+            save.unwatch(staged)
         if self.process_group is not None and self.use_collectives and self.config.hierarchical_consolidation \
                 and dist.is_available() and dist.is_initialized():
             # Every rank enters this, a failed one with nothing to send: it raises right after,
@@ -278,6 +285,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         staged = self._finishing
         self._finishing = None
+        broadcast = metadata  # what DCP sends every rank once this returns
         error: BaseException | None = None
         try:
             if staged is not None and staged.abandoned is not None:
@@ -288,11 +296,15 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             self.tier.commit(self._storage(self.path), metadata, locations, staged,
                              rank_local=None if self.use_collectives else self.rank,
                              in_use=save.names_in_use(self.path) if staged is None else frozenset())
+            broadcast.storage_data = save.CommitNotice()  # the other ranks learn that it is committed
         except BaseException as exc:
             self.tier.failed(exc)
             error = exc
+            if staged is not None:
+                save.discard(staged, f"not committed: {exc}", self.tier)
             raise
         finally:
+            save.unwatch(staged)
             if staged is not None:
                 total = sum(r.size_in_bytes for rank_results in results for r in rank_results)
                 self._close(staged, error=error, total_bytes=total, committed=error is None)

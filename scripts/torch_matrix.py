@@ -119,7 +119,7 @@ def install_package(release: str, venv: Path, cache: Path, checkout: Path) -> bo
     if run([py, "-m", "pip", "install", "--progress-bar", "off", "-e", f"{checkout}[test]"], logfile, env=env, cwd=checkout) != 0:
         raise RuntimeError(f"{release}: pip install -e {checkout}[test] failed (see {logfile})")
     run([py, "-m", "pip", "install", "--progress-bar", "off", "--no-deps", *TORCHTITAN], logfile, env=env)
-    probe = "import torchtitan.components.checkpoint, torchtitan.components.optimizer"
+    probe = "import torchtitan.components.checkpointer, torchtitan.components.optimizer"
     ok = subprocess.run([py, "-c", probe], capture_output=True, text=True, env=env)
     if ok.returncode != 0:
         # Leave it out, so the TorchTitan tests skip instead of failing on an import error.

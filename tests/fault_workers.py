@@ -93,6 +93,16 @@ FAULTS = {
 }
 
 
+def _not_committed(path: str) -> list[str]:
+    """The entries of checkpoint folder ``path`` that its commit (if any) does not list."""
+    from dcp_datastates import commit
+
+    keep = {".metadata"}
+    if os.path.exists(os.path.join(path, ".metadata")):
+        keep |= set(commit.read_commit(path)[1])
+    return sorted(set(os.listdir(path)) - keep)
+
+
 def run_matrix(rank: int, world: int, root: str, per_node: int, apis: list[str]) -> None:
     os.environ["DCP_DATASTATES_RANKS_PER_NODE"] = str(per_node)  # 2 simulated nodes
     start_engine(host_cache_size=CACHE, chunk_size=CHUNK)
@@ -121,6 +131,7 @@ def run_matrix(rank: int, world: int, root: str, per_node: int, apis: list[str])
                     error = exc
                 seconds = time.monotonic() - t0
                 dist.barrier()
+                leftover = _not_committed(path)  # every rank's files of the failed save are gone
                 # the previous checkpoint is intact, then the next save works and loads bitwise
                 back = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in state_for(rank, 0).items()}
                 dcp.load(back, storage_reader=DataStatesReader(path), process_group=pg)
@@ -134,7 +145,7 @@ def run_matrix(rank: int, world: int, root: str, per_node: int, apis: list[str])
                     "api": api, "kind": kind, "failing_rank": fr, "rank": rank, "seconds": round(seconds, 3),
                     "type": type(error).__name__ if error is not None else None,
                     "cause_in_message": error is not None and FAULTS[kind] in str(error),
-                    "old_checkpoint_intact": old_ok, "next_save_loads": new_ok,
+                    "old_checkpoint_intact": old_ok, "next_save_loads": new_ok, "leftover": leftover,
                 })
                 dist.barrier()
     gathered = [None] * world

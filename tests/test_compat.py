@@ -165,3 +165,44 @@ def test_is_zero_tensor_tells_autograds_zero_tensors_apart():
         pytest.fail(f"{RELEASE}: Tensor._is_zerotensor / torch._efficientzerotensor broke: {exc!r}")
     assert zero is True and plain is False, f"{RELEASE}: _is_zerotensor answered {zero} / {plain}"
     assert torch._efficientzerotensor(3).data_ptr() == 0, f"{RELEASE}: a ZeroTensor has memory now (save/items.py)"
+
+
+def _failure_reaches_every_rank(rank, world, root):
+    """Rank 1's planner fails the save before any storage writer hook; every rank's DCP thread
+    must pickle (the coordinator) or unpickle (the others) the CheckpointException."""
+    import json
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    seen = []
+    compat.on_save_failure_sent(lambda: seen.append(threading.current_thread().name))
+
+    class Refusing(DefaultSavePlanner):
+        def create_local_plan(self):
+            if rank == 1:
+                raise RuntimeError("refused")
+            return super().create_local_plan()
+
+    with pytest.raises(BaseException, match="refused"):
+        dcp.save({"w": torch.ones(4)}, checkpoint_id=f"{root}/ck", planner=Refusing())
+    out = [None] * world
+    torch.distributed.all_gather_object(out, bool(seen) and seen[0] == threading.current_thread().name)
+    if rank == 0:
+        with open(f"{root}/seen.json", "w") as f:
+            json.dump(out, f)
+
+
+def test_a_failed_collective_save_is_pickled_to_every_rank(tmp_path):
+    """save/discard.py learns of another rank's failure from DCP's CheckpointException passing
+    through pickle on every rank, on the thread of the DCP call (compat.on_save_failure_sent)."""
+    import json
+
+    from dist_harness import run_ranks
+
+    run_ranks(2, _failure_reaches_every_rank, str(tmp_path))
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert seen == [True, True], (
+        f"torch {compat.TORCH_VERSION}: DCP no longer sends a failed save's CheckpointException through "
+        f"pickle on every rank ({seen}): a rank whose own part succeeded cannot learn of the failure"
+    )

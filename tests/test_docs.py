@@ -89,6 +89,14 @@ ELSEWHERE = {
     ("docs/integrations.md", "from torchtitan.models.llama3.config_registry import llama3_8b"): (
         # llama3's registry imports triton, absent on CPU machines; the same from_base call runs there
         "tests/test_torchtitan.py", ["Config.from_base(base, host_cache_size="]),
+    ("docs/configuration.md", "import torch.distributed as dist, torch.distributed.checkpoint as dcp"): (
+        # needs an initialized process group of several ranks: the same calls run there
+        "tests/test_node_stops.py", ["checkpoint_process_group(stall_timeout=STALL)",
+                                     "storage_writer=writer, process_group=group"]),
+    ("docs/integrations.md", "scripts/torchtitan_main.sh"): (
+        # needs GitHub (or a TorchTitan clone); the test reruns the file against the snapshot it makes
+        "tests/test_torchtitan.py", ["scripts/torchtitan_main.sh", "DCPDS_TORCHTITAN_MAIN",
+                                     "def test_torchtitan_main_at_the_pinned_commit"]),
 }
 # Long benchmark runs: each --flag must be one the command accepts.
 ARGS_ONLY = ("python -m dcp_datastates bench --dir", "python benchmarks/bench_remote.py", "python benchmarks/bench_planning.py",

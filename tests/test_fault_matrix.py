@@ -39,3 +39,10 @@ def test_the_error_names_the_cause_on_every_rank(matrix):
 def test_previous_checkpoint_intact_and_next_save_loads_bitwise(matrix):
     bad = [r for r in matrix if not (r["old_checkpoint_intact"] and r["next_save_loads"])]
     assert not bad, bad
+
+
+def test_the_failed_save_leaves_no_file_on_any_rank(matrix):
+    """What every rank wrote for the failed save is gone when the save raises there: the folder
+    holds the previous commit's files and nothing else."""
+    bad = [r for r in matrix if r["leftover"]]
+    assert not bad, bad

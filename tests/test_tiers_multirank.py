@@ -357,6 +357,10 @@ def _local_tier_fills_while_copied(rank, world, root):
         engine.set_fault("none", 0, "")
     assert time.monotonic() - t0 < 30
     dist.barrier()
+    # Nothing of the failed save is left in the durable folder: not the copies made while its
+    # files were written, on either rank.
+    _, files = commit.read_commit(durable)
+    assert sorted(os.listdir(durable)) == sorted({".metadata", *files}), os.listdir(durable)
     out, _ = load(durable, None, first)  # the durable tier alone: still the first checkpoint
     assert_state_equal(first, out)
     dist.barrier()

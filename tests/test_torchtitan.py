@@ -1,10 +1,17 @@
 """TorchTitan integration: DataStatesCheckpointManager with TorchTitan's real CheckpointManager,
 OptimizersContainer and LRSchedulersContainer, in a one-process gloo group (CPU).
 
-Skipped when TorchTitan cannot be imported (it is an optional dependency); the test that the
-integration module imports without TorchTitan always runs.
+TorchTitan is optional: the tests that need it are skipped only when ``torchtitan`` is not
+installed. Installed but unusable (its manager imports by neither module path) is a failure:
+a TorchTitan release that moves the manager must not turn these tests into silent skips.
+
+Two layouts are checked: the installed TorchTitan (0.3.0 in CI), also with its legacy module
+path hidden as on TorchTitan main; and TorchTitan main itself, at the commit in
+tests/torchtitan_main_commit.txt, when DCPDS_TORCHTITAN_MAIN names a snapshot of it
+(scripts/torchtitan_main.sh makes one; CI cannot reach GitHub, so there it is skipped, saying so).
 """
 
+import importlib.util
 import json
 import logging
 import os
@@ -30,6 +37,7 @@ def test_module_imports_without_torchtitan():
         "        make()\n"
         "    except ImportError as exc:\n"
         "        assert 'TorchTitan' in str(exc) and 'pip install' in str(exc), exc\n"
+        "        assert 'not installed (tried torchtitan.components.checkpointer, torchtitan.components.checkpoint)' in str(exc), exc\n"
         "    else:\n"
         "        raise SystemExit('no ImportError')\n"
         "print('ok')\n"
@@ -39,13 +47,27 @@ def test_module_imports_without_torchtitan():
 
 
 # ------------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def tt():
-    pytest.importorskip("torchtitan.components.checkpoint")
-    pytest.importorskip("torchtitan.components.optimizer")
+def require_torchtitan():
+    """The integration module, with TorchTitan's manager resolved. Skips only when ``torchtitan``
+    is not installed; installed but unusable fails with the import errors (a skip would hide a
+    TorchTitan that moved its modules, as main did in pytorch/torchtitan#4184)."""
+    if importlib.util.find_spec("torchtitan") is None:
+        pytest.skip("TorchTitan is not installed (optional: pip install --no-deps torchtitan==0.3.0 spmd_types==0.2.3)")
     from dcp_datastates.integrations import torchtitan as integration
 
-    assert integration.TORCHTITAN_AVAILABLE
+    if not integration.TORCHTITAN_AVAILABLE:
+        pytest.fail(f"TorchTitan is installed but unusable here: {integration._missing()}", pytrace=False)
+    try:
+        import torchtitan.components.optimizer  # noqa: F401 - the tests build TorchTitan's optimizers
+    except Exception as exc:  # noqa: BLE001 - any import error of an installed TorchTitan fails
+        pytest.fail(f"TorchTitan is installed but torchtitan.components.optimizer does not import: "
+                    f"{type(exc).__name__}: {exc}", pytrace=False)
+    return integration
+
+
+@pytest.fixture(scope="module")
+def tt():
+    integration = require_torchtitan()
     created = False
     if not dist.is_initialized():
         store = tempfile.NamedTemporaryFile(prefix="dcp_ds_tt_store_", delete=False)
@@ -130,7 +152,7 @@ def test_async_lazy_save_keep_latest_k_and_resume(tt, tmp_path, monkeypatch):
     monkeypatch.setattr(tt, "wait_staged", lambda timeout=None: waits.append(1) or real_wait(timeout))
 
     model, optimizers, lrs, ts, manager = build(tt, tmp_path)
-    from torchtitan.components.checkpoint import AsyncMode
+    from torchtitan.components.checkpointer import AsyncMode
 
     assert isinstance(manager, tt.DataStatesCheckpointManager) and manager.async_mode == AsyncMode.ASYNC
     snaps = {}
@@ -270,7 +292,7 @@ def test_close_waits_for_the_checkpoint_in_flight_and_is_bounded(tt, tmp_path, c
 
 
 def test_sync_mode_and_pinned_mode(tt, tmp_path):
-    from torchtitan.components.checkpoint import AsyncMode
+    from torchtitan.components.checkpointer import AsyncMode
 
     model, optimizers, lrs, ts, manager = build(tt, tmp_path / "sync", async_mode="disabled", keep_latest_k=0)
     snaps = {}
@@ -288,7 +310,7 @@ def test_sync_mode_and_pinned_mode(tt, tmp_path):
 
 
 def test_resumes_from_a_stock_torchtitan_checkpoint(tt, tmp_path):
-    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.checkpointer import CheckpointManager
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
     torch.manual_seed(0)
@@ -336,7 +358,7 @@ def test_config_options_validation_and_cli_override(tt, tmp_path):
     with pytest.raises(ValueError, match="flush_threads"):
         Config(enable=True, flush_threads=0)
 
-    from torchtitan.components.checkpoint import CheckpointManager
+    from torchtitan.components.checkpointer import CheckpointManager
 
     base = CheckpointManager.Config(enable=True, interval=250, keep_latest_k=3, async_mode="async")
     derived = Config.from_base(base, host_cache_size="4GB")
@@ -344,9 +366,9 @@ def test_config_options_validation_and_cli_override(tt, tmp_path):
 
     # Selecting the manager from a TorchTitan config and overriding it from the command line,
     # the way TorchTitan's ConfigManager parses `--checkpoint.*` (tyro).
-    tyro = pytest.importorskip("tyro")
     from dataclasses import dataclass, field
 
+    import tyro  # a TorchTitan dependency: missing is a failure, as for TorchTitan itself
     from torchtitan.components.checkpointer import BaseCheckpointManager
     from torchtitan.config import Configurable
     from torchtitan.config.manager import ConfigManager, custom_registry
@@ -463,7 +485,7 @@ def test_two_ranks_fsdp2_per_rank_dataloader_state(tt, tmp_path):
 def test_the_manager_defaults_to_lazy_async_saves_and_says_when_it_is_synchronous(tt, tmp_path, caplog):
     import logging
 
-    from torchtitan.components.checkpoint import AsyncMode
+    from torchtitan.components.checkpointer import AsyncMode
 
     assert tt.DataStatesCheckpointManager.Config(enable=True).async_mode == "async"
     with caplog.at_level(logging.INFO, logger="dcp_datastates"):
@@ -603,3 +625,112 @@ def test_four_ranks_on_two_nodes_resume_after_losing_one_from_peer_copies(tt, tm
     restored = os.path.join(root, "node1", step4)
     assert sorted(n[:4] for n in os.listdir(restored) if n.endswith(".safetensors")) == [n[:4] for n in kept], \
         os.listdir(restored)
+
+
+# ------------------------------------------------------------ TorchTitan layouts and versions
+CURRENT, LEGACY = "torchtitan.components.checkpointer", "torchtitan.components.checkpoint"
+THIS_FILE = os.path.abspath(__file__)
+MAIN_ENV = "DCPDS_TORCHTITAN_MAIN"
+MAIN_PIN = os.path.join(os.path.dirname(THIS_FILE), "torchtitan_main_commit.txt")
+
+
+def hide(*modules):
+    """Code that makes ``import`` of each module fail, as if absent (a None entry in sys.modules)."""
+    return "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in modules)
+
+
+def run_this_file(cwd, tests, *, prelude="", extra=(), env=None, timeout=600):
+    """Some of this file's tests (all when ``tests`` is empty) in a fresh pytest process, after
+    ``prelude`` ran in it (the layout to test must be in place before anything imports TorchTitan)."""
+    code = prelude + "import sys, pytest\nsys.exit(pytest.main(sys.argv[1:]))\n"
+    targets = [f"{THIS_FILE}::{t}" for t in tests] or [THIS_FILE]
+    return subprocess.run([sys.executable, "-c", code, "-q", "-rs", "-p", "no:cacheprovider", *extra, *targets],
+                          cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def summary(out):
+    """pytest's last line, e.g. "3 passed, 7 warnings in 9.1s"."""
+    lines = out.stdout.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def test_the_manager_works_where_only_the_new_module_path_exists(tmp_path):
+    """TorchTitan main has only ``torchtitan.components.checkpointer`` (pytorch/torchtitan#4184).
+    With the legacy path hidden, the integration resolves the new one, and saving, keep_latest_k,
+    resuming, TorchTitan's own manager and the config/CLI tests pass (none skipped)."""
+    require_torchtitan()
+    prelude = hide(LEGACY) + (
+        "from dcp_datastates.integrations import torchtitan as tt\n"
+        "print('resolved:', getattr(tt, 'TORCHTITAN_CHECKPOINT_MODULE', None), tt.TORCHTITAN_AVAILABLE)\n"
+    )
+    tests = ["test_async_lazy_save_keep_latest_k_and_resume", "test_resumes_from_a_stock_torchtitan_checkpoint",
+             "test_config_options_validation_and_cli_override"]
+    out = run_this_file(tmp_path, tests, prelude=prelude)
+    report = out.stdout[-4000:] + out.stderr[-3000:]
+    assert f"resolved: {CURRENT} True" in out.stdout, report
+    assert out.returncode == 0 and summary(out).startswith("3 passed") and "skipped" not in summary(out), report
+
+
+def test_a_torchtitan_whose_manager_does_not_import_fails_the_tests_instead_of_skipping_them(tmp_path):
+    """Installed but with neither module path importable: the TorchTitan tests error out, and
+    the error names both paths tried and why each failed."""
+    require_torchtitan()
+    out = run_this_file(tmp_path, ["test_sizes_in_the_torchtitan_config_follow_the_one_rule"], prelude=hide(CURRENT, LEGACY))
+    report = out.stdout[-4000:] + out.stderr[-3000:]
+    assert out.returncode == 1 and summary(out).startswith("1 error") and "skipped" not in out.stdout, report
+    assert "TorchTitan is installed but unusable here" in out.stdout, report
+    assert f"tried {CURRENT} (ModuleNotFoundError" in out.stdout and f"; {LEGACY} (ModuleNotFoundError" in out.stdout, report
+
+
+def test_falls_back_to_the_legacy_module_path(tmp_path):
+    """A TorchTitan with only the legacy ``torchtitan.components.checkpoint`` (the layout before
+    ``checkpointer`` existed): the manager comes from there, and the failed first try is kept."""
+    require_torchtitan()
+    code = (
+        "import sys, types\n"
+        f"import {CURRENT} as current\n"
+        f"legacy = types.ModuleType({LEGACY!r})\n"
+        "vars(legacy).update({n: getattr(current, n) for n in ('CheckpointManager', 'AsyncMode', 'DATALOADER', 'MODEL')})\n"
+        f"sys.modules[{CURRENT!r}] = None\n"
+        f"sys.modules[{LEGACY!r}] = legacy\n"
+        "from dcp_datastates.integrations import torchtitan as tt\n"
+        f"assert tt.TORCHTITAN_AVAILABLE and tt.TORCHTITAN_CHECKPOINT_MODULE == {LEGACY!r}, tt._TRIED\n"
+        f"assert len(tt._TRIED) == 1 and tt._TRIED[0].startswith({CURRENT + ' (ModuleNotFoundError'!r}), tt._TRIED\n"
+        "assert issubclass(tt.DataStatesCheckpointManager, current.CheckpointManager)\n"
+        "assert tt.DataStatesCheckpointManager.Config(enable=True, host_cache_size='1GB').interval == 500\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+@pytest.mark.timeout(1500)
+def test_torchtitan_main_at_the_pinned_commit(tmp_path):
+    """Every other test of this file against TorchTitan main at the commit pinned in
+    tests/torchtitan_main_commit.txt: the snapshot ``DCPDS_TORCHTITAN_MAIN`` names goes first on
+    PYTHONPATH (TorchTitan is pure Python; the installed one, if any, is shadowed). Skipped,
+    saying how to run it, when the variable is unset (CI cannot reach GitHub)."""
+    with open(MAIN_PIN) as f:
+        pin = f.read().split()[0]
+    tree = os.environ.get(MAIN_ENV)
+    if not tree:
+        pytest.skip(f"{MAIN_ENV} is not set: run `eval \"$(scripts/torchtitan_main.sh)\"` to extract TorchTitan main "
+                    f"at {pin[:12]} (tests/torchtitan_main_commit.txt) and set it")
+    tree = os.path.realpath(tree)
+    assert os.path.isfile(os.path.join(tree, "torchtitan", "__init__.py")), f"{MAIN_ENV}={tree} holds no torchtitan package"
+    stamp = os.path.join(tree, "TORCHTITAN_COMMIT")
+    found = open(stamp).read().strip() if os.path.isfile(stamp) else "(no TORCHTITAN_COMMIT file)"
+    assert found == pin, (f"{MAIN_ENV}={tree} is TorchTitan {found}, the pin is {pin}: extract the pinned commit "
+                          "with scripts/torchtitan_main.sh, or move the pin in tests/torchtitan_main_commit.txt")
+    env = {k: v for k, v in os.environ.items() if k != MAIN_ENV}
+    env["PYTHONPATH"] = os.pathsep.join([tree, *filter(None, [os.environ.get("PYTHONPATH")])])
+    probe = subprocess.run(
+        [sys.executable, "-c", f"import importlib.util as u, torchtitan; print(torchtitan.__file__, u.find_spec({LEGACY!r}))"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    # The snapshot is the TorchTitan imported, and it is main's layout (no legacy path).
+    assert probe.stdout.split() == [os.path.join(tree, "torchtitan", "__init__.py"), "None"], probe.stdout + probe.stderr
+    out = run_this_file(tmp_path, [], extra=["-k", "not test_torchtitan_main_at_the_pinned_commit"],
+                        env=env, timeout=1400)
+    report = out.stdout[-6000:] + out.stderr[-3000:]
+    last = summary(out)
+    assert out.returncode == 0 and " passed" in last and not any(w in last for w in ("failed", "error", "skipped")), report

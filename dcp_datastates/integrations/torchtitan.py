@@ -21,13 +21,21 @@ TorchTitan's ``maybe_wait_for_staging()`` (called right before ``optimizers.step
 for the copies (``dcp_datastates.wait_staged()``). ``"async_with_pinned_mem"`` takes the same
 path (the DataStates host cache is already pinned; TorchTitan's process-based stager is not used).
 
+Supported TorchTitan: the 0.3.0 release and main (checked at the commit in
+``tests/torchtitan_main_commit.txt``). Main keeps the manager only in
+``torchtitan.components.checkpointer`` (pytorch/torchtitan#4184 removed the legacy
+``torchtitan.components.checkpoint``); 0.3.0 has both, so the new path is tried first.
+
 Importing this module never fails when TorchTitan is missing; using the class then raises an
-``ImportError`` that says what to install.
+``ImportError`` that says what to install, or, when TorchTitan is installed but its manager
+cannot be imported, which modules were tried and why each failed.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import importlib
+import importlib.util
 import logging
 import os
 import time
@@ -44,32 +52,71 @@ from ..format.layout import METADATA_NAME, STEP_NUMBER
 from ..format.safe_unpickle import restricted_pickle_loads
 from ..reader import DataStatesReader
 from ..runtime.inflight import wait_staged
+from ..runtime.process_group import checkpoint_process_group
 from ..storage import open_storage
 from ..tiers.peers import wait_peer_copies
 from ..tiers.restart import prepare_restart
 from ..writer import DataStatesWriter
 
-__all__ = ["DataStatesCheckpointManager", "TORCHTITAN_AVAILABLE", "is_datastates_checkpoint"]
+__all__ = ["DataStatesCheckpointManager", "TORCHTITAN_AVAILABLE", "TORCHTITAN_CHECKPOINT_MODULE", "is_datastates_checkpoint"]
 
 log = logging.getLogger("dcp_datastates")
 
-try:  # TorchTitan is optional
-    from torchtitan.components.checkpoint import DATALOADER, MODEL, AsyncMode, CheckpointManager
-    from torchtitan.tools.utils import GarbageCollection
+# Where TorchTitan keeps its DCP CheckpointManager, newest first: ``checkpointer`` (0.3.0 and
+# main) and the legacy ``checkpoint`` (0.3.0 re-exports it; main removed it in #4184). Both
+# export the same names, so the first that imports is used.
+_CHECKPOINT_MODULES = ("torchtitan.components.checkpointer", "torchtitan.components.checkpoint")
+_NAMES = ("CheckpointManager", "AsyncMode", "DATALOADER", "MODEL")
 
-    _IMPORT_ERROR: BaseException | None = None
-except Exception as _exc:  # noqa: BLE001 - ImportError, or a TorchTitan incompatible with this torch
-    _IMPORT_ERROR = _exc
 
-TORCHTITAN_AVAILABLE = _IMPORT_ERROR is None
+def _import_torchtitan() -> tuple[str | None, tuple[Any, ...] | None, list[str]]:
+    """The module the manager comes from, its names (``_NAMES`` and ``GarbageCollection``), and
+    one line per module tried that failed (its error), so a failure says what was tried."""
+    tried: list[str] = []
+    for name in _CHECKPOINT_MODULES:
+        try:  # any error, not only ImportError: a TorchTitan incompatible with this torch raises others
+            module = importlib.import_module(name)
+            found = tuple(getattr(module, n) for n in _NAMES)
+            from torchtitan.tools.utils import GarbageCollection
+        except Exception as exc:  # noqa: BLE001 - reported by _missing(), never raised at import
+            tried.append(f"{name} ({type(exc).__name__}: {exc})")
+            continue
+        return name, (*found, GarbageCollection), tried
+    return None, None, tried
+
+
+def _torchtitan_location() -> str | None:
+    """Where the ``torchtitan`` package would be imported from; None when it is not installed."""
+    try:
+        spec = importlib.util.find_spec("torchtitan")
+    except (ImportError, ValueError):  # a broken or stubbed sys.modules entry
+        return None
+    if spec is None:
+        return None
+    return spec.origin or ", ".join(spec.submodule_search_locations or ()) or spec.name
+
+
+TORCHTITAN_CHECKPOINT_MODULE, _FOUND, _TRIED = _import_torchtitan()
+TORCHTITAN_AVAILABLE = _FOUND is not None
+if _FOUND is not None:
+    CheckpointManager, AsyncMode, DATALOADER, MODEL, GarbageCollection = _FOUND
 
 
 def _missing() -> ImportError:
+    install = (
+        "Install it with `pip install --no-deps torchtitan` plus its light dependencies "
+        "(`pip install tyro spmd_types`), or follow TorchTitan's installation guide."
+    )
+    where = _torchtitan_location()
+    if where is None:
+        return ImportError(
+            "dcp_datastates.integrations.torchtitan needs TorchTitan, which is not installed "
+            f"(tried {', '.join(_CHECKPOINT_MODULES)}). {install}"
+        )
     return ImportError(
-        "dcp_datastates.integrations.torchtitan needs TorchTitan, which could not be imported "
-        f"({type(_IMPORT_ERROR).__name__}: {_IMPORT_ERROR}). Install it with "
-        "`pip install --no-deps torchtitan` plus its light dependencies (`pip install tyro spmd_types`), "
-        "or follow TorchTitan's installation guide."
+        f"dcp_datastates.integrations.torchtitan needs TorchTitan's DCP CheckpointManager, which could not be "
+        f"imported from the TorchTitan at {where}; tried {'; '.join(_TRIED)}. Supported: TorchTitan 0.3.0 and "
+        f"main (see the module's docstring). {install}"
     )
 
 
@@ -164,6 +211,11 @@ if TORCHTITAN_AVAILABLE:
             for as long as a kept one refers to it. With ``local_tier``, references name durable
             files (local copies hold what their save wrote). Default: off."""
 
+            stall_timeout: float | None = None
+            """Seconds a save waits on a rank that shows no progress (its node frozen or cut
+            off) before it fails on every surviving rank; the async saves' gloo group times out
+            after it too (docs/configuration.md, "When a node stops"). Default: 300."""
+
             trust_checkpoints: bool = False
             """Allow resuming from checkpoints whose values need arbitrary unpickling: stock DCP
             checkpoints (pickled .metadata) and values outside PyTorch's restricted unpickler.
@@ -200,6 +252,7 @@ if TORCHTITAN_AVAILABLE:
                     ("keep_local", "keep_local"),
                     ("peer_copies", "peer_copies"),
                     ("incremental", "incremental"),
+                    ("stall_timeout", "stall_timeout"),
                 ):
                     value = getattr(self, ours)
                     if value is not None:
@@ -238,6 +291,8 @@ if TORCHTITAN_AVAILABLE:
                     "pinned DataStates host cache (same as async_mode=async)"
                 )
                 self.async_mode = AsyncMode.ASYNC
+            if self.pg is not None:  # TorchTitan's gloo group for async saves: bounded like ours
+                self.pg = checkpoint_process_group(self.datastates_config)
 
         @torch.no_grad()
         def dcp_save(

@@ -12,16 +12,19 @@
    data hooks (``planner_hooks``), the items' locations; ``consolidate``: results rank -> node
    leader -> coordinator;
 4. the commit (``commit.write_commit``, through the tier's hook), then ``finish.close_save``:
-   the save leaves the registry and records its figures (``checkpoint_stats``).
+   the save leaves the registry and records its figures (``checkpoint_stats``);
+5. ``discard``: a save that fails, on any rank, has what it wrote here removed.
 
 The DCP adapter (``writer.py``) calls only what this package exports.
 """
 
 from ..runtime.inflight import names_in_use  # the files of saves still running: a commit keeps them
 from .consolidate import consolidate_results
+from .discard import CommitNotice, discard, unwatch, wait_settled, watch
 from .finish import close_save
 from .request import StagedSave, global_rank_world, name_folder, request_save, sync_save
 from .write import check_rank_local, skip_replicas, write_rank
 
 __all__ = ["request_save", "name_folder", "sync_save", "write_rank", "check_rank_local", "skip_replicas",
-           "consolidate_results", "close_save", "global_rank_world", "StagedSave", "names_in_use"]
+           "consolidate_results", "close_save", "global_rank_world", "StagedSave", "names_in_use",
+           "discard", "watch", "unwatch", "wait_settled", "CommitNotice"]

@@ -146,6 +146,7 @@ class StagedSave:
     late_guard: VersionGuard | None = None  # tensors it may have to write from live memory
     error: BaseException | None = None  # raised from prepare_local_plan
     abandoned: str | None = None  # why the save was abandoned (Ctrl-C at exit, an error): never commit
+    discarded: bool = False  # what it wrote was removed (save/discard.py)
     requested: float = field(default_factory=time.monotonic)
     stall_s: float = 0.0  # the training thread's time in stage()
     staged_s: float | None = None  # request -> every byte in the host cache

@@ -15,6 +15,7 @@ what is committed durably is still exactly what was checksummed.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -212,6 +213,14 @@ class Follower:
         if copied:
             self._durable.remove_quietly(self.durable_name)
 
+    def wait_ended(self, timeout: float) -> None:
+        """Wait, at most ``timeout`` seconds, until the copy ended (a cancelled one has removed
+        what it wrote by then)."""
+        try:
+            self._future.exception(timeout=timeout)
+        except Exception:  # noqa: BLE001 - still running past the wait
+            pass
+
     def _written(self, end: int) -> None:
         while True:
             if self._cancelled.is_set():
@@ -232,9 +241,8 @@ class Follower:
         try:
             _write_durable(local, self.name, durable, self.durable_name, self.size, pieces, get_engine(config), config,
                            self._written, self._computed)
-        except BaseException:
-            if self._cancelled.is_set():
-                durable.remove_quietly(self.durable_name)
+        except BaseException:  # a partial copy is never used (the drain copies the file again)
+            durable.remove_quietly(self.durable_name)
             raise
         with self._state_lock:
             self._copied = True  # from here on, cancel() removes the file
@@ -313,29 +321,41 @@ def prepare_durable(durable: str, config: DataStatesConfig) -> str | None:
 def _drain_unlocked(local: str, durable: str, config: DataStatesConfig, tag, followed: dict | None,
                     committed: tuple | None = None) -> None:
     try:
-        if committed is None:
-            md, files = read_commit(local)
-            local_locations = md.storage_data
-        else:
-            md, local_locations, files = committed
-        check_data_files(local, files, references=False)
-        store = open_storage(durable, config.storage_options)
-        if tag is UNPREPARED:
-            tag = prepare_durable(durable, config)
-        # An incremental save's references name durable files already (beside ``durable``): the
-        # commit there checks them; only the copy's own files are copied.
-        own = {name: info.size for name, info in own_files(files).items()}
-        renamed = {name: durable_name(name, tag) for name in files}
-        pieces = {name: p for name, p in pieces_by_file(local_locations).items() if name in own}
-        _copy_all(open_storage(local), store, own, pieces, renamed, config, followed)
-        locations = {index: moved(loc, renamed[loc.file]) for index, loc in local_locations.items()}
-        write_commit(store, md, locations, sync=config.sync_files)
+        _copy_and_commit(local, durable, config, tag, followed, committed)
     except CheckpointWriteError as exc:
         if str(exc).startswith(f"draining {local}"):
             raise
         raise CheckpointWriteError(f"draining {local} to the durable tier {durable} failed: {exc}") from exc
     except Exception as exc:  # noqa: BLE001 - the store's own errors too (botocore, aiohttp ...)
         raise _drain_failed(local, durable, exc, "the local copy stays committed (drain_pending retries)") from exc
+
+
+def _copy_and_commit(local: str, durable: str, config: DataStatesConfig, tag, followed: dict | None,
+                     committed: tuple | None) -> None:
+    """The drain's work; when it fails, the copies it made go (their names are new ones, never
+    a committed checkpoint's), so the durable folder holds its previous commit alone."""
+    if committed is None:
+        md, files = read_commit(local)
+        local_locations = md.storage_data
+    else:
+        md, local_locations, files = committed
+    check_data_files(local, files, references=False)
+    store = open_storage(durable, config.storage_options)
+    if tag is UNPREPARED:
+        tag = prepare_durable(durable, config)
+    # An incremental save's references name durable files already (beside ``durable``): the
+    # commit there checks them; only the copy's own files are copied.
+    own = {name: info.size for name, info in own_files(files).items()}
+    renamed = {name: durable_name(name, tag) for name in files}
+    pieces = {name: p for name, p in pieces_by_file(local_locations).items() if name in own}
+    try:
+        _copy_all(open_storage(local), store, own, pieces, renamed, config, followed)
+        locations = {index: moved(loc, renamed[loc.file]) for index, loc in local_locations.items()}
+        write_commit(store, md, locations, sync=config.sync_files)
+    except BaseException:
+        for name in own:
+            store.remove_quietly(renamed[name])
+        raise
 
 
 def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str], save_id: str, rank: int,
@@ -349,9 +369,12 @@ def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str
     error = None
     store = open_storage(durable, config.storage_options)
     try:
-        _copy_files(local, store, locations, renamed, config, followed)
+        with _alive(store, rank, save_id, config.stall_timeout / 4):
+            _copy_files(local, store, locations, renamed, config, followed)
     except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which raises it on every rank
         error = str(_drain_failed(local, durable, exc, "the durable tier keeps its previous commit"))
+        for name in renamed.values():  # its copies go (new names: never a committed checkpoint's)
+            store.remove_quietly(name)
     try:
         tiers.report_drained(store, rank, save_id, error)
     except Exception as exc:  # noqa: BLE001 - the coordinator then times out naming this rank
@@ -359,6 +382,32 @@ def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str
     if error is None:
         drain_pending_ranks(config.local_tier, rank, config, skip=local, root=root_of(durable))
         tiers.evict_drained(config.local_tier, config.keep_local, config.storage_options)
+
+
+@contextlib.contextmanager
+def _alive(store: Storage, rank: int, save_id: str, every: float):
+    """While the block runs, this rank's drain report says it is draining, renewed every
+    ``every`` seconds (the coordinator fails the save when it stops changing: ``stall_timeout``)."""
+    stop = threading.Event()
+
+    def beat() -> None:
+        count = 0
+        while True:
+            try:
+                tiers.report_draining(store, rank, save_id, count)
+            except Exception as exc:  # noqa: BLE001 - the store hiccups: the next beat may get through
+                log.debug("dcp_datastates: rank %d: drain progress not reported: %s", rank, exc)
+            count += 1
+            if stop.wait(every):
+                return
+
+    beats = threading.Thread(target=beat, name="dcp-datastates-drain-beat", daemon=True)
+    beats.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        beats.join()
 
 
 def _copy_files(local: str, durable: Storage, locations: dict, renamed: dict[str, str], config: DataStatesConfig,

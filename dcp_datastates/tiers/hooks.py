@@ -10,7 +10,8 @@ request's files are named, off the training thread, before DCP plans), ``check_l
 named), ``file_named`` (a file started during ``write_data``),
 ``rank_written`` (a rank's files are durable where it wrote them), ``rank_failed`` (its
 ``write_data`` failed),
-``commit`` (coordinator: the checkpoint is committed where the tier wants it), ``failed``.
+``commit`` (coordinator: the checkpoint is committed where the tier wants it), ``failed``,
+``discard`` (the save failed on some rank: what this rank wrote goes, save/discard.py).
 Load hooks: ``choose`` (which copy to read), ``local_file`` (this node's copy of a data file).
 """
 
@@ -45,6 +46,8 @@ _drainers = ThreadPool(max_workers=2, thread_name_prefix="dcp-datastates-drain")
 # One rank: the durable folder prepared at the request and its copies started (files_started),
 # off the request's own threads, whose end staging waits for (the durable store may be slow).
 _early = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-drain-early")
+# A failed save's discard waits this long for its drain to end before removing its copies.
+_DRAIN_END_WAIT_S = 30.0
 # One rank: the local copies evicted (keep_local) while the save's own drain runs.
 _evictors = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-evict")
 
@@ -144,6 +147,11 @@ class NoTier:
     def rank_failed(self, staged) -> None:
         """This rank's ``write_data`` failed (the save fails on every rank)."""
 
+    def discard(self, staged, remove_files) -> None:
+        """The save failed: what it wrote goes (``remove_files()``: its data files where it wrote
+        them), with what the tier keeps of it elsewhere."""
+        remove_files()
+
     def commit(self, storage: Storage, metadata, locations, staged, *, rank_local: int | None,
                in_use: frozenset) -> dict:
         """The data files the commit lists."""
@@ -176,6 +184,7 @@ class LocalTier(NoTier):
 
     def __init__(self, config, *, saving: bool = False) -> None:
         super().__init__(config, saving=saving)
+        self._drains: dict[str, Future] = {}  # save id -> this rank's drain of it (several ranks)
         if saving and config.peer_copies:
             peers.join(config)  # a writer: every rank makes one, on its training thread
             self.mirroring = peers.mirroring()
@@ -320,8 +329,10 @@ class LocalTier(NoTier):
         staged.local_s = time.monotonic() - staged.requested
         if not self.local_commit.done():
             self.local_commit.set_result(staged.path)
-        _drainers.submit(drain.drain_rank, staged.path, self.durable_path, locations, renamed, plan.save_id,
-                         staged.rank, self.config, staged.tier_state)
+        self._drains = {k: f for k, f in self._drains.items() if not f.done()}
+        self._drains[plan.save_id] = _drainers.submit(drain.drain_rank, staged.path, self.durable_path, locations,
+                                                      renamed, plan.save_id, staged.rank, self.config,
+                                                      staged.tier_state)
         if self.config.peer_copies:
             self._copy_to_peer(staged.path, plan, locations, renamed, staged.rank, staged.jobs())
         return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed.get(r.storage_data.file,
@@ -343,6 +354,50 @@ class LocalTier(NoTier):
             except Exception as exc:  # noqa: BLE001 - the save's own error is the one raised
                 log.warning("dcp_datastates: peer_copies: could not take part in the failed save's exchange: %s", exc)
         self._hand_metadata(None)  # a coordinator that failed has no metadata to hand on
+
+    def discard(self, staged, remove_files) -> None:
+        """What the failed save wrote goes: the copies to the durable tier started while its files
+        were written, then its files in the local copy. Kept: a checkpoint committed on the local
+        tier (one rank: the local commit stands, the drain that failed removed its own copies;
+        several ranks: the coordinator recorded it as pending, restorable from the local copies,
+        and the next save drains it). Several ranks whose drain had started: that drain's
+        durable copies and report go with the local files and this rank's record."""
+        plan = staged.tier_plan
+        if staged.local_s is not None:  # committed or recorded on the local tier
+            if not isinstance(plan, RankDrain):
+                return  # one rank: committed locally
+            durable = open_storage(self.durable_path, self.config.storage_options)
+            pending = tiers.read_pending(durable)
+            if pending is not None and pending[0].storage_meta.save_id == plan.save_id:
+                return  # its drained copies are the pending checkpoint's: kept too
+        self._stop_copies(staged)
+        if staged.local_s is None:
+            remove_files()
+            return
+        drained = self._drains.pop(plan.save_id, None)
+        if drained is not None:
+            try:
+                drained.exception(timeout=_DRAIN_END_WAIT_S)
+            except Exception:  # noqa: BLE001 - still copying: its files go all the same
+                pass
+        record = tiers.rank_record(staged.path, staged.rank)
+        tiers.forget_rank_files(staged.path, staged.rank)
+        if record is not None and record.get("save_id") == plan.save_id:
+            for name in record.get("files", {}):
+                durable.remove_quietly(name)
+        durable.remove_quietly(tiers.drain_report_name(staged.rank))
+        remove_files()
+
+    def _stop_copies(self, staged) -> None:
+        """The copies to the durable tier started while the save's files were written stop, and
+        what they wrote goes."""
+        early = self._early_copies(staged)
+        followers = [*(early[1].values() if early is not None else ()), *(staged.tier_state or {}).values()]
+        for follower in followers:
+            follower.cancel("the save failed")
+        deadline = time.monotonic() + _DRAIN_END_WAIT_S
+        for follower in followers:
+            follower.wait_ended(max(0.0, deadline - time.monotonic()))
 
     _exchanged: str | None = None  # the save whose exchange this tier started last
 
@@ -416,7 +471,7 @@ class LocalTier(NoTier):
         encoded = tiers.write_pending(durable, metadata, locations, sync=self.config.sync_files)
         self._hand_metadata(encoded)
         ranks = tiers.file_ranks(locations)
-        tiers.wait_drained(durable, plan.save_id, ranks, self.config.drain_timeout)
+        tiers.wait_drained(durable, plan.save_id, ranks, self.config.drain_timeout, self.config.stall_timeout)
         files = write_commit(durable, metadata, locations, sync=self.config.sync_files)
         tiers.clear_pending(durable, ranks)
         return files

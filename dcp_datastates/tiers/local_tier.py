@@ -392,13 +392,24 @@ def read_pending(durable: "str | Storage", storage_options: dict | None = None, 
     return md, files
 
 
+def drain_report_name(rank: int) -> str:
+    return f".drain-{rank}.json"
+
+
 def report_drained(durable: Storage, rank: int, save_id: str, error: str | None) -> None:
     data = json.dumps({"save_id": save_id, "error": error}).encode()
-    durable.put(f".drain-{rank}.json", data, sync=False)
+    durable.put(drain_report_name(rank), data, sync=False)
+
+
+def report_draining(durable: Storage, rank: int, save_id: str, beat: int) -> None:
+    """This rank's drain of ``save_id`` is alive (``beat`` counts its reports): what the
+    coordinator tells a slow drain from a node that stopped by (``wait_drained``)."""
+    data = json.dumps({"save_id": save_id, "error": None, "draining": beat}).encode()
+    durable.put(drain_report_name(rank), data, sync=False)
 
 
 def _drain_report(durable: Storage, rank: int, save_id: str) -> dict | None:
-    raw = _read_small(durable, f".drain-{rank}.json")
+    raw = _read_small(durable, drain_report_name(rank))
     try:
         record = json.loads(raw) if raw else None
     except ValueError:
@@ -409,7 +420,7 @@ def _drain_report(durable: Storage, rank: int, save_id: str) -> dict | None:
 def drained_ok(durable: Storage, rank: int, save_id: str) -> bool:
     """True when ``rank`` reported its drain of ``save_id`` without error."""
     report = _drain_report(durable, rank, save_id)
-    return report is not None and not report.get("error")
+    return report is not None and not report.get("error") and "draining" not in report
 
 
 def all_drained(durable: Storage, save_id: str, ranks: set[int]) -> bool:
@@ -417,34 +428,47 @@ def all_drained(durable: Storage, save_id: str, ranks: set[int]) -> bool:
     return all(drained_ok(durable, r, save_id) for r in ranks)
 
 
-def wait_drained(durable: Storage, save_id: str, ranks: set[int], timeout: float) -> None:
-    """The coordinator: wait, bounded by ``timeout``, until every rank of ``ranks`` reported its
-    drain of ``save_id``; raise CheckpointWriteError at the first error, or naming the ranks that
-    did not report."""
+def wait_drained(durable: Storage, save_id: str, ranks: set[int], timeout: float, stall: float) -> None:
+    """The coordinator: wait until every rank of ``ranks`` reported its drain of ``save_id``;
+    raise CheckpointWriteError at the first error, naming the ranks whose drain showed no
+    progress for ``stall`` seconds (a node frozen or cut off: ``stall_timeout``), or those
+    not done after ``timeout`` seconds (``drain_timeout``)."""
     left, delay = set(ranks), 0.02
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
+    seen = {r: (None, start) for r in left}  # rank -> (its last report's beat, when it changed)
     while left:
+        now = time.monotonic()
         for r in sorted(left):
             report = _drain_report(durable, r, save_id)
-            if report is None:
-                continue
-            if report.get("error"):
+            if report is not None and report.get("error"):
                 raise CheckpointWriteError(f"rank {r}: {report['error']}")
-            left.discard(r)
+            if report is not None and "draining" not in report:
+                left.discard(r)
+                continue
+            beat = None if report is None else report["draining"]
+            if beat != seen[r][0]:
+                seen[r] = (beat, now)
         if not left:
             return
-        if time.monotonic() > deadline:
+        stalled = sorted(r for r in left if now - seen[r][1] > stall)
+        if stalled:
+            raise CheckpointWriteError(
+                f"draining to the durable tier {durable.location}: rank(s) {stalled} showed no progress for "
+                f"{stall:g} s (stall_timeout): their node may be frozen or cut off; nothing was committed there, "
+                f"the checkpoint stays on the local tiers"
+            )
+        if now - start > timeout:
             raise CheckpointWriteError(
                 f"draining to the durable tier {durable.location}: rank(s) {sorted(left)} did not report within "
                 f"{timeout:g} s (drain_timeout); nothing was committed there, the checkpoint stays on the local tiers"
             )
         time.sleep(delay)
-        delay = min(0.5, delay * 2)
+        delay = min(0.5, delay * 2, stall / 4)
 
 
 def clear_pending(durable: Storage, ranks: set[int]) -> None:
     """After the durable commit: the pending metadata and the ranks' reports go (best effort)."""
-    for name in [PENDING_NAME] + [f".drain-{r}.json" for r in sorted(ranks)]:
+    for name in [PENDING_NAME] + [drain_report_name(r) for r in sorted(ranks)]:
         durable.remove_quietly(name)
 
 

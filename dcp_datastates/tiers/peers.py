@@ -150,7 +150,7 @@ def join(config) -> None:
     with _peers_lock:
         if _peers is not None and _peers.world is dist.group.WORLD:
             return
-        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.peer_timeout))
+        group = dist.new_group(backend="gloo", timeout=timedelta(seconds=config.peer_wait()))
         nodes: list = [None] * dist.get_world_size()
         dist.all_gather_object(nodes, node_name(), group=group)
         _peers = _Peers(group, PeerMap(tuple(str(n) for n in nodes)), dist.get_rank(), dist.group.WORLD)
@@ -284,7 +284,7 @@ def _share_metadata(peers: _Peers, local: str, coordinator: int, metadata: Futur
     data = None
     if peers.rank == coordinator and metadata is not None:
         try:
-            data = metadata.result(timeout=config.peer_timeout / 2)
+            data = metadata.result(timeout=config.peer_wait() / 2)
         except Exception:  # noqa: BLE001 - the save failed or took longer: no metadata this time
             data = None
     box = [data]
