@@ -186,8 +186,15 @@ def _failure_reaches_every_rank(rank, world, root):
 
     with pytest.raises(BaseException, match="refused"):
         dcp.save({"w": torch.ones(4)}, checkpoint_id=f"{root}/ck", planner=Refusing())
+    failed = bool(seen) and seen[0] == threading.current_thread().name
+    # A committed save: the coordinator's notice reaches the other rank in DCP's broadcast, so
+    # no save of this thread is left waiting for its verdict (save/discard.py).
+    from dcp_datastates import DataStatesWriter
+    from dcp_datastates.save import wait_settled
+
+    dcp.save({"w": torch.ones(4)}, storage_writer=DataStatesWriter(f"{root}/good"))
     out = [None] * world
-    torch.distributed.all_gather_object(out, bool(seen) and seen[0] == threading.current_thread().name)
+    torch.distributed.all_gather_object(out, [failed, wait_settled(0)])
     if rank == 0:
         with open(f"{root}/seen.json", "w") as f:
             json.dump(out, f)
@@ -202,7 +209,11 @@ def test_a_failed_collective_save_is_pickled_to_every_rank(tmp_path):
 
     run_ranks(2, _failure_reaches_every_rank, str(tmp_path))
     seen = json.loads((tmp_path / "seen.json").read_text())
-    assert seen == [True, True], (
+    assert [failed for failed, _ in seen] == [True, True], (
         f"torch {compat.TORCH_VERSION}: DCP no longer sends a failed save's CheckpointException through "
         f"pickle on every rank ({seen}): a rank whose own part succeeded cannot learn of the failure"
+    )
+    assert [settled for _, settled in seen] == [True, True], (
+        f"torch {compat.TORCH_VERSION}: DCP no longer broadcasts the metadata the coordinator's finish() "
+        f"holds ({seen}): the other ranks do not learn that their save is committed"
     )
