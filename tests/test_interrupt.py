@@ -163,6 +163,7 @@ def test_second_ctrl_c_abandons_a_real_save_and_keeps_the_last_checkpoint(tmp_pa
     err = "".join(child.err)
     assert f"abandoned checkpoint {root}/step-2: not committed" in err
     assert not os.path.exists(os.path.join(root, "step-2", ".metadata"))
+    assert os.listdir(os.path.join(root, "step-2")) == []  # the abandoned save's files went with it
     assert latest_checkpoint(root) == os.path.join(root, "step-1")
     assert "Fatal Python error" not in err and "terminate called" not in err
 
