@@ -253,11 +253,13 @@ class DataStatesConfig:
             waits for every rank's drain report before failing the save (the checkpoint then
             stays on the local tiers), however steadily the ranks progress; a rank that fails
             reports at once.
-        stall_timeout: seconds a save waits on a rank, or a peer, that shows no sign of progress
+        stall_timeout: seconds a save waits on a rank, or a peer, that shows no sign of life
             before it fails (the one knob for a frozen or cut-off node): with ``local_tier`` and
-            several ranks, a rank whose drain has not reported progress for this long fails the
-            save on every rank (each drain reports progress every quarter of it); with
-            ``peer_copies``, the default ``peer_timeout``. docs/configuration.md, "When a node
+            several ranks, a rank whose drain report has not been renewed for this long fails
+            the save on every rank (each rank renews it every quarter of it, from the moment its
+            drain is queued until it reports); with ``peer_copies``, the default
+            ``peer_timeout``; the timeout of ``checkpoint_process_group()``. A drain that is
+            alive but slow is bounded by ``drain_timeout``. docs/configuration.md, "When a node
             stops", gives the bounds.
         incremental: a tensor whose bytes are unchanged since the newest committed checkpoint
             beside this one (same parent folder) is not written again; the new checkpoint's

@@ -15,7 +15,6 @@ what is committed durably is still exactly what was checksummed.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import queue
@@ -359,7 +358,7 @@ def _copy_and_commit(local: str, durable: str, config: DataStatesConfig, tag, fo
 
 
 def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str], save_id: str, rank: int,
-               config: DataStatesConfig, followed: dict | None = None) -> None:
+               config: DataStatesConfig, followed: dict | None = None, heartbeat: Heartbeat | None = None) -> None:
     """Several ranks, on a drain thread: copy the data files this rank wrote into its local copy
     ``local`` (their items are ``locations``, {MetadataIndex: ItemLocation}) to ``durable`` under
     the names ``renamed`` ({local name: durable name}, chosen by the coordinator), verifying
@@ -369,12 +368,13 @@ def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str
     error = None
     store = open_storage(durable, config.storage_options)
     try:
-        with _alive(store, rank, save_id, config.stall_timeout / 4):
-            _copy_files(local, store, locations, renamed, config, followed)
+        _copy_files(local, store, locations, renamed, config, followed)
     except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which raises it on every rank
         error = str(_drain_failed(local, durable, exc, "the durable tier keeps its previous commit"))
         for name in renamed.values():  # its copies go (new names: never a committed checkpoint's)
             store.remove_quietly(name)
+    if heartbeat is not None:
+        heartbeat.stop()
     try:
         tiers.report_drained(store, rank, save_id, error)
     except Exception as exc:  # noqa: BLE001 - the coordinator then times out naming this rank
@@ -384,30 +384,32 @@ def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str
         tiers.evict_drained(config.local_tier, config.keep_local, config.storage_options)
 
 
-@contextlib.contextmanager
-def _alive(store: Storage, rank: int, save_id: str, every: float):
-    """While the block runs, this rank's drain report says it is draining, renewed every
-    ``every`` seconds (the coordinator fails the save when it stops changing: ``stall_timeout``)."""
-    stop = threading.Event()
+class Heartbeat:
+    """From the moment a rank's drain is queued until it reports, its drain report says it is
+    draining, renewed every ``every`` seconds: the coordinator tells a live rank (slow, or its
+    drain queued behind another) from a stopped one by it (``tiers.wait_drained``,
+    ``stall_timeout``)."""
 
-    def beat() -> None:
+    def __init__(self, store: Storage, rank: int, save_id: str, every: float) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(store, rank, save_id, every),
+                                        name="dcp-datastates-drain-beat", daemon=True)
+        self._thread.start()
+
+    def _beat(self, store: Storage, rank: int, save_id: str, every: float) -> None:
         count = 0
-        while True:
+        while not self._stop.is_set():
             try:
                 tiers.report_draining(store, rank, save_id, count)
             except Exception as exc:  # noqa: BLE001 - the store hiccups: the next beat may get through
                 log.debug("dcp_datastates: rank %d: drain progress not reported: %s", rank, exc)
             count += 1
-            if stop.wait(every):
-                return
+            self._stop.wait(every)
 
-    beats = threading.Thread(target=beat, name="dcp-datastates-drain-beat", daemon=True)
-    beats.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        beats.join()
+    def stop(self) -> None:
+        """No more beats once this returns (the final report comes after the last one)."""
+        self._stop.set()
+        self._thread.join()
 
 
 def _copy_files(local: str, durable: Storage, locations: dict, renamed: dict[str, str], config: DataStatesConfig,

@@ -184,7 +184,8 @@ class LocalTier(NoTier):
 
     def __init__(self, config, *, saving: bool = False) -> None:
         super().__init__(config, saving=saving)
-        self._drains: dict[str, Future] = {}  # save id -> this rank's drain of it (several ranks)
+        # save id -> this rank's drain of it and its heartbeat (several ranks)
+        self._drains: dict[str, tuple[Future, drain.Heartbeat]] = {}
         if saving and config.peer_copies:
             peers.join(config)  # a writer: every rank makes one, on its training thread
             self.mirroring = peers.mirroring()
@@ -329,10 +330,16 @@ class LocalTier(NoTier):
         staged.local_s = time.monotonic() - staged.requested
         if not self.local_commit.done():
             self.local_commit.set_result(staged.path)
-        self._drains = {k: f for k, f in self._drains.items() if not f.done()}
-        self._drains[plan.save_id] = _drainers.submit(drain.drain_rank, staged.path, self.durable_path, locations,
-                                                      renamed, plan.save_id, staged.rank, self.config,
-                                                      staged.tier_state)
+        self._drains = {k: d for k, d in self._drains.items() if not d[0].done()}
+        beat = drain.Heartbeat(open_storage(self.durable_path, self.config.storage_options), staged.rank, plan.save_id,
+                               self.config.stall_timeout / 4)
+        try:
+            queued = _drainers.submit(drain.drain_rank, staged.path, self.durable_path, locations, renamed, plan.save_id,
+                                      staged.rank, self.config, staged.tier_state, beat)
+        except BaseException:
+            beat.stop()
+            raise
+        self._drains[plan.save_id] = (queued, beat)
         if self.config.peer_copies:
             self._copy_to_peer(staged.path, plan, locations, renamed, staged.rank, staged.jobs())
         return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed.get(r.storage_data.file,
@@ -376,8 +383,11 @@ class LocalTier(NoTier):
             return
         drained = self._drains.pop(plan.save_id, None)
         if drained is not None:
+            queued, beat = drained
+            if queued.cancel():  # never started: nothing to wait for, no report to come
+                beat.stop()
             try:
-                drained.exception(timeout=_DRAIN_END_WAIT_S)
+                queued.exception(timeout=_DRAIN_END_WAIT_S)
             except Exception:  # noqa: BLE001 - still copying: its files go all the same
                 pass
         record = tiers.rank_record(staged.path, staged.rank)
