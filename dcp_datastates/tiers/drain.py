@@ -366,15 +366,17 @@ def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str
     coordinator commits once every rank reported success, and fails the save on every rank at
     the first error. Then drains this rank's share of checkpoints an earlier run left pending."""
     error = None
-    store = open_storage(durable, config.storage_options)
     try:
-        _copy_files(local, store, locations, renamed, config, followed)
-    except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which raises it on every rank
-        error = str(_drain_failed(local, durable, exc, "the durable tier keeps its previous commit"))
-        for name in renamed.values():  # its copies go (new names: never a committed checkpoint's)
-            store.remove_quietly(name)
-    if heartbeat is not None:
-        heartbeat.stop()
+        store = open_storage(durable, config.storage_options)
+        try:
+            _copy_files(local, store, locations, renamed, config, followed)
+        except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which raises it on every rank
+            error = str(_drain_failed(local, durable, exc, "the durable tier keeps its previous commit"))
+            for name in renamed.values():  # its copies go (new names: never a committed checkpoint's)
+                store.remove_quietly(name)
+    finally:  # no beat after this: the report below is the last word, whatever happened above
+        if heartbeat is not None:
+            heartbeat.stop()
     try:
         tiers.report_drained(store, rank, save_id, error)
     except Exception as exc:  # noqa: BLE001 - the coordinator then times out naming this rank

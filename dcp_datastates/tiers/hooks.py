@@ -370,17 +370,17 @@ class LocalTier(NoTier):
         and the next save drains it). Several ranks whose drain had started: that drain's
         durable copies and report go with the local files and this rank's record."""
         plan = staged.tier_plan
-        if staged.local_s is not None:  # committed or recorded on the local tier
-            if not isinstance(plan, RankDrain):
-                return  # one rank: committed locally
-            durable = open_storage(self.durable_path, self.config.storage_options)
-            pending = tiers.read_pending(durable)
-            if pending is not None and pending[0].storage_meta.save_id == plan.save_id:
-                return  # its drained copies are the pending checkpoint's: kept too
-        self._stop_copies(staged)
-        if staged.local_s is None:
+        if staged.local_s is None:  # nothing committed or recorded on the local tier yet
+            self._stop_copies(staged)
             remove_files()
             return
+        if not isinstance(plan, RankDrain):
+            return  # one rank: committed locally
+        durable = open_storage(self.durable_path, self.config.storage_options)
+        pending = tiers.read_pending(durable)
+        if pending is not None and pending[0].storage_meta.save_id == plan.save_id:
+            return  # its drained copies are the pending checkpoint's: kept too
+        self._stop_copies(staged)
         drained = self._drains.pop(plan.save_id, None)
         if drained is not None:
             queued, beat = drained
