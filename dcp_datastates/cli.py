@@ -126,7 +126,7 @@ def _cmd_inspect(args) -> int:
     total_items = sum(i.nbytes for i in items)
     # An incremental save's references: files of earlier checkpoints beside this one.
     referenced = {name: ref[0] for name in files if (ref := split_reference(name)) is not None}
-    version = REFERENCES_VERSION if referenced else FORMAT_VERSION
+    version = getattr(md.storage_data, "format_version", None) or (REFERENCES_VERSION if referenced else FORMAT_VERSION)
     if args.json:
         doc = {
             "path": path,

@@ -15,6 +15,10 @@ stand for threads are dead:
   library is a ``ThreadPool``, made again in a forked child.
 - module-level locks: one that a parent's thread held at the fork stays held in the child
   forever. Each module names its own to ``new_locks_in_child``.
+- torch's intra-op thread pool (OpenMP): once the parent has run a parallel op, the child's first
+  parallel op waits forever for the parent's pool threads. The packed metadata codec runs torch
+  ops on the save's and the load's tables, so a child runs torch on one thread
+  (``torch.set_num_threads(1)``), as PyTorch's DataLoader does for its workers.
 """
 
 from __future__ import annotations
@@ -70,5 +74,13 @@ def _forget_pools_in_child() -> None:
         pool._forget_in_child()
 
 
+def _one_torch_thread_in_child() -> None:
+    import torch
+
+    if torch.get_num_threads() > 1:
+        torch.set_num_threads(1)
+
+
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pools_in_child)
+    os.register_at_fork(after_in_child=_one_torch_thread_in_child)

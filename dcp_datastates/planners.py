@@ -7,14 +7,24 @@ checkpoint library expects: a load that names the item whose shape or dtype does
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, SavePlan
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import DTensor
 
 from .compat import cached_save_plans, checkpointable_global_shape
 from .errors import CheckpointMismatchError
+from .format.packed import PackedItems
 
 __all__ = ["DataStatesSavePlanner", "DataStatesLoadPlanner"]
 
@@ -116,8 +126,9 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
                 + (f" and {len(missing) - 10} more" if len(missing) > 10 else "")
                 + f" (it holds {len(stored)} items; pass allow_partial_load=True to skip missing ones)"
             )
+        describe = stored.described if isinstance(stored, PackedItems) else stored.get
         for fqn, value in self.state_dict.items():
-            md = stored.get(fqn)
+            md = describe(fqn)
             if md is None:
                 continue
             is_tensor = isinstance(value, torch.Tensor)
@@ -145,7 +156,43 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
                     f"{where}: item {fqn!r} is {md.properties.dtype} in the checkpoint, "
                     f"the state dict expects {value.dtype} (strict_dtype=True)"
                 )
-        return super().create_local_plan()
+        if not isinstance(stored, PackedItems):
+            return super().create_local_plan()
+        if self.flatten_state_dict and any(k not in self.state_dict for k in stored):
+            # DCP then checks for keys of checkpoints before torch 2.4: its own planning decides.
+            return self._plan_through_dcp(stored)
+        return self._plan_near(stored)
+
+    def _plan_near(self, stored: PackedItems) -> LoadPlan:
+        """DCP's default local load plan (``create_default_local_load_plan``) for a packed table:
+        each tensor's chunks are compared, by DCP's resharding, with this rank's own chunks, but
+        only with those of the checkpoint that lie near them (``PackedItems.narrowed``), so the
+        cost follows this rank's chunks, not the world size."""
+        requests = []
+        for fqn, obj in self.state_dict.items():
+            boxes = None
+            if isinstance(obj, torch.Tensor) and fqn in stored and not (
+                    isinstance(obj, DTensor) and obj.device_mesh.get_coordinate() is None):
+                local = obj.__create_chunk_list__() if hasattr(obj, "__create_chunk_list__") else None
+                boxes = _boxes(obj, local)
+                near = stored.narrowed(fqn, boxes) if boxes is not None else None
+                if near is not None:
+                    items = create_read_items_for_chunk_list(fqn, near[0], local or [_whole(obj)])
+                    requests += _with_positions(items, near[1])
+                    continue
+            requests += create_default_local_load_plan({fqn: obj}, self.metadata, not self.allow_partial_load).items
+        return LoadPlan(requests)
+
+    def _plan_through_dcp(self, stored: PackedItems) -> LoadPlan:
+        near = _NearItems(stored, self)
+        self.metadata = dataclasses.replace(self.metadata, state_dict_metadata=near)
+        try:
+            plan = super().create_local_plan()
+        finally:
+            self.metadata = dataclasses.replace(self.metadata, state_dict_metadata=stored)
+        return dataclasses.replace(plan, items=[
+            _with_positions([item], near.positions[item.storage_index.fqn])[0]
+            if item.storage_index.fqn in near.positions else item for item in plan.items])
 
     def load_decoded_value(self, read_item, value) -> bool:
         """Take a non-tensor value the reader already decoded with the restricted unpickler
@@ -158,6 +205,62 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
         else:
             self.state_dict[read_item.dest_index.fqn] = value
         return True
+
+
+class _NearItems(Mapping):
+    """The checkpoint's items as DCP's own load planning sees them with a packed table: each
+    tensor lists only its chunks near the planner's value (``PackedItems.narrowed``), whose
+    positions among all are kept in ``positions``."""
+
+    def __init__(self, items: PackedItems, planner: DefaultLoadPlanner):
+        self._items = items
+        self._planner = planner
+        self.positions: dict[str, list[int]] = {}
+
+    def __getitem__(self, fqn: str):
+        obj = self._planner.state_dict.get(fqn)
+        local = obj.__create_chunk_list__() if hasattr(obj, "__create_chunk_list__") else None
+        boxes = _boxes(obj, local) if isinstance(obj, torch.Tensor) else None
+        near = None if boxes is None else self._items.narrowed(fqn, boxes)
+        if near is None:
+            self.positions.pop(fqn, None)
+            return self._items[fqn]
+        self.positions[fqn] = near[1]
+        return near[0]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, fqn) -> bool:
+        return fqn in self._items
+
+
+def _whole(tensor: torch.Tensor) -> ChunkStorageMetadata:
+    return ChunkStorageMetadata(offsets=torch.Size([0] * tensor.dim()), sizes=tensor.size())
+
+
+def _boxes(obj: torch.Tensor, local: list | None) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(offsets, sizes) of each chunk of ``obj`` this rank loads: its chunk list (a DTensor's, a
+    checkpointable tensor's) or the whole tensor."""
+    if local is None:
+        return [((0,) * obj.dim(), tuple(obj.shape))]
+    return [(tuple(ch.offsets), tuple(ch.sizes)) for ch in local]
+
+
+def _with_positions(items: list[ReadItem], positions: list[int]) -> list[ReadItem]:
+    """Read items made against a tensor's nearby chunks, pointing at those chunks' positions
+    among all its chunks (the storage index's hint, which the reader's lookup relies on)."""
+    out = []
+    for item in items:
+        index = item.storage_index
+        if index.offset is not None and index.index is not None:
+            item = dataclasses.replace(item, storage_index=MetadataIndex(index.fqn, index.offset,
+                                                                         positions[index.index]))
+        out.append(item)
+    return out
 
 
 def _set_at_path(root, path: tuple, value) -> None:

@@ -154,7 +154,9 @@ class DataStatesReader(StorageReader):
         return self._with_index(md, files)
 
     def _with_index(self, md: Metadata, files: dict[str, FileInfo]) -> Metadata:
-        index = _StorageIndex(md.storage_data)
+        index = md.storage_data
+        if type(index) is dict:  # version 1/2 decode; a packed table's mapping already is one
+            index = _StorageIndex(index)
         index.files = files
         index.checkpoint_path = self.path  # names this folder in planner errors (it may have moved)
         md.storage_data = index

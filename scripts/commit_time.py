@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesWriter
-from dcp_datastates.format.layout import decode_metadata, encode_commit, encode_metadata
+from dcp_datastates.format.metadata import decode_metadata, encode_commit, encode_metadata
 
 
 def _median_ms(fn, runs: int = 9) -> float:

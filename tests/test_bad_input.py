@@ -175,11 +175,11 @@ def test_truncated_metadata(ckpt, keep):
 
 def test_unknown_format_version(ckpt):
     doc = json.loads((ckpt / ".metadata").read_bytes())
-    doc["version"] = 3
+    doc["version"] = 4
     (ckpt / ".metadata").write_text(json.dumps(doc))
     err = read_metadata_error(ckpt)
     assert isinstance(err, CheckpointFormatError)
-    assert "unknown format version 3; this dcp_datastates reads versions 1, 2" in str(err)
+    assert "unknown format version 4; this dcp_datastates reads versions 1, 2, 3" in str(err)
 
 
 def test_foreign_metadata_from_filesystemwriter(tmp_path):

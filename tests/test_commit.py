@@ -310,14 +310,18 @@ def test_overwrite_false_keeps_the_commit_and_its_bytes(tmp_path, small_engine):
      r"item 'a'.*crc32c must be a list of 32-bit integers"),
     (lambda locs, a, b: locs.pop(a), r"no write result for item 'a'"),
 ])
-def test_the_commit_refuses_locations_the_reader_would_refuse(tmp_path, break_it, message):
+@pytest.mark.parametrize("packed", [False, True], ids=["json", "packed"])
+def test_the_commit_refuses_locations_the_reader_would_refuse(tmp_path, monkeypatch, break_it, message, packed):
     """The commit no longer decodes the document it just encoded: the same checks run on the
-    values (encode_commit). A writer bug that would make the checkpoint unreadable is refused
-    before the marker is written, and the folder keeps its last good commit."""
+    values (encode_commit), in either codec (version 1, and version 3's packed table). A writer
+    bug that would make the checkpoint unreadable is refused before the marker is written, and
+    the folder keeps its last good commit."""
+    import dcp_datastates.format.metadata as codec
     from dcp_datastates.commit import write_commit
     from dcp_datastates.errors import CheckpointWriteError
-    from dcp_datastates.format.layout import decode_metadata
+    from dcp_datastates.format.metadata import decode_metadata
 
+    monkeypatch.setattr(codec, "PACK_FROM_CHUNKS", 1 if packed else 1 << 40)
     folder = tmp_path / "c"
     state = {"a": torch.randn(5000), "b": torch.randn(5000)}
     dcp.save(state, storage_writer=DataStatesWriter(folder))
@@ -325,12 +329,14 @@ def test_the_commit_refuses_locations_the_reader_would_refuse(tmp_path, break_it
     md, _ = decode_metadata(good, "test")
     locations = dict(md.storage_data)
     write_commit(str(folder), md, locations, sync=False)  # the values as read back commit as they are
-    assert json.loads((folder / ".metadata").read_bytes())["items"] == json.loads(good)["items"]
+    committed = (folder / ".metadata").read_bytes()
+    assert json.loads(committed)["version"] == (3 if packed else 1)
+    assert dict(decode_metadata(committed, "again")[0].storage_data) == locations
     a, b = sorted(locations, key=lambda i: i.fqn)
     break_it(locations, a, b)
     with pytest.raises(CheckpointWriteError, match=rf"committing checkpoint {re.escape(str(folder))} refused: .*({message})"):
         write_commit(str(folder), md, locations, sync=False)
-    assert json.loads((folder / ".metadata").read_bytes())["items"] == json.loads(good)["items"]
+    assert (folder / ".metadata").read_bytes() == committed
 
 
 def test_the_metadata_text_is_the_json_of_its_fields(tmp_path):
@@ -339,7 +345,7 @@ def test_the_metadata_text_is_the_json_of_its_fields(tmp_path):
     non-ASCII characters included."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    from dcp_datastates.format.layout import decode_metadata, encode_commit
+    from dcp_datastates.format.metadata import decode_metadata, encode_commit
 
     names = ['w\u00e9"q\\b\n', "plain", "\u4e2d\u6587"]
     state = {"model": {names[0]: torch.randn(3, 4).requires_grad_(), names[1]: torch.zeros(0),

@@ -9,9 +9,12 @@ Each scenario is a script in a subprocess, so that the forks happen outside pyte
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 SCRIPT = textwrap.dedent(
     """
@@ -114,10 +117,15 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def test_a_child_forked_during_a_save_neither_waits_for_it_nor_shares_the_cache(tmp_path):
+@pytest.mark.parametrize("packed", [False, True], ids=["json-metadata", "packed-metadata"])
+def test_a_child_forked_during_a_save_neither_waits_for_it_nor_shares_the_cache(tmp_path, packed):
+    """With the packed metadata (torch ops on the tables) the child's load and commit run torch
+    after the fork: without forking.py's one torch thread in the child, its load hangs."""
     script = tmp_path / "fork_script.py"
     script.write_text(SCRIPT)
-    r = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240)
+    env = dict(os.environ, DCP_DATASTATES_PACK_FROM_CHUNKS="1" if packed else "")
+    r = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=240,
+                       env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     lines = r.stdout.splitlines()

@@ -15,16 +15,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointFormatError, DataStatesError, IncompleteCheckpointError
 from ..forking import new_locks_in_child
-from ..format.layout import (
-    MAX_METADATA_BYTES,
-    METADATA_NAME,
-    STEP_NUMBER,
-    FileInfo,
-    decode_metadata,
-    own_files,
-    rank_marker_name,
-    split_reference,
-)
+from ..format.layout import MAX_METADATA_BYTES, METADATA_NAME, STEP_NUMBER, FileInfo, own_files, rank_marker_name, split_reference
+from ..format.metadata import decode_metadata
 from ..storage import Storage, open_storage
 
 log = logging.getLogger("dcp_datastates")

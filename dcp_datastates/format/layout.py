@@ -52,7 +52,8 @@ __all__ = [
     # the checksum grid
     "piece_ranges",
     # the commit marker
-    "ItemLocation", "FileInfo", "encode_metadata", "encode_commit", "decode_metadata", "FORMAT_VERSION", "METADATA_NAME",
+    "ItemLocation", "FileInfo", "encode_items", "parse_document", "decode_items", "document_head", "bytes_location",
+    "decode_planner_data", "decode_storage_meta", "FORMAT_VERSION", "PACKED_VERSION", "METADATA_NAME",
     "REFERENCES_VERSION", "reference_name", "split_reference", "own_files",
     "MAX_METADATA_BYTES", "STEP_NUMBER", "rank_marker_name", "PENDING_NAME",
 ]
@@ -186,7 +187,9 @@ FORMAT_VERSION = 1
 # (incremental saves): its document says version 2, so a reader that does not follow references
 # (dcp_datastates before them) refuses it by name instead of looking for those files here.
 REFERENCES_VERSION = 2
-_READABLE_VERSIONS = (FORMAT_VERSION, REFERENCES_VERSION)
+# Chunk tables as packed columns (format/packed.py): what a commit of many chunks writes.
+PACKED_VERSION = 3
+_READABLE_VERSIONS = (FORMAT_VERSION, REFERENCES_VERSION, PACKED_VERSION)
 METADATA_NAME = ".metadata"
 # Several ranks with a local tier: the metadata of a checkpoint committed on the nodes' local tiers
 # and not yet on the durable one (tiers/local_tier.py); never read by DCP.
@@ -268,17 +271,11 @@ class FileInfo:
 
 
 # --------------------------------------------------------------------------------------- encode
-def encode_metadata(md: Metadata, locations: dict[MetadataIndex, ItemLocation]) -> bytes:
-    return _encode(md, locations, None)[0]
-
-
-def encode_commit(md: Metadata, locations: dict[MetadataIndex, ItemLocation], source: str) -> tuple[bytes, dict[str, FileInfo]]:
-    """The ``.metadata`` document of a commit and the data files it lists, after the checks the
-    decoder makes of a file's items (names, ranges inside the data region, one checksum per piece,
-    chunks tiling their tensor, no shared bytes), made here on the values themselves in the pass
-    that encodes them: no decode of what was just encoded. Raises CheckpointFormatError naming
-    ``source`` and the item."""
-    return _encode(md, locations, _Check(source))
+def encode_items(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
+                 c: _Check | None) -> tuple[bytes, dict[str, FileInfo]]:
+    """A version 1 or 2 document (one JSON object per item and chunk) and the data files it lists;
+    with ``c``, every item is checked as it is placed (``format.metadata.encode_commit``)."""
+    return _encode(md, locations, c)
 
 
 def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
@@ -371,6 +368,15 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
             _check_file(c, name, info, f"files[{name!r}]", references=True)
         _check_spans(c, spans, lambda fname, start, end: _raise_shared(
             c, ((index.fqn, loc) for index, loc in locations.items()), fname, start, end))
+    version = REFERENCES_VERSION if any(name.startswith("../") for name in files) else FORMAT_VERSION
+    head = document_head(md, version, infos)
+    text = json.dumps(head, separators=(",", ":"))[:-1] + ',"items":{' + ",".join(items) + "}}"
+    return text.encode(), infos
+
+
+def document_head(md: Metadata, version: int, files: dict[str, FileInfo]) -> dict:
+    """The fields every version's document starts with: format, version, DCP's metadata fields
+    and the data files; the codec of the version adds its items."""
     storage_meta = None
     if md.storage_meta is not None:
         sm = md.storage_meta
@@ -380,16 +386,15 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
             "load_id": sm.load_id,
             "modules": list(sm.modules),
         }
-    head = {
+    return {
         "format": FORMAT_NAME,
-        "version": REFERENCES_VERSION if any(name.startswith("../") for name in files) else FORMAT_VERSION,
+        "version": version,
         "dcp_version": md.version,
         "storage_meta": storage_meta,
         "planner_data": _jsonable_planner_data(md.planner_data),
-        "files": {name: {"size": v[0], "data_start": v[1], "piece_size": v[2]} for name, v in files.items()},
+        "files": {name: {"size": v.size, "data_start": v.data_start, "piece_size": v.piece_size}
+                  for name, v in files.items()},
     }
-    text = json.dumps(head, separators=(",", ":"))[:-1] + ',"items":{' + ",".join(items) + "}}"
-    return text.encode(), infos
 
 
 def _int_list(dims) -> str:
@@ -494,9 +499,10 @@ def _tname(typ: type | tuple) -> str:
     return typ.__name__
 
 
-def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileInfo]]:
-    """Parse and validate a ``.metadata`` document. ``source`` names it in error messages."""
-    c = _Check(source)
+def parse_document(raw: bytes, c: _Check) -> tuple[dict, int, dict[str, FileInfo]]:
+    """The parsed ``.metadata`` document, its format version and its data files, checked: JSON
+    (no duplicate keys), this library's format marker, a version this release reads, and every
+    file's entry. The items are decoded by the codec of the version (``format.metadata``)."""
     if not isinstance(raw, (bytes, bytearray, memoryview, str)):
         raise c.fail(f"metadata must be bytes, got {type(raw).__name__}")
     if isinstance(raw, memoryview):
@@ -527,7 +533,11 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
             piece_size=c.nonneg(info, "piece_size", where),
         )
         _check_file(c, name, files[name], where, references=version >= REFERENCES_VERSION)
+    return doc, version, files
 
+
+def decode_items(doc: dict, c: _Check, files: dict[str, FileInfo]) -> Metadata:
+    """DCP's ``Metadata`` of a version 1 or 2 document (one JSON object per item and chunk)."""
     state: dict[str, Any] = {}
     storage: dict[MetadataIndex, ItemLocation] = {}
     for fqn, item in c.get(doc, "items", dict, "the document").items():
@@ -537,12 +547,21 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
             _decode_tensor(c, fqn, item, where, files, state, storage)
         elif kind == "bytes":
             state[fqn] = BytesStorageMetadata()
-            loc = _location(c, item, where, files, "uint8", ())
-            storage[MetadataIndex(fqn)] = loc._replace(shape=(loc.length,))
+            storage[MetadataIndex(fqn)] = bytes_location(c, item, where, files)
         else:
             raise c.fail(f"{where}: unknown item type {kind!r}")
-
     _check_no_shared_bytes(c, storage)
+    return Metadata(state_dict_metadata=state, planner_data=decode_planner_data(c, doc), storage_data=storage,
+                    storage_meta=decode_storage_meta(c, doc), version=c.optional_str(doc, "dcp_version", "the document"))
+
+
+def bytes_location(c: _Check, item: dict, where: str, files: dict[str, FileInfo]) -> ItemLocation:
+    """The location of a non-tensor value (its bytes are stored as a uint8 vector)."""
+    loc = _location(c, item, where, files, "uint8", ())
+    return loc._replace(shape=(loc.length,))
+
+
+def decode_planner_data(c: _Check, doc: dict) -> Any:
     planner_data = doc.get("planner_data")
     if planner_data is not None:
         if not isinstance(planner_data, dict):
@@ -551,28 +570,24 @@ def decode_metadata(raw: bytes, source: str) -> tuple[Metadata, dict[str, FileIn
             if not isinstance(v, list) or not all(isinstance(p, (str, int)) and not isinstance(p, bool) for p in v):
                 raise c.fail(f"planner_data[{k!r}] must be a list of strings and integers (an object path)")
         planner_data = {k: tuple(v) for k, v in planner_data.items()}
+    return planner_data
+
+
+def decode_storage_meta(c: _Check, doc: dict) -> StorageMeta | None:
     sm = doc.get("storage_meta")
-    storage_meta = None
-    if sm is not None:
-        if not isinstance(sm, dict):
-            raise c.fail(f"storage_meta must be a mapping or null, found {type(sm).__name__}")
-        modules = sm.get("modules") or []
-        if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
-            raise c.fail("storage_meta.modules must be a list of strings")
-        storage_meta = StorageMeta(
-            checkpoint_id=c.optional_str(sm, "checkpoint_id", "storage_meta"),
-            save_id=c.optional_str(sm, "save_id", "storage_meta"),
-            load_id=c.optional_str(sm, "load_id", "storage_meta"),
-            modules=list(modules),
-        )
-    md = Metadata(
-        state_dict_metadata=state,
-        planner_data=planner_data,
-        storage_data=storage,
-        storage_meta=storage_meta,
-        version=c.optional_str(doc, "dcp_version", "the document"),
+    if sm is None:
+        return None
+    if not isinstance(sm, dict):
+        raise c.fail(f"storage_meta must be a mapping or null, found {type(sm).__name__}")
+    modules = sm.get("modules") or []
+    if not isinstance(modules, list) or not all(isinstance(m, str) for m in modules):
+        raise c.fail("storage_meta.modules must be a list of strings")
+    return StorageMeta(
+        checkpoint_id=c.optional_str(sm, "checkpoint_id", "storage_meta"),
+        save_id=c.optional_str(sm, "save_id", "storage_meta"),
+        load_id=c.optional_str(sm, "load_id", "storage_meta"),
+        modules=list(modules),
     )
-    return md, files
 
 
 def _check_no_shared_bytes(c: _Check, storage: dict[MetadataIndex, ItemLocation]) -> None:

@@ -37,16 +37,8 @@ import threading
 from ..commit import check_data_files, step_folders
 from ..errors import CheckpointFormatError, DataStatesError
 from ..forking import new_locks_in_child
-from ..format.layout import (
-    MAX_METADATA_BYTES,
-    METADATA_NAME,
-    FileEntry,
-    ItemLocation,
-    decode_metadata,
-    moved,
-    reference_name,
-    split_reference,
-)
+from ..format.layout import MAX_METADATA_BYTES, METADATA_NAME, FileEntry, ItemLocation, moved, reference_name, split_reference
+from ..format.metadata import decode_metadata
 from ..native import engine_module
 from ..storage import Storage, root_of
 from .items import ItemKey, item_key

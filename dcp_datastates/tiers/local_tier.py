@@ -69,7 +69,8 @@ import time
 from ..commit import checkpoint_id, read_commit
 from ..commit import latest_checkpoint as latest_committed
 from ..errors import CheckpointWriteError, DataStatesError
-from ..format.layout import METADATA_NAME, PENDING_NAME, STEP_NUMBER, data_file_parts, encode_metadata
+from ..format.layout import METADATA_NAME, PENDING_NAME, STEP_NUMBER, data_file_parts
+from ..format.metadata import encode_metadata
 from ..load.verify import verify_checkpoint
 from ..runtime import get_engine
 from ..storage import Storage, normalize, open_storage
