@@ -21,7 +21,10 @@ process group (``FakeStore``, ``init_device_mesh("cpu")``, ``DTensor.from_local`
 expanded to the local shape: right shape and dtype, no memory; works at N=16384, ~0.3 ms each),
 and each case checks that their local plan equals the SimShard one.
 
-Figures (medians of up to --repeat runs; a step stops repeating past 30 s; GC on):
+Figures (medians of up to --repeat runs; a step stops repeating past 30 s; Python's cyclic GC on,
+as in training, except where the library pauses it itself: our commit runs paused, as the writer's
+save does, and our metadata read, as the reader's load does; ``*_gc_s`` is the collector's share
+of a step, measured through gc.callbacks):
   local_plan_s          chosen rank: ``create_local_plan`` (local_setup_s: ``set_up_planner``), on
                         DTensors: DataStatesSavePlanner (plan caching) / DefaultSavePlanner()
   global_plan_first_s   rank 0: ``create_global_plan`` of all N plans (each made by the method's
@@ -47,11 +50,15 @@ Write results: ours ``ItemLocation``s in ``data_file_name(rank)``, back to back 
 CRC per piece of the engine's grid (``piece_count``, 16 MiB); stock ``_StorageInfo`` in
 ``__<rank>_0.distcp``. The library calls of each method sit in METHODS: swap them there only.
 
-    python benchmarks/bench_scale_sim.py                        # the default set, ~10-15 min
+    python benchmarks/bench_scale_sim.py                        # the default set, ~15 min on 2 cores
     python benchmarks/bench_scale_sim.py --layouts fsdp hsdp fsdp_tp --models 8b 70b 405b \
         --ranks 8 64 256 1024 --methods datastates dcp --repeat 3 --json out.json
-    python benchmarks/bench_scale_sim.py --layouts fsdp --models 70b --ranks 1024 --case-timeout 2400
+    python benchmarks/bench_scale_sim.py --layouts fsdp --models 70b --ranks 1024 --case-timeout 3000 \
+        --profile prof/                                          # + cProfile of the commit and load
     python benchmarks/bench_scale_sim.py --check                # simulator against real saves
+
+A case whose memory estimate (rank 0's bytes per plan item, learned from the run's large cases)
+exceeds 70% of MemAvailable is skipped with the estimate (e.g. 405B at 16,384 ranks: ~200 GB).
 
 ``--check``: (1) REAL 2- and 4-process gloo saves of a tiny model (FSDP2 ``fully_shard`` on CPU,
 AdamW, ``get_state_dict``, ``dcp.save`` with DataStatesWriter; N=4 has an empty shard): each rank's
@@ -65,7 +72,9 @@ item); the writer's stage-time replica policy is applied (``skip_replicas``), pl
 in every plan as with the real writer; fsdp_tp uses plain Shard placements on both mesh dims (FSDP2
 over dim-0 TP uses _StridedShard on dp: the same boxes, given to other ranks); gathers are pickling
 only, no transport. DCP's ``_validate_global_plan`` is quadratic in the chunks of a tensor whose
-sharded dim is not its largest (wk/wv/w2 under fsdp): 1024-rank 70B cases take ~15 min a method.
+sharded dim is not its largest (wk/wv/w2 under fsdp): a 1024-rank 70B case takes 12-26 min a
+method, most of it rank 0's global plan and full GC passes over its ~8 GB heap; those GC passes
+make single runs at that size vary by 2-4x (compare ``*_gc_s``).
 """
 
 from __future__ import annotations
@@ -131,12 +140,12 @@ TP, HSDP_SHARD = 8, 128
 PIECE = DataStatesConfig().chunk_size
 PIECE_COUNT = engine_module().piece_count
 STEP_BUDGET_S = 30.0  # a step repeats while its runs total less than this (it runs at least once)
-# What fits ~10-15 minutes on 2 cores (a 1024-rank fsdp 70B case alone takes ~15 min a method).
+# About 15 minutes on 2 cores (measured: 923 s); a 1024-rank fsdp 70B case alone takes 12-26 min a method.
 DEFAULT_CASES = [("fsdp", "70b", 8), ("fsdp", "70b", 64), ("fsdp", "70b", 256), ("fsdp_tp", "8b", 256),
                  ("hsdp", "8b", 1024)]
 # Rank 0's bytes per gathered plan item (plans, global plan, results, metadata) until a case of
-# this run measures it (the largest figure seen is used then). Measured: ~2,800 at 1024 ranks.
-DEFAULT_ITEM_BYTES = 4000
+# this run measures it (the largest figure seen is used then): 2,665 measured at 1024 ranks, 70B.
+DEFAULT_ITEM_BYTES = 3000
 
 
 def param_shapes(model: str) -> dict[str, tuple[int, ...]]:
@@ -799,8 +808,9 @@ def run_child(case: dict, timeout: float) -> dict:
     return dict(case, skipped=f"failed (exit {res.returncode}): {(res.stderr.strip().splitlines() or ['?'])[-1]}")
 
 
-COLUMNS = [("local_plan_s", "lplan_s", 1), ("global_plan_first_s", "gplan1_s", 1),
-           ("global_plan_steady_s", "gplanN_s", 1), ("commit_s", "commit_s", 1), ("metadata_write_s", "mdwrite_s", 1),
+COLUMNS = [("local_plan_s", "lplan_s", 1), ("global_plan_first_s", "gplan1_s", 1), ("global_plan_first_gc_s", "(gc)", 1),
+           ("global_plan_steady_s", "gplanN_s", 1), ("commit_s", "commit_s", 1), ("commit_gc_s", "(gc)", 1),
+           ("metadata_write_s", "mdwrite_s", 1),
            ("metadata_bytes", "md_MB", 1e-6), ("md_read_s", "mdread_s", 1), ("load_plan_default_s", "ldplanD_s", 1),
            ("load_plan_ours_s", "ldplanO_s", 1), ("load_total_s", "load_s", 1), ("gather_bytes_first", "gath1_MB", 1e-6),
            ("gather_bytes_steady", "gathN_MB", 1e-6), ("peak_extra_mib", "peak_MiB", 1),
