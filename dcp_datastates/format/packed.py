@@ -139,7 +139,7 @@ def _ints(values: list) -> torch.Tensor:
 def _as_array(t: torch.Tensor, code: str = "q") -> array:
     """A column as a Python array: indexing one value costs tens of nanoseconds, not a tensor op."""
     out = array(code)
-    out.frombytes(_tensor_bytes(t.to({"q": torch.int64, "l": torch.int64, "i": torch.int32}[code])))
+    out.frombytes(_tensor_bytes(t.to({"q": torch.int64, "i": torch.int32}[code])))
     return out
 
 
@@ -448,11 +448,16 @@ def _value_json(loc: ItemLocation) -> str:
 def _check_values_and_chunks_apart(c: _Check, table: _Table, values: list[tuple[str, ItemLocation]],
                                    files: dict) -> None:
     """The values' ranges are checked as version 1 checks them; then no two items share bytes."""
-    index = {name: i for i, name in enumerate(table.file_names)}
     infos = dict(zip(table.file_names, table.file_infos))
     for fqn, loc in values:
         bytes_location(c, {"file": loc.file, "offset": loc.offset, "length": loc.length,
                            "crc32c": list(loc.crc32c)}, f"item {fqn!r}", infos)
+    _check_items_apart(c, table, values)
+
+
+def _check_items_apart(c: _Check, table: _Table, values: list[tuple[str, ItemLocation]]) -> None:
+    """No two items (the table's chunks, then the values) share bytes of a file."""
+    index = {name: i for i, name in enumerate(table.file_names)}
     i64 = torch.int64
     fid = torch.cat((table.file, torch.tensor([index[loc.file] for _, loc in values], dtype=i64)))
     start = torch.cat((table.offset, torch.tensor([loc.offset for _, loc in values], dtype=i64)))
@@ -523,22 +528,7 @@ def decode_packed(doc: dict, c: _Check, files: dict[str, FileInfo]) -> Metadata:
         values[fqn] = bytes_location(c, item, where, files)
     if set(values) & set(fqns):
         raise c.fail(f"item {sorted(set(values) & set(fqns))[0]!r} is both a tensor and a value")
-    index = {name: i for i, name in enumerate(files)}
-    value_list = list(values.items())
-    C = n_chunks
-    cstarts = table.chunk_starts()
-
-    def name(i: int) -> str:
-        if i >= C:
-            return value_list[i - C][0]
-        t = int(torch.searchsorted(cstarts, torch.tensor([i]), right=True)[0]) - 1
-        return f"{fqns[t]} chunk {i - int(cstarts[t])}"
-
-    i64 = torch.int64
-    _check_shared(c, torch.cat((table.file, torch.tensor([index[v.file] for _, v in value_list], dtype=i64))),
-                  torch.cat((table.offset, torch.tensor([v.offset for _, v in value_list], dtype=i64))),
-                  torch.cat((table.length, torch.tensor([v.length for _, v in value_list], dtype=i64))),
-                  name, table.file_names)
+    _check_items_apart(c, table, list(values.items()))
     columns_kept = _Columns(table, *derived)
     return Metadata(
         state_dict_metadata=PackedItems(columns_kept, values),
