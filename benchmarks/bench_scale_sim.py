@@ -31,8 +31,11 @@ of a step, measured through gc.callbacks):
                         planner, prepared as its writer does, pickled + unpickled as gathered)
   global_plan_steady_s  the next save: ours sends the cached empty, unusable plans (checked on the
                         chosen rank: steady_plan_unusable); stock has no caching (= first)
-  commit_s              rank 0: ours: ``DataStatesWriter.finish``'s locations + ``encode_commit``;
-                        stock: ``FileSystemWriter.finish`` (pickle, write, fsync, rename)
+  gather_results_s      rank 0: unpickling every rank's write results as DCP's gather does (GC off):
+                        ours, each rank's packed by ``pack_write_results`` as its writer sends them
+  commit_s              rank 0: ours: ``DataStatesWriter.finish``'s ``CommitLocations`` +
+                        ``encode_commit``; stock: ``FileSystemWriter.finish`` (pickle, write, fsync,
+                        rename)
   metadata_write_s      ours: ``Storage.put(".metadata", sync=True)`` (write, fsync, rename)
   md_read_s, load_plan_default_s, load_plan_ours_s, load_total_s
                         chosen rank, in a fresh process: ``DataStatesReader`` / ``FileSystemReader``
@@ -116,6 +119,7 @@ from dcp_datastates import DataStatesConfig, DataStatesLoadPlanner, DataStatesRe
 from dcp_datastates import planners as ds_planners
 from dcp_datastates.format import layout as ds_layout
 from dcp_datastates.format.metadata import encode_commit
+from dcp_datastates.format.results import CommitLocations, pack_write_results
 from dcp_datastates.native import engine_module
 from dcp_datastates.runtime.inflight import gc_paused
 from dcp_datastates.save import CommitNotice, skip_replicas
@@ -298,8 +302,7 @@ def _ds_commit(metadata, results, folder):
     # The writer's save runs with Python's cyclic GC paused from the request to the commit
     # (runtime/inflight.py): the commit is timed as it runs there.
     with gc_paused():
-        locations = {r.index: r.storage_data for rank_results in results for r in rank_results}
-        return encode_commit(metadata, locations, "sim")[0]
+        return encode_commit(metadata, CommitLocations(results, metadata), "sim")[0]
 
 
 def _ds_read(folder):
@@ -327,6 +330,7 @@ class Method:
     file_name: Callable  # rank -> its data file
     header_size: Callable  # [FileEntry] -> first data byte of a rank's file
     location: Callable  # (file, offset, length, dtype name, shape, data_start, file_size) -> storage_data
+    send_results: Callable  # a rank's write results -> what its write_data returns
     commit: Callable  # (metadata, results, folder) -> payload (commit_s)
     write: Callable | None  # (payload, folder) (metadata_write_s)
     broadcast: Callable  # metadata after the commit -> what DCP broadcasts
@@ -340,7 +344,7 @@ METHODS = {
         prepare_local_plan=_ds_prepare_local_plan,
         prepare_global_plan=lambda folder, plans: DataStatesWriter(folder).prepare_global_plan(plans),
         file_name=ds_layout.data_file_name, header_size=lambda entries: ds_layout.plan_file(entries).data_start,
-        location=_ds_location, commit=_ds_commit,
+        location=_ds_location, send_results=pack_write_results, commit=_ds_commit,
         write=lambda data, folder: open_storage(folder).put(ds_layout.METADATA_NAME, data, sync=True),
         broadcast=_ds_broadcast, read_metadata=_ds_read,
         load_planners={"default": DefaultLoadPlanner, "ours": DataStatesLoadPlanner}),
@@ -349,7 +353,7 @@ METHODS = {
         prepare_local_plan=lambda plan, rank, flat, folder: plan,  # FileSystemWriter's, with collectives
         prepare_global_plan=lambda folder, plans: FileSystemWriter(folder).prepare_global_plan(plans),
         file_name=lambda rank: f"__{rank}_0.distcp", header_size=lambda entries: 0,
-        location=lambda file, offset, length, *_: _StorageInfo(file, offset, length),
+        location=lambda file, offset, length, *_: _StorageInfo(file, offset, length), send_results=lambda r: r,
         commit=_dcp_commit, write=None, broadcast=lambda md: md,
         read_metadata=lambda folder: (FileSystemReader(folder).read_metadata(), lambda: None),
         load_planners={"default": DefaultLoadPlanner}),
@@ -514,9 +518,9 @@ def step_steady(method: Method, planner, key: str, state: dict, delta: SavePlan,
 
 
 def step_write_results(method: Method, final_plans: list, value_sizes: dict, data_start: int):
-    """Every rank's write results for its final plan, pickled and unpickled as DCP gathers them
-    (not a timed step: the cyclic GC is off meanwhile)."""
-    gathered, nbytes = [], 0
+    """Every rank's write results for its final plan, as its writer returns them, pickled, and
+    unpickled as DCP gathers them at rank 0 (only the unpickle is timed; the cyclic GC is off)."""
+    gathered, nbytes, unpickle_s = [], 0, 0.0
     gc.disable()
     for r, plan in enumerate(final_plans):
         sizes = [item_nbytes(item, value_sizes) for item in plan.items]
@@ -528,11 +532,13 @@ def step_write_results(method: Method, final_plans: list, value_sizes: dict, dat
             out.append(WriteResult(index=item.index, size_in_bytes=nb,
                                    storage_data=method.location(file, offset, nb, dtype, shape, data_start, file_size)))
             offset += nb
-        raw = pickle.dumps(out)
+        raw = pickle.dumps(method.send_results(out))
         nbytes += len(raw)
+        t0 = time.perf_counter()
         gathered.append(pickle.loads(raw))
+        unpickle_s += time.perf_counter() - t0
     gc.enable()
-    return gathered, nbytes
+    return gathered, nbytes, round(unpickle_s, 4)
 
 
 def step_commit(method: Method, md, results: list, folder: str, repeat: int, prof=None):
@@ -611,13 +617,14 @@ def run_case(case: dict) -> dict:
                    ds_layout.FileEntry(i.index.fqn, "tensor", ds_layout.dtype_to_name(DTYPE), tuple(i.tensor_data.chunk.sizes),
                                        item_nbytes(i, value_sizes)) for i in scattered[rank].items]
         before, t0 = _proc("/proc/self/status", "VmRSS"), time.perf_counter()
-        results, out["gather_results"] = step_write_results(method, scattered, value_sizes, method.header_size(entries))
+        results, out["gather_results"], out["gather_results_s"] = step_write_results(
+            method, scattered, value_sizes, method.header_size(entries))
         out["build_results_s"] = round(time.perf_counter() - t0, 1)
         out["results_mib"] = round((_proc("/proc/self/status", "VmRSS") - before) / 2**20, 1)
         del plans, scattered, entries
         out["commit_s"], out["commit_gc_s"], out["metadata_write_s"] = step_commit(method, md, results, folder, repeat, prof)
         out["peak_extra_mib"] = peak.extra_mib()
-        out["commit_total_s"] = round(out["commit_s"] + (out["metadata_write_s"] or 0), 4)
+        out["commit_total_s"] = round(out["gather_results_s"] + out["commit_s"] + (out["metadata_write_s"] or 0), 4)
         out["metadata_bytes"] = os.path.getsize(os.path.join(folder, ".metadata"))
         out["broadcast_metadata"] = len(pickle.dumps(method.broadcast(md)))
         for phase in ("first", "steady"):
@@ -809,7 +816,7 @@ def run_child(case: dict, timeout: float) -> dict:
 
 
 COLUMNS = [("local_plan_s", "lplan_s", 1), ("global_plan_first_s", "gplan1_s", 1), ("global_plan_first_gc_s", "(gc)", 1),
-           ("global_plan_steady_s", "gplanN_s", 1), ("commit_s", "commit_s", 1), ("commit_gc_s", "(gc)", 1),
+           ("global_plan_steady_s", "gplanN_s", 1), ("gather_results_s", "unpickle_s", 1), ("commit_s", "commit_s", 1), ("commit_gc_s", "(gc)", 1),
            ("metadata_write_s", "mdwrite_s", 1),
            ("metadata_bytes", "md_MB", 1e-6), ("md_read_s", "mdread_s", 1), ("load_plan_default_s", "ldplanD_s", 1),
            ("load_plan_ours_s", "ldplanO_s", 1), ("load_total_s", "load_s", 1), ("gather_bytes_first", "gath1_MB", 1e-6),

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "chunk_table.h"
 #include "crc32c.h"
 #include "engine.h"
 #include "grid.h"
@@ -53,6 +54,35 @@ class NoGil {
  private:
   PyThreadState* state_;
 };
+
+// A buffer of int64 values held for one call (any buffer-protocol object: bytearray, array('q'),
+// a ctypes view of a tensor's memory).
+class Int64Buffer {
+ public:
+  Int64Buffer(py::handle obj, const char* name, bool writable) {
+    if (PyObject_GetBuffer(obj.ptr(), &view_, writable ? (PyBUF_SIMPLE | PyBUF_WRITABLE) : PyBUF_SIMPLE) != 0)
+      throw py::error_already_set();
+    if (view_.len % 8 != 0) {
+      PyBuffer_Release(&view_);
+      throw py::value_error(std::string(name) + ": not a buffer of int64 values (" + std::to_string(view_.len) + " bytes)");
+    }
+  }
+  ~Int64Buffer() { PyBuffer_Release(&view_); }
+  Int64Buffer(const Int64Buffer&) = delete;
+  Int64Buffer& operator=(const Int64Buffer&) = delete;
+  size_t size() const { return static_cast<size_t>(view_.len / 8); }
+  dcpds::In in() const { return {static_cast<const int64_t*>(view_.buf), size()}; }
+  dcpds::Out out() const { return {static_cast<int64_t*>(view_.buf), size()}; }
+
+ private:
+  Py_buffer view_{};
+};
+
+void require_size(const Int64Buffer& b, size_t n, const char* name) {
+  if (b.size() != n)
+    throw py::value_error(std::string(name) + " holds " + std::to_string(b.size()) + " values, " + std::to_string(n) +
+                          " expected");
+}
 
 // Large checksums release the GIL; small ones are cheaper than the release itself.
 constexpr uint64_t kReleaseGilBytes = 1 << 20;
@@ -607,4 +637,146 @@ PYBIND11_MODULE(_engine, m) {
     return out;
   }, py::arg("offset"), py::arg("length"), py::arg("data_start"), py::arg("piece_size"),
         "(file offset, length) of each checksum piece of the item, in order (the grid the engine cuts on).");
+
+  // The packed chunk table's checks (chunk_table.h), for dcp_datastates/format/packed.py.
+  m.def("check_chunk_table", [](py::handle counts, py::handle ndims, py::handle itemsizes, py::handle dims,
+                                py::handle offsets, py::handle sizes, py::handle file, py::handle offset,
+                                py::handle length, py::handle crc_count, py::handle file_size, py::handle data_start,
+                                py::handle piece_size, py::handle crc_starts, py::handle sorted0,
+                                py::handle widest0) -> py::object {
+    const Int64Buffer b_counts(counts, "counts", false), b_ndims(ndims, "ndims", false),
+        b_items(itemsizes, "itemsizes", false), b_dims(dims, "dims", false), b_offsets(offsets, "offsets", false),
+        b_sizes(sizes, "sizes", false), b_file(file, "file", false), b_offset(offset, "offset", false),
+        b_length(length, "length", false), b_crc(crc_count, "crc_count", false),
+        b_fsize(file_size, "file_size", false), b_fstart(data_start, "data_start", false),
+        b_fstep(piece_size, "piece_size", false), o_crc(crc_starts, "crc_starts", true),
+        o_sorted(sorted0, "sorted0", true), o_widest(widest0, "widest0", true);
+    const size_t T = b_counts.size();
+    require_size(b_ndims, T, "ndims");
+    require_size(b_items, T, "itemsizes");
+    require_size(o_sorted, T, "sorted0");
+    require_size(o_widest, T, "widest0");
+    size_t values = 0, chunks = 0, ndim_total = 0;
+    for (size_t k = 0; k < T; ++k) {
+      const int64_t n = b_counts.in()[k], d = b_ndims.in()[k];
+      if (n < 0 || d < 0 || d > 64) throw py::value_error("tensor " + std::to_string(k) + ": bad chunk count or ndim");
+      values += static_cast<size_t>(n) * static_cast<size_t>(d);
+      chunks += static_cast<size_t>(n);
+      ndim_total += static_cast<size_t>(d);
+    }
+    require_size(b_dims, ndim_total, "dims");
+    require_size(b_offsets, values, "offsets");
+    require_size(b_sizes, values, "sizes");
+    for (const Int64Buffer* b : {&b_file, &b_offset, &b_length, &b_crc}) require_size(*b, chunks, "a chunk column");
+    require_size(o_crc, chunks + 1, "crc_starts");
+    require_size(b_fstart, b_fsize.size(), "data_start");
+    require_size(b_fstep, b_fsize.size(), "piece_size");
+    dcpds::ChunkTable table{b_counts.in(), b_ndims.in(), b_items.in(), b_dims.in(), b_offsets.in(), b_sizes.in(),
+                            b_file.in(), b_offset.in(), b_length.in(), b_crc.in(), b_fsize.in(), b_fstart.in(),
+                            b_fstep.in()};
+    dcpds::TableError error;
+    bool ok;
+    {
+      NoGil nogil;
+      ok = dcpds::check_chunk_table(table, o_crc.out(), o_sorted.out(), o_widest.out(), &error);
+    }
+    if (ok) return py::none();
+    return py::make_tuple(error.kind, error.tensor, error.chunk, error.dim, error.a, error.b);
+  }, py::arg("counts"), py::arg("ndims"), py::arg("itemsizes"), py::arg("dims"), py::arg("offsets"), py::arg("sizes"),
+        py::arg("file"), py::arg("offset"), py::arg("length"), py::arg("crc_count"), py::arg("file_size"),
+        py::arg("data_start"), py::arg("piece_size"), py::arg("crc_starts"), py::arg("sorted0"), py::arg("widest0"),
+        "Check a packed chunk table (int64 buffers). None, filling the outputs, or the first failure as\n"
+        "(kind, tensor, chunk, dim, a, b) (chunk_table.h names the kinds).");
+  m.def("place_chunks", [](py::handle tensor_keys, py::handle counts, py::handle ndims, py::handle table_offsets,
+                           py::handle key, py::handle position, py::handle ndim, py::handle offsets, py::handle src,
+                           py::handle status) {
+    const Int64Buffer b_keys(tensor_keys, "tensor_keys", false), b_counts(counts, "counts", false),
+        b_ndims(ndims, "ndims", false), b_toff(table_offsets, "table_offsets", false), b_key(key, "key", false),
+        b_pos(position, "position", false), b_ndim(ndim, "ndim", false), b_off(offsets, "offsets", false),
+        o_src(src, "src", true), o_status(status, "status", true);
+    const size_t T = b_keys.size(), N = b_key.size();
+    require_size(b_counts, T, "counts");
+    require_size(b_ndims, T, "ndims");
+    size_t values = 0, chunks = 0, given = 0;
+    for (size_t k = 0; k < T; ++k) {
+      const int64_t n = b_counts.in()[k], d = b_ndims.in()[k];
+      if (n < 0 || d < 0 || d > 64) throw py::value_error("tensor " + std::to_string(k) + ": bad chunk count or ndim");
+      values += static_cast<size_t>(n * d);
+      chunks += static_cast<size_t>(n);
+    }
+    require_size(b_toff, values, "table_offsets");
+    require_size(o_src, chunks, "src");
+    require_size(b_pos, N, "position");
+    require_size(b_ndim, N, "ndim");
+    require_size(o_status, N, "status");
+    for (size_t i = 0; i < N; ++i) {
+      const int64_t d = b_ndim.in()[i];
+      if (d < 0 || d > 64) throw py::value_error("result " + std::to_string(i) + ": bad ndim " + std::to_string(d));
+      given += static_cast<size_t>(d);
+    }
+    require_size(b_off, given, "offsets");
+    NoGil nogil;
+    dcpds::place_chunks(b_keys.in(), b_counts.in(), b_ndims.in(), b_toff.in(), b_key.in(), b_pos.in(), b_ndim.in(),
+                        b_off.in(), o_src.out(), o_status.out());
+  }, py::arg("tensor_keys"), py::arg("counts"), py::arg("ndims"), py::arg("table_offsets"), py::arg("key"),
+        py::arg("position"), py::arg("ndim"), py::arg("offsets"), py::arg("src"), py::arg("status"),
+        "Place chunk results in the table by name key and position hint (chunk_table.h); int64 buffers.");
+  m.def("gather_chunks", [](py::handle src, py::handle record, py::handle offset, py::handle length,
+                            py::handle crc_count, py::handle crcs, py::handle hash, py::handle has_hash,
+                            py::handle row_record, py::handle row_offset, py::handle row_length, py::handle row_count,
+                            py::handle row_hash, py::handle row_has) {
+    const Int64Buffer b_src(src, "src", false), b_rec(record, "record", false), b_off(offset, "offset", false),
+        b_len(length, "length", false), b_cnt(crc_count, "crc_count", false), b_crcs(crcs, "crcs", false),
+        b_hash(hash, "hash", false), b_has(has_hash, "has_hash", false), o_rec(row_record, "row_record", true),
+        o_off(row_offset, "row_offset", true), o_len(row_length, "row_length", true),
+        o_cnt(row_count, "row_count", true), o_hash(row_hash, "row_hash", true), o_has(row_has, "row_has", true);
+    const size_t N = b_rec.size(), C = b_src.size();
+    for (const Int64Buffer* b : {&b_off, &b_len, &b_cnt}) require_size(*b, N, "a result column");
+    for (const Int64Buffer* b : {&o_rec, &o_off, &o_len, &o_cnt}) require_size(*b, C, "a row column");
+    if (b_has.size() > 0) {
+      require_size(b_hash, N, "hash");
+      require_size(b_has, N, "has_hash");
+      require_size(o_hash, C, "row_hash");
+      require_size(o_has, C, "row_has");
+    }
+    size_t total = 0;
+    for (size_t i = 0; i < N; ++i) {
+      if (b_cnt.in()[i] < 0) throw py::value_error("result " + std::to_string(i) + ": negative checksum count");
+      total += static_cast<size_t>(b_cnt.in()[i]);
+    }
+    require_size(b_crcs, total, "crcs");
+    for (size_t r = 0; r < C; ++r)
+      if (b_src.in()[r] < 0 || static_cast<size_t>(b_src.in()[r]) >= N)
+        throw py::value_error("row " + std::to_string(r) + ": no result " + std::to_string(b_src.in()[r]));
+    std::vector<int64_t> out;
+    {
+      NoGil nogil;
+      out = dcpds::gather_chunks(b_src.in(), b_rec.in(), b_off.in(), b_len.in(), b_cnt.in(), b_crcs.in(), b_hash.in(),
+                                 b_has.in(), o_rec.out(), o_off.out(), o_len.out(), o_cnt.out(), o_hash.out(),
+                                 o_has.out());
+    }
+    return py::bytearray(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
+  }, py::arg("src"), py::arg("record"), py::arg("offset"), py::arg("length"), py::arg("crc_count"), py::arg("crcs"),
+        py::arg("hash"), py::arg("has_hash"), py::arg("row_record"), py::arg("row_offset"), py::arg("row_length"),
+        py::arg("row_count"), py::arg("row_hash"), py::arg("row_has"),
+        "The placed table's location columns (chunk_table.h); returns the checksums in row order (int64).");
+  m.def("find_shared_bytes", [](py::handle fid, py::handle start, py::handle length, int64_t files) -> py::object {
+    const Int64Buffer b_fid(fid, "fid", false), b_start(start, "start", false), b_length(length, "length", false);
+    require_size(b_start, b_fid.size(), "start");
+    require_size(b_length, b_fid.size(), "length");
+    for (size_t i = 0; i < b_fid.size(); ++i)
+      if (b_fid.in()[i] < 0 || b_fid.in()[i] >= files)
+        throw py::value_error("item " + std::to_string(i) + ": file index " + std::to_string(b_fid.in()[i]) +
+                              " out of range");
+    int64_t first = -1, second = -1;
+    bool shared;
+    {
+      NoGil nogil;
+      shared = dcpds::find_shared_bytes(b_fid.in(), b_start.in(), b_length.in(), files, &first, &second);
+    }
+    if (!shared) return py::none();
+    return py::make_tuple(first, second);
+  }, py::arg("fid"), py::arg("start"), py::arg("length"), py::arg("files"),
+        "None when no two items [start, start + length) of one file share a byte, else the indices of\n"
+        "the first pair that does, in (file, start) order.");
 }

@@ -7,8 +7,10 @@ This module only answers DCP: each callback delegates to one named step of the s
 - ``set_up_storage_writer`` / ``prepare_local_plan`` / ``prepare_global_plan`` (DCP's thread):
   name the folder, report it, let the tier adjust the plan.
 - ``write_data``: ``save.write_rank``: every file durable, each item's location; then the
-  tier's ``rank_written`` hook and the optional hierarchical consolidation.
-- ``finish`` (coordinator): the tier's ``commit`` hook: ``commit.write_commit`` for a plain save.
+  tier's ``rank_written`` hook; the results packed for the coordinator
+  (``format.results.pack_write_results``) and the optional hierarchical consolidation.
+- ``finish`` (coordinator): every rank's results as one ``CommitLocations``, then the tier's
+  ``commit`` hook: ``commit.write_commit`` for a plain save.
 
 Storage is chosen once per checkpoint path (``storage.open_storage``); the node-local tier is
 one object (``tiers.hooks``) whose hooks run at fixed points. Faults: a rank's error never skips
@@ -38,6 +40,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from . import save
 from .config import DataStatesConfig
 from .errors import CheckpointWriteError
+from .format.results import CommitLocations, pack_write_results
 from .storage import is_supported_url, normalize, open_storage
 from .tiers.hooks import tier_for
 
@@ -257,7 +260,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         try:
             self.tier.writing(staged)
             results = save.write_rank(staged, plan, planner, self.config, self.tier)
-            results = self.tier.rank_written(staged, results)
+            results = pack_write_results(self.tier.rank_written(staged, results))
         except BaseException as exc:  # noqa: BLE001 - raised below, after the collectives
             error = exc
             staged.abandon(f"save abandoned: {exc}")
@@ -292,7 +295,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 raise CheckpointWriteError(f"checkpoint {self.path} abandoned: {staged.abandoned}; not committed")
             if metadata.storage_meta is None:  # DCP's default planner does not fill it
                 metadata = dataclasses.replace(metadata, storage_meta=self.storage_meta())
-            locations = {r.index: r.storage_data for rank_results in results for r in rank_results}
+            locations = CommitLocations(results, metadata)
             self.tier.commit(self._storage(self.path), metadata, locations, staged,
                              rank_local=None if self.use_collectives else self.rank,
                              in_use=save.names_in_use(self.path) if staged is None else frozenset())

@@ -203,3 +203,24 @@ def phase_two_last(rank, world, root):
 
 
 import os  # noqa: E402
+
+
+def phase_packed(rank, world, root):
+    """Version 3 markers committed from packed write results, through node leaders (2 simulated
+    nodes) and straight to the coordinator; the second save of each reuses cached plans."""
+    import dcp_datastates.format.metadata as codec
+
+    codec.PACK_FROM_CHUNKS = 1
+    os.environ["DCP_DATASTATES_RANKS_PER_NODE"] = "2"
+    try:
+        for name, group in (("packed_hier", dist.group.WORLD), ("packed_flat", None)):
+            writer = DataStatesWriter(f"{root}/{name}", process_group=group)
+            planner = DataStatesSavePlanner(cache_key=name)
+            for seed in (1, 2):
+                dcp.async_save(sharded_state(world, seed=seed), storage_writer=writer,
+                               planner=planner).upload_completion.result()
+            state = zero_like_sharded(sharded_state(world, "swap"))
+            dcp.load(state, storage_reader=DataStatesReader(f"{root}/{name}"), planner=DataStatesLoadPlanner())
+            check_against_full(state, seed=2)
+    finally:
+        del os.environ["DCP_DATASTATES_RANKS_PER_NODE"]

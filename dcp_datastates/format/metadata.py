@@ -16,7 +16,9 @@ from collections.abc import Mapping
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from .layout import PACKED_VERSION, FileInfo, ItemLocation, _Check, decode_items, encode_items, parse_document
-from .packed import decode_packed, encode_packed
+from .packed import decode_packed
+from .packed_encode import encode_packed
+from .results import CommitLocations
 
 __all__ = ["encode_commit", "encode_metadata", "decode_metadata", "PACK_FROM_CHUNKS"]
 
@@ -26,7 +28,10 @@ PACK_FROM_CHUNKS = int(os.environ.get("DCP_DATASTATES_PACK_FROM_CHUNKS", "") or 
 
 
 def _packed(locations: Mapping, packed: bool | None) -> bool:
-    return len(locations) >= PACK_FROM_CHUNKS if packed is None else packed
+    if packed is not None:
+        return packed
+    count = locations.result_count() if isinstance(locations, CommitLocations) else len(locations)
+    return count >= PACK_FROM_CHUNKS
 
 
 def encode_commit(md: Metadata, locations: Mapping[MetadataIndex, ItemLocation], source: str, *,

@@ -1,0 +1,222 @@
+#include "chunk_table.h"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+#include <unordered_map>
+#include <vector>
+
+namespace dcpds {
+namespace {
+
+constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+
+// a * b, saturated at kMax (both non-negative).
+int64_t mul_sat(int64_t a, int64_t b) {
+  int64_t out;
+  return __builtin_mul_overflow(a, b, &out) ? kMax : out;
+}
+
+int64_t add_sat(int64_t a, int64_t b) {
+  int64_t out;
+  return __builtin_add_overflow(a, b, &out) ? kMax : out;
+}
+
+bool fail(TableError* e, const char* kind, int64_t tensor, int64_t chunk, int64_t dim = -1, int64_t a = 0, int64_t b = 0) {
+  e->kind = kind;
+  e->tensor = tensor;
+  e->chunk = chunk;
+  e->dim = dim;
+  e->a = a;
+  e->b = b;
+  return false;
+}
+
+}  // namespace
+
+bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out widest0, TableError* error) {
+  const size_t T = t.counts.size;
+  // Each tensor's first value (in offsets/sizes), first chunk and first dimension.
+  std::vector<size_t> vstart(T + 1, 0), cstart(T + 1, 0), dstart(T + 1, 0);
+  for (size_t k = 0; k < T; ++k) {
+    vstart[k + 1] = vstart[k] + static_cast<size_t>(t.counts[k] * t.ndims[k]);
+    cstart[k + 1] = cstart[k] + static_cast<size_t>(t.counts[k]);
+    dstart[k + 1] = dstart[k] + static_cast<size_t>(t.ndims[k]);
+  }
+  // Chunks inside their tensor: first no negative value anywhere, then none past the size.
+  for (size_t k = 0; k < T; ++k) {
+    const int64_t n = t.counts[k];
+    for (int64_t d = 0; d < t.ndims[k]; ++d)
+      for (int64_t q = 0; q < n; ++q) {
+        const size_t v = vstart[k] + static_cast<size_t>(d * n + q);
+        if (t.offsets[v] < 0 || t.sizes[v] < 0) return fail(error, "negative", k, q, d);
+      }
+  }
+  for (size_t k = 0; k < T; ++k) {
+    const int64_t n = t.counts[k];
+    for (int64_t d = 0; d < t.ndims[k]; ++d) {
+      const int64_t limit = t.dims[dstart[k] + d];
+      for (int64_t q = 0; q < n; ++q) {
+        const size_t v = vstart[k] + static_cast<size_t>(d * n + q);
+        if (t.offsets[v] > limit || t.sizes[v] > limit - t.offsets[v]) return fail(error, "exceeds", k, q, d);
+      }
+    }
+  }
+  // Element counts: each chunk's length, then each tensor covered exactly.
+  std::vector<int64_t> numel(t.file.size, 1);
+  for (size_t k = 0; k < T; ++k) {
+    const int64_t n = t.counts[k];
+    for (int64_t q = 0; q < n; ++q) {
+      int64_t e = 1;
+      for (int64_t d = 0; d < t.ndims[k]; ++d) e = mul_sat(e, t.sizes[vstart[k] + static_cast<size_t>(d * n + q)]);
+      const size_t c = cstart[k] + static_cast<size_t>(q);
+      numel[c] = e;
+      if (t.length[c] != mul_sat(e, t.itemsizes[k])) return fail(error, "length", k, q);
+    }
+  }
+  for (size_t k = 0; k < T; ++k) {
+    int64_t covered = 0, total = 1;
+    for (size_t c = cstart[k]; c < cstart[k + 1]; ++c) covered = add_sat(covered, numel[c]);
+    for (size_t d = dstart[k]; d < dstart[k + 1]; ++d) total = mul_sat(total, t.dims[d]);
+    if (covered != total || total == kMax) return fail(error, "covered", k, -1, -1, covered, total);
+  }
+  // Byte ranges inside their file's data region, one checksum per piece of the grid.
+  const int64_t F = static_cast<int64_t>(t.file_size.size);
+  for (size_t k = 0; k < T; ++k)
+    for (size_t c = cstart[k]; c < cstart[k + 1]; ++c)
+      if (t.file[c] < 0 || t.file[c] >= F) return fail(error, "file", k, static_cast<int64_t>(c - cstart[k]));
+  for (size_t k = 0; k < T; ++k)
+    for (size_t c = cstart[k]; c < cstart[k + 1]; ++c)
+      if (t.offset[c] < t.data_start[static_cast<size_t>(t.file[c])])
+        return fail(error, "before", k, static_cast<int64_t>(c - cstart[k]));
+  for (size_t k = 0; k < T; ++k)
+    for (size_t c = cstart[k]; c < cstart[k + 1]; ++c) {
+      const int64_t size = t.file_size[static_cast<size_t>(t.file[c])], off = t.offset[c], len = t.length[c];
+      if (off > size || len < 0 || len > size - off) return fail(error, "outside", k, static_cast<int64_t>(c - cstart[k]));
+    }
+  int64_t crcs = 0;
+  for (size_t k = 0; k < T; ++k)
+    for (size_t c = cstart[k]; c < cstart[k + 1]; ++c) {
+      const size_t f = static_cast<size_t>(t.file[c]);
+      const int64_t start = t.data_start[f], step = t.piece_size[f], off = t.offset[c], len = t.length[c];
+      const int64_t pieces = len > 0 && step > 0 ? (off + len - 1 - start) / step - (off - start) / step + 1 : 0;
+      if (t.crc_count[c] != 0 && t.crc_count[c] != pieces)
+        return fail(error, "checksums", k, static_cast<int64_t>(c - cstart[k]), -1, t.crc_count[c], pieces);
+      crc_starts[c] = crcs;
+      crcs = add_sat(crcs, t.crc_count[c] < 0 ? kMax : t.crc_count[c]);
+    }
+  crc_starts[t.file.size] = crcs;
+  // What a lookup needs: dim-0 offsets in order (a bisection), and the widest dim-0 chunk.
+  for (size_t k = 0; k < T; ++k) {
+    int64_t sorted = 1, widest = 0;
+    if (t.ndims[k] > 0) {
+      const int64_t n = t.counts[k];
+      for (int64_t q = 0; q < n; ++q) {
+        const size_t v = vstart[k] + static_cast<size_t>(q);
+        if (q > 0 && t.offsets[v] < t.offsets[v - 1]) sorted = 0;
+        widest = std::max(widest, t.sizes[v]);
+      }
+    }
+    sorted0[k] = sorted;
+    widest0[k] = widest;
+  }
+  return true;
+}
+
+bool find_shared_bytes(In fid, In start, In length, int64_t files, int64_t* first, int64_t* second) {
+  const size_t n = fid.size;
+  std::vector<int64_t> end(static_cast<size_t>(std::max<int64_t>(files, 0)), std::numeric_limits<int64_t>::min());
+  bool ordered = true;
+  for (size_t i = 0; i < n && ordered; ++i) {
+    if (length[i] <= 0) continue;
+    const size_t f = static_cast<size_t>(fid[i]);
+    if (start[i] < end[f]) ordered = false;
+    end[f] = start[i] + length[i];
+  }
+  if (ordered) return false;
+  // Sorted by (file, start), each item must begin at or after the end of the one before it in
+  // its file: then the ends increase too, and no item reaches into any earlier one.
+  std::vector<int64_t> order;
+  order.reserve(n);
+  for (size_t i = 0; i < n; ++i)
+    if (length[i] > 0) order.push_back(static_cast<int64_t>(i));
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    return fid[a] != fid[b] ? fid[a] < fid[b] : start[a] < start[b];
+  });
+  for (size_t j = 1; j < order.size(); ++j) {
+    const int64_t a = order[j - 1], b = order[j];
+    if (fid[a] == fid[b] && start[b] < start[a] + length[a]) {
+      *first = a;
+      *second = b;
+      return true;
+    }
+  }
+  return false;
+}
+
+void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key, In position, In ndim, In offsets,
+                  Out src, Out status) {
+  const size_t T = tensor_keys.size;
+  std::vector<int64_t> vstart(T + 1, 0), cstart(T + 1, 0);
+  std::unordered_map<int64_t, int64_t> tensor_of;
+  tensor_of.reserve(T * 2);
+  for (size_t k = 0; k < T; ++k) {
+    vstart[k + 1] = vstart[k] + counts[k] * ndims[k];
+    cstart[k + 1] = cstart[k] + counts[k];
+    tensor_of.emplace(tensor_keys[k], static_cast<int64_t>(k));
+  }
+  for (size_t r = 0; r < src.size; ++r) src[r] = -1;
+  size_t o = 0;
+  int64_t last = -1;
+  for (size_t i = 0; i < key.size; o += static_cast<size_t>(ndim[i]), ++i) {
+    // A rank's results follow the tensors' order: try the tensor after the last one first.
+    int64_t t = last + 1;
+    if (t >= static_cast<int64_t>(T) || tensor_keys[static_cast<size_t>(t)] != key[i]) {
+      const auto found = tensor_of.find(key[i]);
+      if (found == tensor_of.end()) {
+        status[i] = -1;
+        continue;
+      }
+      t = found->second;
+    }
+    last = t;
+    const int64_t n = counts[t], p = position[i];
+    bool ok = p >= 0 && p < n && ndim[i] == ndims[t];
+    for (int64_t d = 0; ok && d < ndims[t]; ++d)
+      ok = table_offsets[static_cast<size_t>(vstart[t] + d * n + p)] == offsets[o + static_cast<size_t>(d)];
+    if (!ok) {
+      status[i] = -2 - t;
+      continue;
+    }
+    const int64_t row = cstart[t] + p;
+    src[static_cast<size_t>(row)] = static_cast<int64_t>(i);
+    status[i] = row;
+  }
+}
+
+std::vector<int64_t> gather_chunks(In src, In record, In offset, In length, In crc_count, In crcs, In hash,
+                                   In has_hash, Out row_record, Out row_offset, Out row_length, Out row_count,
+                                   Out row_hash, Out row_has) {
+  std::vector<int64_t> first(crc_count.size + 1, 0);
+  for (size_t i = 0; i < crc_count.size; ++i) first[i + 1] = first[i] + crc_count[i];
+  size_t total = 0;
+  for (size_t r = 0; r < src.size; ++r) total += static_cast<size_t>(crc_count[static_cast<size_t>(src[r])]);
+  std::vector<int64_t> out;
+  out.reserve(total);
+  const bool hashed = has_hash.size > 0;
+  for (size_t r = 0; r < src.size; ++r) {
+    const size_t i = static_cast<size_t>(src[r]);
+    row_record[r] = record[i];
+    row_offset[r] = offset[i];
+    row_length[r] = length[i];
+    row_count[r] = crc_count[i];
+    out.insert(out.end(), crcs.data + first[i], crcs.data + first[i + 1]);
+    if (hashed) {
+      row_has[r] = has_hash[i];
+      row_hash[r] = has_hash[i] ? hash[i] : 0;
+    }
+  }
+  return out;
+}
+
+}  // namespace dcpds

@@ -1,0 +1,76 @@
+// The checks of a packed chunk table (format version 3, dcp_datastates/format/packed.py): what
+// the decoder and the commit check for every chunk, in one pass per check over plain arrays.
+// Python formats the message of the first failure this reports; it owns nothing else here.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dcpds {
+
+template <class T>
+struct Column {
+  T* data = nullptr;
+  size_t size = 0;
+  T& operator[](size_t i) const { return data[i]; }
+};
+using In = Column<const int64_t>;
+using Out = Column<int64_t>;
+
+// The first failure found, in the order the checks run (each over the whole table):
+//   "negative"  a negative chunk offset or size          (tensor, chunk, dim)
+//   "exceeds"   a chunk reaching past its tensor's size   (tensor, chunk, dim)
+//   "length"    a stored length that is not numel * itemsize (tensor, chunk)
+//   "covered"   a tensor's chunks holding a = elements, its size b (tensor)
+//   "file"      a file index out of range                 (tensor, chunk)
+//   "before"    a byte range starting before its file's data region (tensor, chunk)
+//   "outside"   a byte range outside its file             (tensor, chunk)
+//   "checksums" a = checksums for b pieces                (tensor, chunk)
+struct TableError {
+  std::string kind;
+  int64_t tensor = -1, chunk = -1, dim = -1, a = 0, b = 0;
+};
+
+struct ChunkTable {
+  // Per tensor (T): its chunks, dimensions, element size; `dims` its size, tensor by tensor.
+  In counts, ndims, itemsizes, dims;
+  // Per value (sum of counts * ndims): chunk offsets and sizes, per tensor dimension-major.
+  In offsets, sizes;
+  // Per chunk (sum of counts): file index, byte offset, byte length, number of checksums.
+  In file, offset, length, crc_count;
+  // Per file: size, first data byte, checksum grid step.
+  In file_size, data_start, piece_size;
+};
+
+// Checks `t`. On success fills crc_starts (chunks + 1: each chunk's first checksum, then the
+// total), sorted0 (per tensor: 1 when its chunks' dim-0 offsets never decrease) and widest0 (per
+// tensor: its widest dim-0 chunk size) and returns true; otherwise sets `error`. The caller has
+// checked the columns' lengths.
+bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out widest0, TableError* error);
+
+// Whether two of the items [start, start + length) of files `fid` share a byte (empty items
+// share nothing). When they do, returns true with `first` and `second` the indices of the first
+// such pair in (file, start) order. One pass when each file's items come in increasing order.
+bool find_shared_bytes(In fid, In start, In length, int64_t files, int64_t* first, int64_t* second);
+
+// Places every rank's chunk results in the table (format/results.py sends them packed). The
+// table: per tensor its name key, chunks and dimensions, and its chunks' offsets (as in
+// ChunkTable). Per result: its tensor's key, DCP's position hint, its number of dimensions and
+// (back to back) its offsets. A result whose key names a tensor and whose hint points at a chunk
+// with its offsets goes there: status = that chunk's row, and src[row] = the result (a later
+// result for one row wins). Otherwise status = -1 (no tensor has the key) or -2 - tensor (the
+// hint does not hold: the caller looks the offsets up). src starts at -1.
+void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key, In position, In ndim, In offsets,
+                  Out src, Out status);
+
+// The placed table's location columns: for each row r (src[r]: its result), that result's
+// record, offset, length, checksum count and (where has_hash is given) hash; its checksums are
+// appended to the returned column in row order. `crcs` holds every result's checksums back to
+// back. Every src[r] is a valid result index.
+std::vector<int64_t> gather_chunks(In src, In record, In offset, In length, In crc_count, In crcs, In hash,
+                                   In has_hash, Out row_record, Out row_offset, Out row_length, Out row_count,
+                                   Out row_hash, Out row_has);
+
+}  // namespace dcpds

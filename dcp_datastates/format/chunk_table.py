@@ -1,0 +1,244 @@
+"""The packed chunk table of format version 3: its columns' codec and its checks.
+
+A column is a run of int64 values: delta-coded (or not), narrowed to the smallest integer type
+that holds it, deflated, base64-encoded, with a CRC32 of its bytes (``_pack`` / ``_unpack``).
+The checks of the whole table (``_check_table``, ``_check_shared``) run in the engine
+(csrc/chunk_table.cpp) over the columns' memory; this module words the first failure, naming the
+item and chunk. The encoder (``format.packed_encode``) and the decoder (``format.packed``) share
+all of it.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import ctypes
+import sys
+import zlib
+from array import array
+from typing import Any
+
+import torch
+
+from ..native import engine_module
+from .layout import FileInfo, ItemLocation, _Check
+
+_engine = engine_module()  # the table checks (csrc/chunk_table.cpp)
+
+# Integer types a column is narrowed to, smallest first.
+_INT_TYPES = (("i1", torch.int8), ("i2", torch.int16), ("i4", torch.int32), ("i8", torch.int64))
+_BY_NAME = dict(_INT_TYPES)
+_U32 = 0xFFFFFFFF
+_U64 = (1 << 64) - 1
+
+
+# ------------------------------------------------------------------------------- columns
+def _tensor_bytes(t: torch.Tensor) -> bytearray:
+    """The bytes of a 1-D tensor (little-endian: the hosts torch runs on)."""
+    buf = bytearray(t.numel() * t.element_size())
+    if t.numel():
+        torch.frombuffer(buf, dtype=t.dtype).copy_(t)
+    return buf
+
+
+def _pack(values: torch.Tensor, *, delta: bool = True, level: int = 1) -> dict:
+    """A column: int64 values, delta-coded (unless ``delta`` is off), narrowed, deflated (at
+    ``level`` 0, stored as deflate's raw blocks: checksums and hashes do not compress)."""
+    v = values
+    if delta and v.numel() > 1:
+        v = torch.cat((v[:1], v[1:] - v[:-1]))
+    lo, hi = (int(v.min()), int(v.max())) if v.numel() else (0, 0)
+    name, dtype = next((n, d) for n, d in _INT_TYPES if torch.iinfo(d).min <= lo and hi <= torch.iinfo(d).max)
+    raw = _tensor_bytes(v.to(dtype))
+    return {"int": name, "delta": delta, "n": int(v.numel()), "crc32": zlib.crc32(raw),
+            "data": base64.b64encode(zlib.compress(raw, level)).decode("ascii")}
+
+
+def _unpack(c: _Check, columns: Any, key: str, count: int | None = None) -> torch.Tensor:
+    """Column ``key`` as int64 values, after checking its record, size and CRC32."""
+    where = f"column {key!r}"
+    if not isinstance(columns, dict) or not isinstance(columns.get(key), dict):
+        raise c.fail(f"missing {where} of the chunk table")
+    rec = columns[key]
+    name = c.get(rec, "int", str, where)
+    dtype = _BY_NAME.get(name)
+    if dtype is None:
+        raise c.fail(f"{where}: unknown integer type {name!r} (one of {', '.join(_BY_NAME)})")
+    n = c.nonneg(rec, "n", where)
+    if count is not None and n != count:
+        raise c.fail(f"{where} holds {n} values, the table needs {count}")
+    delta = c.get(rec, "delta", bool, where)
+    size = n * dtype.itemsize
+    try:
+        packed = base64.b64decode(c.get(rec, "data", str, where), validate=True)
+        inflate = zlib.decompressobj()
+        raw = inflate.decompress(packed, size + 1)  # never more than the column's size
+    except (binascii.Error, ValueError, zlib.error) as exc:
+        raise c.fail(f"{where} is damaged ({exc})") from None
+    if len(raw) != size or not inflate.eof:
+        raise c.fail(f"{where} holds {len(raw)}{'+' if not inflate.eof else ''} bytes, {n} values of {name} "
+                     f"are {size}")
+    if zlib.crc32(raw) != c.nonneg(rec, "crc32", where):
+        raise c.fail(f"{where}: checksum mismatch (the metadata file is damaged)")
+    if n == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    values = torch.frombuffer(bytearray(raw), dtype=dtype).to(torch.int64)
+    return torch.cumsum(values, 0) if delta else values
+
+
+def _ints(values: list) -> torch.Tensor:
+    """Python ints as an int64 tensor (through an array: several times faster than torch.tensor)."""
+    if not values:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.frombuffer(array("q", values), dtype=torch.int64)
+
+
+# ------------------------------------------------------------------------------- the table
+class _Table:
+    """The decoded (or about to be encoded) chunk table: per tensor lists, per chunk columns."""
+
+    def __init__(self, fqns, dtypes, requires_grad, sizes, counts, offsets, chunk_sizes, file, offset, length,
+                 crc_count, crcs, hash64, has_hash64, file_names, file_infos):
+        self.fqns: list[str] = fqns
+        self.dtypes: list[torch.dtype] = dtypes
+        self.requires_grad: list[bool] = requires_grad
+        self.sizes: list[tuple[int, ...]] = sizes
+        self.counts, self.offsets, self.chunk_sizes = counts, offsets, chunk_sizes  # tensors (int64)
+        self.file, self.offset, self.length, self.crc_count, self.crcs = file, offset, length, crc_count, crcs
+        self.hash64, self.has_hash64 = hash64, has_hash64
+        self.file_names: list[str] = file_names
+        self.file_infos: list[FileInfo] = file_infos
+
+    def chunk_starts(self) -> torch.Tensor:
+        """Index of each tensor's first chunk, and the total, as T + 1 values."""
+        return torch.cat((torch.zeros(1, dtype=torch.int64), torch.cumsum(self.counts, 0)))
+
+    def element_starts(self) -> torch.Tensor:
+        """Index of each tensor's first value in ``offsets``/``chunk_sizes``, and the total."""
+        ndims = torch.tensor([len(s) for s in self.sizes], dtype=torch.int64)
+        return torch.cat((torch.zeros(1, dtype=torch.int64), torch.cumsum(self.counts * ndims, 0)))
+
+
+def _first(bad: torch.Tensor, starts: torch.Tensor) -> tuple[int, int] | None:
+    """(tensor, position inside its block) of the first True of ``bad``; None when all are False.
+    ``starts``: each tensor's first index in the column, then the column's length."""
+    if not bool(bad.any()):
+        return None
+    i = int(torch.nonzero(bad)[0])
+    t = int(torch.searchsorted(starts, torch.tensor([i]), right=True)[0]) - 1
+    return t, i - int(starts[t])
+
+
+def _fail_chunk(c: _Check, table: _Table, bad: torch.Tensor, cstarts: torch.Tensor, what: str) -> None:
+    """Raise for the first chunk ``bad`` marks, naming its tensor and its number."""
+    hit = _first(bad, cstarts)
+    if hit is not None:
+        raise c.fail(f"item {table.fqns[hit[0]]!r} chunk {hit[1]}: {what}")
+
+
+def _view(t: torch.Tensor):
+    """The memory of a contiguous tensor as a buffer (no copy); the tensor must outlive its use."""
+    if t.numel() == 0:
+        return bytearray()
+    return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+
+
+# A read-only memoryview of memory that something else owns (the C API's; a tensor's here).
+_memory_at = ctypes.pythonapi.PyMemoryView_FromMemory
+_memory_at.restype, _memory_at.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
+_READ_ONLY = 0x100  # PyBUF_READ
+
+
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).contiguous()
+
+
+# What each failure the engine reports says (csrc/chunk_table.h).
+_TABLE_FAILURES = {
+    "negative": "a negative offset or size",
+    "exceeds": "the chunk exceeds the tensor's size",
+    "length": "its stored length does not match its shape and dtype",
+    "file": "it refers to a file the metadata does not list",
+    "before": "its byte range starts before the data region of its file",
+    "outside": "its byte range lies outside the data region of its file",
+}
+
+
+def _check_table(c: _Check, table: _Table) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Everything version 1's decoder checks per chunk, over the whole table at once (the
+    engine's ``check_chunk_table``: one pass per check, no temporaries). Returns what the
+    lookups need: each chunk's first checksum (a prefix sum of ``crc_count``, then the total),
+    and per tensor whether its chunks' dim-0 offsets are sorted and its widest dim-0 size."""
+    fqns, counts = table.fqns, table.counts
+    T = len(fqns)
+    if len(set(fqns)) != T:
+        raise c.fail("a tensor is listed twice in the chunk table")
+    if len(counts) != T or bool((counts < 0).any()):
+        raise c.fail(f"the chunk table's counts are damaged ({len(counts)} counts for {T} tensors)")
+    ndims = [len(s) for s in table.sizes]
+    C = int(counts.sum())
+    for col in ("file", "offset", "length", "crc_count"):
+        if len(getattr(table, col)) != C:
+            raise c.fail(f"column {col!r} holds {len(getattr(table, col))} values for {C} chunks")
+    n_values = sum(k * d for k, d in zip(counts.tolist(), ndims))
+    if len(table.offsets) != n_values or len(table.chunk_sizes) != n_values:
+        raise c.fail(f"columns 'offsets'/'sizes' hold {len(table.offsets)}/{len(table.chunk_sizes)} values, the "
+                     f"tensors' chunks and dimensions need {n_values}")
+    inputs = [_int64(counts), _ints(ndims), _ints([dt.itemsize for dt in table.dtypes]),
+              _ints([d for s in table.sizes for d in s]), _int64(table.offsets), _int64(table.chunk_sizes),
+              _int64(table.file), _int64(table.offset), _int64(table.length), _int64(table.crc_count),
+              _ints([i.size for i in table.file_infos]), _ints([i.data_start for i in table.file_infos]),
+              _ints([i.piece_size for i in table.file_infos])]
+    crc_starts, sorted0, widest = (torch.empty(C + 1, dtype=torch.int64), torch.empty(T, dtype=torch.int64),
+                                   torch.empty(T, dtype=torch.int64))
+    failed = _engine.check_chunk_table(*map(_view, inputs), _view(crc_starts), _view(sorted0), _view(widest))
+    if failed is not None:
+        kind, t, chunk, dim, a, b = failed
+        if kind == "covered":
+            raise c.fail(f"item {fqns[t]!r}: its chunks hold {a} elements, the tensor of size "
+                         f"{list(table.sizes[t])} has {b}")
+        where = f"item {fqns[t]!r} chunk {chunk}" + (f" (dim {dim})" if dim >= 0 else "")
+        raise c.fail(f"{where}: " + (f"{a} checksums for {b} pieces" if kind == "checksums" else _TABLE_FAILURES[kind]))
+    if int(crc_starts[-1]) != len(table.crcs):
+        raise c.fail(f"column 'crc32c' holds {len(table.crcs)} checksums, the chunks need {int(crc_starts[-1])}")
+    if table.hash64 is not None and (len(table.hash64) != C or len(table.has_hash64) != C):
+        raise c.fail(f"columns 'hash64'/'has_hash64' do not hold one value per chunk ({C})")
+    return crc_starts, sorted0 == 1, widest
+
+
+def _check_shared(c: _Check, fid: torch.Tensor, start: torch.Tensor, length: torch.Tensor, names,
+                  file_names: list[str]) -> None:
+    """No two items share bytes of a file (``names(i)`` names item i): the engine's
+    ``find_shared_bytes``, one pass when each file's items come in order, a sort otherwise."""
+    fid, start, length = _int64(fid), _int64(start), _int64(length)
+    shared = _engine.find_shared_bytes(_view(fid), _view(start), _view(length), len(file_names))
+    if shared is not None:
+        a, b = shared
+        raise c.fail(f"items {names(a)!r} and {names(b)!r} share bytes [{int(start[b])}, {int(start[a] + length[a])}) "
+                     f"of {file_names[int(fid[b])]} (each stored item has bytes of its own)")
+
+
+def _check_items_apart(c: _Check, table: _Table, values: list[tuple[str, ItemLocation]]) -> None:
+    """No two items (the table's chunks, then the values) share bytes of a file."""
+    index = {name: i for i, name in enumerate(table.file_names)}
+    i64 = torch.int64
+    fid = torch.cat((table.file, torch.tensor([index[loc.file] for _, loc in values], dtype=i64)))
+    start = torch.cat((table.offset, torch.tensor([loc.offset for _, loc in values], dtype=i64)))
+    length = torch.cat((table.length, torch.tensor([loc.length for _, loc in values], dtype=i64)))
+    C = len(table.offset)
+    cstarts = table.chunk_starts()
+
+    def name(i: int) -> str:
+        if i >= C:
+            return values[i - C][0]
+        t = int(torch.searchsorted(cstarts, torch.tensor([i]), right=True)[0]) - 1
+        return f"{table.fqns[t]} chunk {i - int(cstarts[t])}"
+
+    _check_shared(c, fid, start, length, name, table.file_names)
+
+
+def _require_little_endian(c: _Check) -> None:
+    if sys.byteorder != "little":
+        raise c.fail("packed metadata (format version 3) is read and written on little-endian hosts only")
+
+

@@ -1,0 +1,364 @@
+"""Encoding a commit as format version 3: the metadata's tensors and chunk grid as columns (made
+once per ``Metadata`` object: DCP's plan caching hands every steady-state save the same one),
+every rank's write results placed in them (``format.results``: packed per rank, or one by one),
+checked as the decoder checks them, and written as the document ``format.packed`` describes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import json
+from array import array
+from collections.abc import Mapping
+from json.encoder import encode_basestring_ascii as _json_str
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+
+from ..native import engine_module
+from .chunk_table import _U32, _check_items_apart, _check_table, _fail_chunk, _ints, _pack, _require_little_endian, _Table, _view
+from .layout import (
+    _MAX_INT,
+    PACKED_VERSION,
+    FileInfo,
+    ItemLocation,
+    _Check,
+    _check_file,
+    _check_file_name,
+    bytes_location,
+    document_head,
+    dtype_to_name,
+)
+from .results import CommitLocations, PackedResults, name_key
+
+_engine = engine_module()  # placing results (csrc/chunk_table.cpp)
+
+# ------------------------------------------------------------------------------- encode
+class _Layout:
+    """The tensors of a ``Metadata`` and their chunks as columns: what a commit encodes besides
+    the locations. Made once per metadata object (DCP's plan caching hands the same one to every
+    save of a steady state)."""
+
+    def __init__(self, md: Metadata) -> None:
+        self.fqns: list[str] = []
+        self.dtypes: list[torch.dtype] = []
+        self.grads: list[bool] = []
+        self.sizes: list[tuple[int, ...]] = []
+        self.chunk_lists: list = []
+        self.value_names: list[str] = []
+        counts: list[int] = []
+        offsets: list[int] = []
+        chunk_sizes: list[int] = []
+        for fqn, smd in md.state_dict_metadata.items():
+            if isinstance(smd, BytesStorageMetadata):
+                self.value_names.append(fqn)
+                continue
+            chunks = smd.chunks
+            self.fqns.append(fqn)
+            self.dtypes.append(smd.properties.dtype)
+            self.grads.append(bool(smd.properties.requires_grad))
+            self.sizes.append(tuple(int(d) for d in smd.size))
+            counts.append(len(chunks))
+            self.chunk_lists.append(chunks)
+            for d in range(len(smd.size)):
+                offsets.extend([ch.offsets[d] for ch in chunks])
+                chunk_sizes.extend([ch.sizes[d] for ch in chunks])
+        self.counts, self.offsets, self.chunk_sizes = _ints(counts), _ints(offsets), _ints(chunk_sizes)
+        self.starts = list(itertools.accumulate(counts, initial=0))
+        self.fingerprint: list = []  # each item's object and chunk count (_layout_of)
+        self._keys: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._by_offsets: dict[int, dict[tuple, int]] = {}
+
+    def by_offsets(self, t: int) -> dict[tuple, int]:
+        """Tensor ``t``'s chunks by their offsets (their first position)."""
+        found = self._by_offsets.get(t)
+        if found is None:
+            found = self._by_offsets[t] = {}
+            for i, ch in enumerate(self.chunk_lists[t]):
+                found.setdefault(tuple(ch.offsets), i)
+        return found
+
+    def keys(self, check: _Check) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tensors' ``name_key`` values sorted, and the tensor of each; refused when two
+        tensors have one key."""
+        if self._keys is None:
+            keys = self.key_column = _ints([name_key(f) for f in self.fqns])
+            ordered, order = torch.sort(keys)
+            same = torch.nonzero(ordered[1:] == ordered[:-1]).flatten()
+            if len(same):
+                a, b = int(order[int(same[0])]), int(order[int(same[0]) + 1])
+                raise check.fail(f"items {self.fqns[a]!r} and {self.fqns[b]!r} have the same 64-bit name key: "
+                                 f"their write results cannot be told apart (rename one of them)")
+            self._keys = (ordered, order)
+        return self._keys
+
+
+_last_layout: tuple[Any, _Layout] | None = None  # (the metadata's item dict it was made from, layout)
+
+
+def _layout_of(md: Metadata) -> _Layout:
+    """The layout of ``md``: the last one made while ``md`` holds the same item objects with the
+    same numbers of chunks (the metadata DCP's plan cache hands every steady-state save)."""
+    global _last_layout
+    last = _last_layout
+    fingerprint = [(id(v), len(getattr(v, "chunks", ()))) for v in md.state_dict_metadata.values()]
+    if last is not None and last[0] is md.state_dict_metadata and last[1].fingerprint == fingerprint:
+        return last[1]
+    layout = _Layout(md)
+    layout.fingerprint = fingerprint
+    _last_layout = (md.state_dict_metadata, layout)
+    return layout
+
+
+class _Files:
+    """The data files of a commit: name -> [index, size, data_start, piece_size]; every item of
+    one file has its grid, and the file is as large as its writer says and its items need."""
+
+    def __init__(self, check: _Check) -> None:
+        self.check = check
+        self.files: dict[str, list[int]] = {}
+
+    def index(self, name: str, data_start: int, piece_size: int, file_size: int, end: int, where) -> int:
+        info = self.files.get(name)
+        if info is None:
+            info = self.files[name] = [len(self.files), 0, data_start, piece_size]
+            _check_file_name(self.check, name, piece_size, f"files[{name!r}]", references=True)
+        elif info[2] != data_start or info[3] != piece_size:
+            raise self.check.fail(f"{where() if callable(where) else where}: its checksum grid ({data_start}, "
+                                  f"{piece_size}) is not its file's ({info[2]}, {info[3]}) in {name}")
+        if end > info[1] or file_size > info[1]:
+            info[1] = max(end, file_size)
+        return info[0]
+
+    def infos(self) -> dict[str, FileInfo]:
+        infos = {name: FileInfo(size=v[1], data_start=v[2], piece_size=v[3]) for name, v in self.files.items()}
+        for name, info in infos.items():
+            _check_file(self.check, name, info, f"files[{name!r}]", references=True)
+        return infos
+
+
+class _Placed:
+    """The location columns of a commit, in chunk order."""
+
+    def __init__(self, file, offset, length, crc_count, crcs, hash64=None, has_hash64=None):
+        self.file, self.offset, self.length, self.crc_count, self.crcs = file, offset, length, crc_count, crcs
+        self.hash64, self.has_hash64 = hash64, has_hash64
+
+
+def encode_packed(md: Metadata, locations: Mapping[MetadataIndex, ItemLocation],
+                  c: _Check | None) -> tuple[bytes, dict[str, FileInfo]]:
+    """A version 3 document of ``md`` whose items are at ``locations``, and the data files it
+    lists; with ``c``, the table is checked as the decoder checks it (the commit's check)."""
+    check = c or _Check("packed metadata")
+    _require_little_endian(check)
+    layout = _layout_of(md)
+    files = _Files(check)
+    values: list[str] = []
+    value_spans: list[tuple[str, ItemLocation]] = []
+    for fqn in layout.value_names:
+        loc = locations.get(MetadataIndex(fqn))
+        if loc is None:
+            raise check.fail(f"no write result for item {fqn!r}")
+        files.index(loc.file, loc.data_start, loc.piece_size, loc.file_size, loc.offset + loc.length, f"item {fqn!r}")
+        value_spans.append((fqn, loc))
+        values.append(f"{_json_str(fqn)}:{_value_json(loc)}")
+    if isinstance(locations, CommitLocations) and locations.chunks_packed:
+        placed = _place_packed(layout, locations.blocks, files, check)
+    else:
+        placed = _place_each(layout, locations, files, check)
+    names = list(files.files)
+    infos = files.infos()
+    table = _Table(layout.fqns, layout.dtypes, layout.grads, layout.sizes, layout.counts, layout.offsets,
+                   layout.chunk_sizes, placed.file, placed.offset, placed.length, placed.crc_count, placed.crcs,
+                   placed.hash64, placed.has_hash64, names, [infos[n] for n in names])
+    if c is not None:
+        _check_table(c, table)
+        _check_values_and_chunks_apart(c, table, value_spans, files.files)
+        bad = (table.crcs < 0) | (table.crcs > _U32)
+        if bool(bad.any()):
+            crc_starts = torch.cumsum(table.crc_count, 0)
+            ci = int(torch.searchsorted(crc_starts, torch.nonzero(bad)[:1], right=True)[0])
+            _fail_chunk(c, table, torch.arange(len(table.file)) == ci, table.chunk_starts(),
+                        "crc32c must be a list of 32-bit integers")
+    columns = {
+        "chunks": _pack(table.counts), "offsets": _pack(table.offsets), "sizes": _pack(table.chunk_sizes),
+        "file": _pack(table.file), "offset": _pack(table.offset), "length": _pack(table.length),
+        "crc_count": _pack(table.crc_count), "crc32c": _pack(table.crcs.to(torch.int32).to(torch.int64), delta=False, level=0),
+    }
+    if table.hash64 is not None:
+        columns["hash64"] = _pack(table.hash64, delta=False, level=0)
+        columns["has_hash64"] = _pack(table.has_hash64)
+    head = document_head(md, PACKED_VERSION, infos)
+    head["tensors"] = [[f, dtype_to_name(d), g, list(s)]
+                       for f, d, g, s in zip(layout.fqns, layout.dtypes, layout.grads, layout.sizes)]
+    head["columns"] = columns
+    text = json.dumps(head, separators=(",", ":"))[:-1] + ',"values":{' + ",".join(values) + "}}"
+    return text.encode(), infos
+
+
+def _place_each(layout: _Layout, locations: Mapping[MetadataIndex, ItemLocation], files: _Files,
+                check: _Check) -> _Placed:
+    """The columns from a mapping of results, one by one: each chunk placed by the position
+    DCP's planning gave it (the index's hint, checked against the chunk's offsets)."""
+    tensor_index = {fqn: t for t, fqn in enumerate(layout.fqns)}
+    starts, chunk_lists = layout.starts, layout.chunk_lists
+    C = starts[-1]
+    fcol: list = [None] * C
+    ocol, lcol, ncol = [0] * C, [0] * C, [0] * C
+    crc_of: list = [()] * C
+    hashes: list = [None] * C
+
+    def put(slot: int, fqn: str, offsets, loc: ItemLocation) -> None:
+        fcol[slot] = files.index(loc.file, loc.data_start, loc.piece_size, loc.file_size, loc.offset + loc.length,
+                                 lambda: f"item {fqn!r} at offset {list(offsets or [])}")
+        ocol[slot], lcol[slot], ncol[slot], crc_of[slot], hashes[slot] = (
+            loc.offset, loc.length, len(loc.crc32c), loc.crc32c, loc.hash64)
+
+    for index, loc in locations.items():
+        t = tensor_index.get(index.fqn)
+        if t is None or index.offset is None:
+            continue  # a value, or an item the metadata does not list
+        chunks, p = chunk_lists[t], index.index
+        if p is None or not 0 <= p < len(chunks) or chunks[p].offsets != index.offset:
+            p = layout.by_offsets(t).get(tuple(index.offset))
+            if p is None:
+                continue
+        put(starts[t] + p, index.fqn, index.offset, loc)
+    slot = fcol.index(None) if None in fcol else -1
+    while slot >= 0:  # chunks sharing their offsets (empty ones) share one result: looked up
+        t = bisect.bisect_right(starts, slot) - 1
+        chunk_offsets = chunk_lists[t][slot - starts[t]].offsets
+        loc = locations.get(MetadataIndex(layout.fqns[t], chunk_offsets))
+        if loc is None:
+            raise check.fail(f"no write result for item {layout.fqns[t]!r} at offset {list(chunk_offsets)}")
+        put(slot, layout.fqns[t], chunk_offsets, loc)
+        slot = fcol.index(None, slot) if None in fcol[slot:] else -1
+    hash64 = has_hash = None
+    if hashes.count(None) != len(hashes):
+        hash64 = _ints([0 if h is None else h - (1 << 64) if h > _MAX_INT else h for h in hashes])
+        has_hash = _ints([h is not None for h in hashes])
+    return _Placed(_ints(fcol), _ints(ocol), _ints(lcol), _ints(ncol), _ints(list(itertools.chain.from_iterable(crc_of))),
+                   hash64, has_hash)
+
+
+def _column(a, dtype: torch.dtype) -> torch.Tensor:
+    """A buffer's values (its bytes read as ``dtype``) as int64."""
+    if len(a) == 0:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.frombuffer(a, dtype=dtype).to(torch.int64)
+
+
+def _joined(blocks: list[PackedResults], name: str, dtype: torch.dtype) -> torch.Tensor:
+    """Column ``name`` of every block, one after the other, as int64 (one copy of the bytes)."""
+    raw = bytearray().join(getattr(b, name) for b in blocks)
+    return _column(raw, dtype)
+
+
+def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, check: _Check) -> _Placed:
+    """The columns from every rank's packed results at once (``format.results``): each chunk
+    found by its tensor's name key and the position DCP's planning gave it, checked against its
+    offsets; a result whose hint does not hold is found by its offsets. As in a dict of all
+    results, a later result for one chunk wins; a result for a tensor the metadata does not list
+    is left out; chunks sharing their offsets share one result."""
+    if any(array(code).itemsize != size for code, size in (("b", 1), ("i", 4), ("I", 4), ("q", 8), ("Q", 8))):
+        raise check.fail("packed write results need 1-, 4- and 8-byte array items")
+    i64 = torch.int64
+    key, pos = _joined(blocks, "key", torch.int64), _joined(blocks, "position", torch.int64)
+    ndim, offs = _joined(blocks, "ndim", torch.int8), _joined(blocks, "offsets", torch.int64)
+    offset, length = _joined(blocks, "offset", torch.int64), _joined(blocks, "length", torch.int64)
+    crc_count, crcs = _joined(blocks, "crc_count", torch.int32), _joined(blocks, "crcs", torch.int32) & _U32
+    record_base = list(itertools.accumulate((len(b.files) for b in blocks), initial=0))
+    record = torch.cat([_column(b.record, torch.int32) + base for b, base in zip(blocks, record_base)]) \
+        if blocks else torch.zeros(0, dtype=i64)
+    # Each result's chunk, by its tensor's name key and its position hint (checked against its
+    # offsets); a later result for one chunk wins.
+    C = layout.starts[-1]
+    layout.keys(check)  # two tensors with one key are refused first
+    src, status = torch.empty(C, dtype=i64), torch.empty(len(key), dtype=i64)
+    keys, ndims = layout.key_column, _ints([len(s) for s in layout.sizes])
+    _engine.place_chunks(_view(keys), _view(layout.counts), _view(ndims), _view(layout.offsets), _view(key), _view(pos),
+                         _view(ndim), _view(offs), _view(src), _view(status))
+    hints_off = torch.nonzero(status <= -2).flatten().tolist()
+    if hints_off:  # hints that do not hold: looked up by offsets (rare)
+        ostart = (torch.cumsum(ndim, 0) - ndim).tolist()
+        for j in hints_off:
+            t = -2 - int(status[j])
+            p = layout.by_offsets(t).get(tuple(offs[ostart[j]:ostart[j] + int(ndim[j])].tolist()))
+            if p is not None and int(src[layout.starts[t] + p]) < j:
+                src[layout.starts[t] + p] = j
+    missing: dict[int, list[int]] = {}
+    for slot in torch.nonzero(src < 0).flatten().tolist():
+        missing.setdefault(bisect.bisect_right(layout.starts, slot) - 1, []).append(slot)
+    for tt, slots in missing.items():  # chunks sharing their offsets (empty ones) share one result
+        base, chunks = layout.starts[tt], layout.chunk_lists[tt]
+        latest: dict[tuple, int] = {}
+        for q, found in enumerate(src[base:base + len(chunks)].tolist()):
+            if found >= 0:
+                key_q = tuple(chunks[q].offsets)
+                latest[key_q] = max(found, latest.get(key_q, -1))
+        for slot in slots:
+            found = latest.get(tuple(chunks[slot - base].offsets))
+            if found is None:
+                raise check.fail(f"no write result for item {layout.fqns[tt]!r} at offset "
+                                 f"{list(chunks[slot - base].offsets)}")
+            src[slot] = found
+    # Each row's location, its checksums moved with it.
+    hashed = any(len(b.has_hash64) for b in blocks)
+    hashes = has = torch.zeros(0, dtype=i64)
+    if hashed:
+        hashes = torch.cat([_column(b.hash64, torch.int64) if len(b.has_hash64) else torch.zeros(len(b), dtype=i64)
+                            for b in blocks])
+        has = torch.cat([_column(b.has_hash64, torch.int8) if len(b.has_hash64) else torch.zeros(len(b), dtype=i64)
+                         for b in blocks])
+    rows = [torch.empty(C, dtype=i64) for _ in range(6 if hashed else 4)]
+    row_record, row_offset, row_length, row_count = rows[:4]
+    row_hash, row_has = rows[4:] if hashed else (torch.zeros(0, dtype=i64),) * 2
+    moved = _engine.gather_chunks(*map(_view, (src, record, offset, length, crc_count, crcs, hashes, has, *rows[:4],
+                                               row_hash, row_has)))
+    # The data files, as their records are used; each file as large as its items need.
+    rec_file = torch.full((record_base[-1],), -1, dtype=i64)
+    used = torch.zeros(record_base[-1], dtype=torch.bool)
+    used[row_record] = True
+    names = None
+    for r in torch.nonzero(used).flatten().tolist():
+        b = bisect.bisect_right(record_base, r) - 1
+        name, data_start, piece_size, file_size = blocks[b].files[r - record_base[b]]
+
+        def where(b=b, r=r):
+            nonlocal names
+            names = names or {name_key(f): f for f in layout.fqns}
+            j = blocks[b].record.index(r - record_base[b])
+            o = sum(blocks[b].ndim[:j])
+            return (f"item {names.get(blocks[b].key[j], '?')!r} at offset "
+                    f"{list(blocks[b].offsets[o:o + blocks[b].ndim[j]])}")
+        rec_file[r] = files.index(name, data_start, piece_size, file_size, 0, where)
+    fid = rec_file[row_record]
+    if C:
+        ends = torch.zeros(len(files.files), dtype=i64).scatter_reduce_(0, fid, row_offset + row_length, "amax")
+        for info, end in zip(files.files.values(), ends.tolist()):
+            info[1] = max(info[1], end)
+    return _Placed(fid, row_offset, row_length, row_count, _column(moved, torch.int64),
+                   row_hash if hashed else None, row_has if hashed else None)
+
+
+def _value_json(loc: ItemLocation) -> str:
+    """A non-tensor value's entry, as version 1 writes it."""
+    text = (f'{{"type":"bytes","file":{_json_str(loc.file)},"offset":{int(loc.offset)},"length":{int(loc.length)},'
+            f'"crc32c":{list(map(int, loc.crc32c))}')
+    if loc.hash64 is not None:
+        text += f',"hash64":"{int(loc.hash64):016x}"'
+    return text + "}"
+
+
+def _check_values_and_chunks_apart(c: _Check, table: _Table, values: list[tuple[str, ItemLocation]],
+                                   files: dict) -> None:
+    """The values' ranges are checked as version 1 checks them; then no two items share bytes."""
+    infos = dict(zip(table.file_names, table.file_infos))
+    for fqn, loc in values:
+        bytes_location(c, {"file": loc.file, "offset": loc.offset, "length": loc.length,
+                           "crc32c": list(loc.crc32c)}, f"item {fqn!r}", infos)
+    _check_items_apart(c, table, values)
+
+

@@ -1,0 +1,127 @@
+"""The engine's chunk table routines (csrc/chunk_table.cpp) against plain Python statements of
+what they compute, on random inputs: shared bytes found (in whatever order the items come),
+results placed by key, hint and offsets with the later one winning, rows gathered with their
+checksums; and their arguments refused with ValueError when their sizes disagree."""
+
+from __future__ import annotations
+
+import random
+from array import array
+
+import pytest
+
+from dcp_datastates.native import engine_module
+
+_engine = engine_module()
+
+
+def q(values) -> array:
+    return array("q", values)
+
+
+def shared_reference(fid, start, length):
+    """The first pair sharing a byte in (file, start) order, by brute force; None."""
+    items = sorted((f, s, i) for i, (f, s, n) in enumerate(zip(fid, start, length)) if n > 0)
+    for (fa, sa, a), (fb, sb, b) in zip(items, items[1:]):
+        if fa == fb and sb < sa + length[a]:
+            return a, b
+    return None
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_find_shared_bytes_is_the_brute_force_answer(seed):
+    rng = random.Random(seed)
+    files, n = rng.randint(1, 4), rng.randint(0, 30)
+    fid, start, length = [], [], []
+    ends = [0] * files
+    for _ in range(n):  # mostly laid out back to back per file, sometimes overlapping or empty
+        f = rng.randrange(files)
+        s = ends[f] - (rng.randint(1, 5) if rng.random() < 0.1 else 0)
+        k = 0 if rng.random() < 0.1 else rng.randint(1, 9)
+        fid.append(f)
+        start.append(max(s, 0))
+        length.append(k)
+        ends[f] = max(ends[f], max(s, 0) + k)
+    order = list(range(n))
+    if seed % 2:
+        rng.shuffle(order)  # not in file order: the engine sorts
+    fid, start, length = ([v[i] for i in order] for v in (fid, start, length))
+    expected = shared_reference(fid, start, length)
+    found = _engine.find_shared_bytes(q(fid), q(start), q(length), files)
+    if expected is None:
+        assert found is None
+    else:  # the same overlap (an equal start may pair either way round)
+        assert found is not None and {start[found[0]], start[found[1]]} == {start[expected[0]], start[expected[1]]}
+
+
+def test_find_shared_bytes_refuses_a_file_index_out_of_range():
+    with pytest.raises(ValueError, match="item 1: file index 3 out of range"):
+        _engine.find_shared_bytes(q([0, 3]), q([0, 8]), q([4, 4]), 3)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_place_and_gather_chunks_are_the_python_statement(seed):
+    rng = random.Random(seed)
+    T = rng.randint(1, 5)
+    counts = [rng.randint(0, 4) for _ in range(T)]
+    ndims = [rng.randint(0, 2) if counts[t] <= 1 else rng.randint(1, 2) for t in range(T)]
+    keys = rng.sample(range(-(1 << 30), 1 << 30), T)
+    table = []  # per tensor, dimension-major: every chunk's offset in dim 0, then dim 1
+    boxes = []
+    for t in range(T):
+        offs = [tuple(rng.randrange(100) for _ in range(ndims[t])) for _ in range(counts[t])]
+        boxes.append(offs)
+        for d in range(ndims[t]):
+            table.extend(o[d] for o in offs)
+    results = []  # (key, position, offsets)
+    for _ in range(rng.randint(0, 12)):
+        t = rng.randrange(T)
+        if counts[t] == 0 or rng.random() < 0.1:
+            results.append((rng.randrange(1 << 40), 0, ()))  # a tensor the table does not list
+            continue
+        p = rng.randrange(counts[t])
+        hint = p if rng.random() < 0.8 else rng.choice([-1, counts[t], (p + 1) % counts[t]])
+        results.append((keys[t], hint, boxes[t][p]))
+    starts = [sum(counts[:t]) for t in range(T)]
+    src_ref = [-1] * sum(counts)
+    status_ref = []
+    for i, (key, hint, offs) in enumerate(results):
+        t = keys.index(key) if key in keys else None
+        if t is None:
+            status_ref.append(-1)
+        elif 0 <= hint < counts[t] and len(offs) == ndims[t] and boxes[t][hint] == offs:
+            src_ref[starts[t] + hint] = i
+            status_ref.append(starts[t] + hint)
+        else:
+            status_ref.append(-2 - t)
+    src, status = q([7] * sum(counts)), q([7] * len(results))
+    _engine.place_chunks(q(keys), q(counts), q(ndims), q(table), q([r[0] for r in results]),
+                         q([r[1] for r in results]), q([len(r[2]) for r in results]),
+                         q([o for r in results for o in r[2]]), src, status)
+    assert list(src) == src_ref and list(status) == status_ref
+    # Gathering: every row from a result (a random one here), its checksums moved with it.
+    N = max(len(results), 1)
+    crc_count = [rng.randint(0, 3) for _ in range(N)]
+    crcs = [rng.getrandbits(32) for _ in range(sum(crc_count))]
+    first = [sum(crc_count[:i]) for i in range(N)]
+    rows = [rng.randrange(N) for _ in range(sum(counts))]
+    record, offset, length = ([rng.randrange(1000) for _ in range(N)] for _ in range(3))
+    hashes, has = [rng.getrandbits(63) for _ in range(N)], [rng.randint(0, 1) for _ in range(N)]
+    out = [q([0] * len(rows)) for _ in range(6)]
+    moved = _engine.gather_chunks(q(rows), q(record), q(offset), q(length), q(crc_count), q(crcs), q(hashes), q(has),
+                                  *out)
+    assert [list(o) for o in out] == [[v[i] for i in rows] for v in (record, offset, length, crc_count)] + [
+        [hashes[i] if has[i] else 0 for i in rows], [has[i] for i in rows]]
+    assert list(array("q", bytes(moved))) == [c for i in rows for c in crcs[first[i]:first[i] + crc_count[i]]]
+
+
+def test_the_routines_refuse_columns_that_disagree():
+    with pytest.raises(ValueError, match="offsets holds 1 values, 2 expected"):
+        _engine.place_chunks(q([5]), q([1]), q([2]), q([0]), q([]), q([]), q([]), q([]), q([0]), q([]))
+    with pytest.raises(ValueError, match="row 0: no result 4"):
+        _engine.gather_chunks(q([4]), q([0]), q([0]), q([0]), q([0]), q([]), q([]), q([]), *[q([0])] * 4, q([]), q([]))
+    with pytest.raises(ValueError, match="not a buffer of int64 values"):
+        _engine.find_shared_bytes(b"123", q([]), q([]), 1)
+    empty = [q([])] * 6
+    with pytest.raises(ValueError, match="crc_starts holds 0 values, 1 expected"):
+        _engine.check_chunk_table(*empty, *[q([])] * 7, q([]), q([]), q([]))
