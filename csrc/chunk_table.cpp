@@ -124,22 +124,23 @@ bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out wid
 }
 
 bool find_shared_bytes(In fid, In start, In length, int64_t files, int64_t* first, int64_t* second) {
-  const size_t n = fid.size;
-  std::vector<int64_t> end(static_cast<size_t>(std::max<int64_t>(files, 0)), std::numeric_limits<int64_t>::min());
-  bool ordered = true;
-  for (size_t i = 0; i < n && ordered; ++i) {
+  const size_t n = fid.size, F = static_cast<size_t>(std::max<int64_t>(files, 0));
+  // A file whose items come in increasing order shares no byte among them: only the others are
+  // sorted (a writer lays its items out in order; a file of values and tensors may not be).
+  std::vector<int64_t> end(F, std::numeric_limits<int64_t>::min());
+  std::vector<char> unordered(F, 0);
+  for (size_t i = 0; i < n; ++i) {
     if (length[i] <= 0) continue;
     const size_t f = static_cast<size_t>(fid[i]);
-    if (start[i] < end[f]) ordered = false;
-    end[f] = start[i] + length[i];
+    if (start[i] < end[f]) unordered[f] = 1;
+    end[f] = std::max(end[f], start[i] + length[i]);
   }
-  if (ordered) return false;
+  std::vector<int64_t> order;
+  for (size_t i = 0; i < n; ++i)
+    if (length[i] > 0 && unordered[static_cast<size_t>(fid[i])]) order.push_back(static_cast<int64_t>(i));
+  if (order.empty()) return false;
   // Sorted by (file, start), each item must begin at or after the end of the one before it in
   // its file: then the ends increase too, and no item reaches into any earlier one.
-  std::vector<int64_t> order;
-  order.reserve(n);
-  for (size_t i = 0; i < n; ++i)
-    if (length[i] > 0) order.push_back(static_cast<int64_t>(i));
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
     return fid[a] != fid[b] ? fid[a] < fid[b] : start[a] < start[b];
   });

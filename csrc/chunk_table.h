@@ -52,7 +52,8 @@ bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out wid
 
 // Whether two of the items [start, start + length) of files `fid` share a byte (empty items
 // share nothing). When they do, returns true with `first` and `second` the indices of the first
-// such pair in (file, start) order. One pass when each file's items come in increasing order.
+// such pair in (file, start) order. One pass, and a sort of the items of the files whose items
+// do not come in increasing order.
 bool find_shared_bytes(In fid, In start, In length, int64_t files, int64_t* first, int64_t* second);
 
 // Places every rank's chunk results in the table (format/results.py sends them packed). The

@@ -182,11 +182,14 @@ class _Columns:
     def chunks(self, t: int, positions=None) -> list[ChunkStorageMetadata]:
         """DCP's chunk objects of tensor ``t`` (all, or those at ``positions``)."""
         k, base, nd = self.counts[t], self.element_start[t], len(self.sizes[t])
+        make, size_of = ChunkStorageMetadata, torch.Size
+        if positions is not None:  # a few: read where they are
+            offs, sizes, dims = self.offsets, self.chunk_sizes, range(base, base + nd * k, k)
+            return [make(offsets=size_of([offs[i + p] for i in dims]), sizes=size_of([sizes[i + p] for i in dims]))
+                    for p in positions]
         offs = self.offsets[base: base + nd * k].tolist()
         sizes = self.chunk_sizes[base: base + nd * k].tolist()
-        make, size_of = ChunkStorageMetadata, torch.Size
-        return [make(offsets=size_of(offs[p::k]), sizes=size_of(sizes[p::k]))
-                for p in (range(k) if positions is None else positions)]
+        return [make(offsets=size_of(offs[p::k]), sizes=size_of(sizes[p::k])) for p in range(k)]
 
     def metadata(self, t: int, chunks: list[ChunkStorageMetadata]) -> TensorStorageMetadata:
         props = TensorProperties(dtype=self.dtypes[t], requires_grad=self.requires_grad[t])
