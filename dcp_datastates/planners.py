@@ -6,6 +6,7 @@ checkpoint library expects: a load that names the item whose shape or dtype does
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Mapping
 
@@ -24,7 +25,9 @@ from torch.distributed.tensor import DTensor
 
 from .compat import cached_save_plans, checkpointable_global_shape
 from .errors import CheckpointMismatchError
-from .format.packed import PackedItems
+from .format import metadata as metadata_codec
+from .format.packed import PackedItems, unpack_items
+from .format.packed_encode import pack_items
 
 __all__ = ["DataStatesSavePlanner", "DataStatesLoadPlanner"]
 
@@ -68,6 +71,12 @@ class DataStatesSavePlanner(DefaultSavePlanner):
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         deltas, metadata = super().create_global_plan(all_plans)
+        items = metadata.state_dict_metadata
+        if not isinstance(items, _SentPacked) and \
+                sum(len(getattr(v, "chunks", ())) for v in items.values()) >= metadata_codec.PACK_FROM_CHUNKS:
+            # DCP sends this metadata to every rank after each save: packed, not an object per chunk.
+            # (In place: DCP's plan cache hands the same object to the next save.)
+            metadata.state_dict_metadata = _SentPacked(items)
         if self._enable_plan_caching:
             # A rank that re-sent its plan gets its full global plan back: DCP's comparison of
             # global plans ignores dtypes and would otherwise hand it a stale cached plan.
@@ -83,6 +92,22 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         if self._enable_plan_caching:
             _LOCAL_DTYPES[self._cached_plans_key] = self._pending_dtypes
         return plan
+
+
+class _SentPacked(dict):
+    """The global metadata's items as DCP sends them to every rank once a save is committed (it
+    broadcasts the metadata, pickled): packed columns (``format.packed_encode.pack_items``),
+    received as a ``PackedItems`` whose objects are made when asked for. On the coordinator, the
+    dict DCP planned; a copy of it is a plain dict."""
+
+    def __reduce__(self):
+        return unpack_items, pack_items(self)
+
+    def __copy__(self) -> dict:
+        return dict(self)
+
+    def __deepcopy__(self, memo) -> dict:
+        return copy.deepcopy(dict(self), memo)
 
 
 class DataStatesLoadPlanner(DefaultLoadPlanner):

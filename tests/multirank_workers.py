@@ -222,5 +222,17 @@ def phase_packed(rank, world, root):
             state = zero_like_sharded(sharded_state(world, "swap"))
             dcp.load(state, storage_reader=DataStatesReader(f"{root}/{name}"), planner=DataStatesLoadPlanner())
             check_against_full(state, seed=2)
+        # What dcp.save returns on every rank: the coordinator's metadata, sent packed, the same.
+        md = dcp.save(sharded_state(world, seed=3), storage_writer=DataStatesWriter(f"{root}/packed_sync"),
+                      planner=DataStatesSavePlanner(cache_key="packed_sync"))
+        from dcp_datastates.format.packed import PackedItems
+
+        assert isinstance(md.state_dict_metadata, dict if rank == 0 else PackedItems), type(md.state_dict_metadata)
+        seen = {fqn: (type(v).__name__, getattr(v, "size", None), [(tuple(c.offsets), tuple(c.sizes))
+                                                                    for c in getattr(v, "chunks", [])])
+                for fqn, v in md.state_dict_metadata.items()}
+        everyone = [None] * world
+        dist.all_gather_object(everyone, seen)
+        assert all(other == everyone[0] for other in everyone), "ranks received different metadata"
     finally:
         del os.environ["DCP_DATASTATES_RANKS_PER_NODE"]

@@ -152,3 +152,19 @@ def test_real_saves_commit_version_3_from_packed_results(tmp_path):
     run_ranks(4, W.phase_packed, str(tmp_path))
     for name in ("packed_hier", "packed_flat"):
         assert json.loads((tmp_path / name / ".metadata").read_bytes())["version"] == 3
+
+
+def test_the_global_metadata_is_sent_packed_and_copied_as_a_dict():
+    """DCP pickles the global metadata to every rank after a save: a large one goes as packed
+    columns and arrives as a PackedItems of the same items; a copy stays a plain dict."""
+    import copy
+
+    from dcp_datastates.format.packed import PackedItems
+    from dcp_datastates.planners import _SentPacked
+
+    md, _ = sharded(SHAPES, 5, grid=(5, 1))
+    sent = _SentPacked(md.state_dict_metadata)
+    received = pickle.loads(pickle.dumps(sent))
+    assert isinstance(received, PackedItems) and dict(received) == dict(md.state_dict_metadata)
+    assert len(pickle.dumps(sent)) < len(pickle.dumps(dict(sent)))
+    assert type(copy.deepcopy(sent)) is dict and copy.deepcopy(sent) == dict(sent) and type(copy.copy(sent)) is dict

@@ -127,6 +127,23 @@ def decode_packed(doc: dict, c: _Check, files: dict[str, FileInfo]) -> Metadata:
     )
 
 
+def unpack_items(tensors: list, values: list, columns: dict) -> "PackedItems":
+    """The items ``format.packed_encode.pack_items`` packed, as a ``PackedItems`` whose objects
+    are made when asked for (no locations: the metadata DCP sends every rank after a save)."""
+    c = _Check("the checkpoint's metadata as sent by the coordinator")
+    fqns = [t[0] for t in tensors]
+    sizes = [tuple(t[3]) for t in tensors]
+    counts = _unpack(c, columns, "chunks", len(fqns))
+    n_values = sum(k * len(s) for k, s in zip(counts.tolist(), sizes))
+    none = torch.zeros(0, dtype=torch.int64)
+    table = _Table(fqns, [name_to_dtype(t[1]) for t in tensors], [t[2] for t in tensors], sizes, counts,
+                   _unpack(c, columns, "offsets", n_values), _unpack(c, columns, "sizes", n_values),
+                   none, none, none, none, none, None, None, [], [])
+    unsorted = torch.zeros(len(fqns), dtype=torch.bool)  # no bisection: every chunk is a candidate
+    return PackedItems(_Columns(table, torch.zeros(1, dtype=torch.int64), unsorted, torch.zeros(len(fqns), dtype=torch.int64)),
+                       dict.fromkeys(values))
+
+
 class _Columns:
     """The checked table as flat views of its columns (one value read in tens of nanoseconds,
     no copy), shared by the two mappings DCP sees; picklable (as arrays)."""

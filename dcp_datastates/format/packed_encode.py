@@ -41,7 +41,7 @@ class _Layout:
     the locations. Made once per metadata object (DCP's plan caching hands the same one to every
     save of a steady state)."""
 
-    def __init__(self, md: Metadata) -> None:
+    def __init__(self, items: Mapping) -> None:
         self.fqns: list[str] = []
         self.dtypes: list[torch.dtype] = []
         self.grads: list[bool] = []
@@ -51,7 +51,7 @@ class _Layout:
         counts: list[int] = []
         offsets: list[int] = []
         chunk_sizes: list[int] = []
-        for fqn, smd in md.state_dict_metadata.items():
+        for fqn, smd in items.items():
             if isinstance(smd, BytesStorageMetadata):
                 self.value_names.append(fqn)
                 continue
@@ -98,18 +98,30 @@ class _Layout:
 _last_layout: tuple[Any, _Layout] | None = None  # (the metadata's item dict it was made from, layout)
 
 
-def _layout_of(md: Metadata) -> _Layout:
-    """The layout of ``md``: the last one made while ``md`` holds the same item objects with the
-    same numbers of chunks (the metadata DCP's plan cache hands every steady-state save)."""
+def _layout_of(items: Mapping) -> _Layout:
+    """The layout of a metadata's ``items``: the last one made while ``items`` is the same object
+    holding the same item objects with the same numbers of chunks (the metadata DCP's plan cache
+    hands every steady-state save)."""
     global _last_layout
     last = _last_layout
-    fingerprint = [(id(v), len(getattr(v, "chunks", ()))) for v in md.state_dict_metadata.values()]
-    if last is not None and last[0] is md.state_dict_metadata and last[1].fingerprint == fingerprint:
+    fingerprint = [(id(v), len(getattr(v, "chunks", ()))) for v in items.values()]
+    if last is not None and last[0] is items and last[1].fingerprint == fingerprint:
         return last[1]
-    layout = _Layout(md)
+    layout = _Layout(items)
     layout.fingerprint = fingerprint
-    _last_layout = (md.state_dict_metadata, layout)
+    _last_layout = (items, layout)
     return layout
+
+
+def pack_items(items: Mapping) -> tuple[list, list, dict]:
+    """A metadata's ``items`` (DCP's ``state_dict_metadata``) as plain lists and packed columns:
+    (tensors as [name, dtype, requires_grad, size], value names, the chunk columns), which
+    ``format.packed.unpack_items`` makes a ``PackedItems`` of."""
+    layout = _layout_of(items)
+    tensors = [[f, dtype_to_name(d), g, list(s)] for f, d, g, s in zip(layout.fqns, layout.dtypes, layout.grads,
+                                                                      layout.sizes)]
+    return tensors, list(layout.value_names), {"chunks": _pack(layout.counts), "offsets": _pack(layout.offsets),
+                                               "sizes": _pack(layout.chunk_sizes)}
 
 
 class _Files:
@@ -153,7 +165,7 @@ def encode_packed(md: Metadata, locations: Mapping[MetadataIndex, ItemLocation],
     lists; with ``c``, the table is checked as the decoder checks it (the commit's check)."""
     check = c or _Check("packed metadata")
     _require_little_endian(check)
-    layout = _layout_of(md)
+    layout = _layout_of(md.state_dict_metadata)
     files = _Files(check)
     values: list[str] = []
     value_spans: list[tuple[str, ItemLocation]] = []
