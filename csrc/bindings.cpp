@@ -760,7 +760,8 @@ PYBIND11_MODULE(_engine, m) {
         py::arg("hash"), py::arg("has_hash"), py::arg("row_record"), py::arg("row_offset"), py::arg("row_length"),
         py::arg("row_count"), py::arg("row_hash"), py::arg("row_has"),
         "The placed table's location columns (chunk_table.h); returns the checksums in row order (int64).");
-  m.def("find_shared_bytes", [](py::handle fid, py::handle start, py::handle length, int64_t files) -> py::object {
+  m.def("find_shared_bytes", [](py::handle fid, py::handle start, py::handle length, int64_t files,
+                                int64_t ordered) -> py::object {
     const Int64Buffer b_fid(fid, "fid", false), b_start(start, "start", false), b_length(length, "length", false);
     require_size(b_start, b_fid.size(), "start");
     require_size(b_length, b_fid.size(), "length");
@@ -772,11 +773,13 @@ PYBIND11_MODULE(_engine, m) {
     bool shared;
     {
       NoGil nogil;
-      shared = dcpds::find_shared_bytes(b_fid.in(), b_start.in(), b_length.in(), files, &first, &second);
+      shared = dcpds::find_shared_bytes(b_fid.in(), b_start.in(), b_length.in(), files,
+                                        ordered < 0 ? b_fid.size() : static_cast<size_t>(ordered), &first, &second);
     }
     if (!shared) return py::none();
     return py::make_tuple(first, second);
-  }, py::arg("fid"), py::arg("start"), py::arg("length"), py::arg("files"),
+  }, py::arg("fid"), py::arg("start"), py::arg("length"), py::arg("files"), py::arg("ordered") = -1,
         "None when no two items [start, start + length) of one file share a byte, else the indices of\n"
-        "the first pair that does, in (file, start) order.");
+        "the first pair that does, in (file, start) order. The first `ordered` items (-1: all) are\n"
+        "expected in increasing order within each file.");
 }

@@ -123,17 +123,48 @@ bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out wid
   return true;
 }
 
-bool find_shared_bytes(In fid, In start, In length, int64_t files, int64_t* first, int64_t* second) {
+bool find_shared_bytes(In fid, In start, In length, int64_t files, size_t ordered, int64_t* first, int64_t* second) {
   const size_t n = fid.size, F = static_cast<size_t>(std::max<int64_t>(files, 0));
-  // A file whose items come in increasing order shares no byte among them: only the others are
-  // sorted (a writer lays its items out in order; a file of values and tensors may not be).
+  ordered = std::min(ordered, n);
+  // A file whose leading items come in increasing order shares no byte among them: only the
+  // other files are sorted (a writer lays its items out in order; the table lists them so).
   std::vector<int64_t> end(F, std::numeric_limits<int64_t>::min());
   std::vector<char> unordered(F, 0);
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < ordered; ++i) {
     if (length[i] <= 0) continue;
     const size_t f = static_cast<size_t>(fid[i]);
     if (start[i] < end[f]) unordered[f] = 1;
     end[f] = std::max(end[f], start[i] + length[i]);
+  }
+  // The items after them (a few values): each against its file's leading items (a bisection),
+  // then against each other; a file where one may overlap is sorted whole below.
+  if (ordered < n) {
+    std::vector<char> has_extra(F, 0);
+    for (size_t i = ordered; i < n; ++i)
+      if (length[i] > 0) has_extra[static_cast<size_t>(fid[i])] = 1;
+    std::vector<std::vector<std::pair<int64_t, int64_t>>> spans(F);
+    for (size_t i = 0; i < ordered; ++i) {
+      const size_t f = static_cast<size_t>(fid[i]);
+      if (length[i] > 0 && has_extra[f] && !unordered[f]) spans[f].emplace_back(start[i], start[i] + length[i]);
+    }
+    std::vector<int64_t> extras;
+    for (size_t i = ordered; i < n; ++i) {
+      const size_t f = static_cast<size_t>(fid[i]);
+      if (length[i] <= 0 || unordered[f]) continue;
+      const auto& v = spans[f];
+      const auto next = std::lower_bound(v.begin(), v.end(), std::make_pair(start[i], std::numeric_limits<int64_t>::min()));
+      if ((next != v.end() && next->first < start[i] + length[i]) || (next != v.begin() && std::prev(next)->second > start[i]))
+        unordered[f] = 1;
+      else
+        extras.push_back(static_cast<int64_t>(i));
+    }
+    std::sort(extras.begin(), extras.end(), [&](int64_t a, int64_t b) {
+      return fid[a] != fid[b] ? fid[a] < fid[b] : start[a] < start[b];
+    });
+    for (size_t k = 1; k < extras.size(); ++k) {
+      const int64_t a = extras[k - 1], b = extras[k];
+      if (fid[a] == fid[b] && start[b] < start[a] + length[a]) unordered[static_cast<size_t>(fid[a])] = 1;
+    }
   }
   std::vector<int64_t> order;
   for (size_t i = 0; i < n; ++i)

@@ -52,9 +52,10 @@ bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out wid
 
 // Whether two of the items [start, start + length) of files `fid` share a byte (empty items
 // share nothing). When they do, returns true with `first` and `second` the indices of the first
-// such pair in (file, start) order. One pass, and a sort of the items of the files whose items
-// do not come in increasing order.
-bool find_shared_bytes(In fid, In start, In length, int64_t files, int64_t* first, int64_t* second);
+// such pair in (file, start) order. The first `ordered` items are expected in increasing order
+// within each file (one pass; the items after them are checked against those by bisection); the
+// items of a file where that does not hold are sorted.
+bool find_shared_bytes(In fid, In start, In length, int64_t files, size_t ordered, int64_t* first, int64_t* second);
 
 // Places every rank's chunk results in the table (format/results.py sends them packed). The
 // table: per tensor its name key, chunks and dimensions, and its chunks' offsets (as in

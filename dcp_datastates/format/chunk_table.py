@@ -207,11 +207,11 @@ def _check_table(c: _Check, table: _Table) -> tuple[torch.Tensor, torch.Tensor, 
 
 
 def _check_shared(c: _Check, fid: torch.Tensor, start: torch.Tensor, length: torch.Tensor, names,
-                  file_names: list[str]) -> None:
+                  file_names: list[str], ordered: int = -1) -> None:
     """No two items share bytes of a file (``names(i)`` names item i): the engine's
     ``find_shared_bytes``, one pass when each file's items come in order, a sort otherwise."""
     fid, start, length = _int64(fid), _int64(start), _int64(length)
-    shared = _engine.find_shared_bytes(_view(fid), _view(start), _view(length), len(file_names))
+    shared = _engine.find_shared_bytes(_view(fid), _view(start), _view(length), len(file_names), ordered)
     if shared is not None:
         a, b = shared
         raise c.fail(f"items {names(a)!r} and {names(b)!r} share bytes [{int(start[b])}, {int(start[a] + length[a])}) "
@@ -234,7 +234,7 @@ def _check_items_apart(c: _Check, table: _Table, values: list[tuple[str, ItemLoc
         t = int(torch.searchsorted(cstarts, torch.tensor([i]), right=True)[0]) - 1
         return f"{table.fqns[t]} chunk {i - int(cstarts[t])}"
 
-    _check_shared(c, fid, start, length, name, table.file_names)
+    _check_shared(c, fid, start, length, name, table.file_names, ordered=C)
 
 
 def _require_little_endian(c: _Check) -> None:
