@@ -126,45 +126,54 @@ bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out wid
 bool find_shared_bytes(In fid, In start, In length, int64_t files, size_t ordered, int64_t* first, int64_t* second) {
   const size_t n = fid.size, F = static_cast<size_t>(std::max<int64_t>(files, 0));
   ordered = std::min(ordered, n);
-  // A file whose leading items come in increasing order shares no byte among them: only the
-  // other files are sorted (a writer lays its items out in order; the table lists them so).
+  // Each file's leading items that come in increasing order, one after the other, share no byte
+  // (a writer lays a rank's items out in about the order the table lists them). The others (an
+  // item the table lists late, the values after the chunks) are checked against those by a
+  // bisection, and against each other; only a file where one may overlap is sorted below.
   std::vector<int64_t> end(F, std::numeric_limits<int64_t>::min());
-  std::vector<char> unordered(F, 0);
-  for (size_t i = 0; i < ordered; ++i) {
+  std::vector<char> aside(n, 0), unordered(F, 0), has_aside(F, 0);
+  std::vector<int64_t> extras;
+  for (size_t i = 0; i < n; ++i) {
     if (length[i] <= 0) continue;
     const size_t f = static_cast<size_t>(fid[i]);
-    if (start[i] < end[f]) unordered[f] = 1;
-    end[f] = std::max(end[f], start[i] + length[i]);
+    if (i < ordered && start[i] >= end[f]) {
+      end[f] = start[i] + length[i];
+    } else {
+      aside[i] = 1;
+      has_aside[f] = 1;
+      extras.push_back(static_cast<int64_t>(i));
+    }
   }
-  // The items after them (a few values): each against its file's leading items (a bisection),
-  // then against each other; a file where one may overlap is sorted whole below.
-  if (ordered < n) {
-    std::vector<char> has_extra(F, 0);
-    for (size_t i = ordered; i < n; ++i)
-      if (length[i] > 0) has_extra[static_cast<size_t>(fid[i])] = 1;
-    std::vector<std::vector<std::pair<int64_t, int64_t>>> spans(F);
-    for (size_t i = 0; i < ordered; ++i) {
-      const size_t f = static_cast<size_t>(fid[i]);
-      if (length[i] > 0 && has_extra[f] && !unordered[f]) spans[f].emplace_back(start[i], start[i] + length[i]);
-    }
-    std::vector<int64_t> extras;
-    for (size_t i = ordered; i < n; ++i) {
-      const size_t f = static_cast<size_t>(fid[i]);
-      if (length[i] <= 0 || unordered[f]) continue;
-      const auto& v = spans[f];
-      const auto next = std::lower_bound(v.begin(), v.end(), std::make_pair(start[i], std::numeric_limits<int64_t>::min()));
-      if ((next != v.end() && next->first < start[i] + length[i]) || (next != v.begin() && std::prev(next)->second > start[i]))
-        unordered[f] = 1;
-      else
-        extras.push_back(static_cast<int64_t>(i));
-    }
+  if (!extras.empty()) {
+    // The set-aside items sorted by (file, start); against each other: neighbours only.
     std::sort(extras.begin(), extras.end(), [&](int64_t a, int64_t b) {
       return fid[a] != fid[b] ? fid[a] < fid[b] : start[a] < start[b];
     });
+    std::vector<size_t> next(F + 1, extras.size());
+    for (size_t k = extras.size(); k-- > 0;) next[static_cast<size_t>(fid[extras[k]])] = k;
     for (size_t k = 1; k < extras.size(); ++k) {
       const int64_t a = extras[k - 1], b = extras[k];
       if (fid[a] == fid[b] && start[b] < start[a] + length[a]) unordered[static_cast<size_t>(fid[a])] = 1;
     }
+    // Against the file's items in order: each set-aside item meets only the item before it and
+    // the item after it there (a merge of two sorted runs, per file).
+    std::fill(end.begin(), end.end(), std::numeric_limits<int64_t>::min());
+    auto settle = [&](size_t f, int64_t upto) {  // the set-aside items of f starting before upto
+      while (next[f] < extras.size() && static_cast<size_t>(fid[extras[next[f]]]) == f &&
+             start[extras[next[f]]] < upto) {
+        const int64_t b = extras[next[f]++];
+        if (end[f] > start[b] || (upto != std::numeric_limits<int64_t>::max() && upto < start[b] + length[b]))
+          unordered[f] = 1;
+      }
+    };
+    for (size_t i = 0; i < n; ++i) {
+      const size_t f = static_cast<size_t>(fid[i]);
+      if (length[i] <= 0 || aside[i] || !has_aside[f]) continue;
+      settle(f, start[i]);
+      end[f] = start[i] + length[i];
+    }
+    for (size_t f = 0; f < F; ++f)
+      if (has_aside[f]) settle(f, std::numeric_limits<int64_t>::max());
   }
   std::vector<int64_t> order;
   for (size_t i = 0; i < n; ++i)

@@ -52,9 +52,9 @@ bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out wid
 
 // Whether two of the items [start, start + length) of files `fid` share a byte (empty items
 // share nothing). When they do, returns true with `first` and `second` the indices of the first
-// such pair in (file, start) order. The first `ordered` items are expected in increasing order
-// within each file (one pass; the items after them are checked against those by bisection); the
-// items of a file where that does not hold are sorted.
+// such pair in (file, start) order. Linear when each file's items mostly come in increasing
+// order among the first `ordered` (the rest are checked by bisection); a file where an overlap
+// may be is sorted to name the pair.
 bool find_shared_bytes(In fid, In start, In length, int64_t files, size_t ordered, int64_t* first, int64_t* second);
 
 // Places every rank's chunk results in the table (format/results.py sends them packed). The
