@@ -260,6 +260,13 @@ def _cmd_convert(args) -> int:
         raise ValueError("--prefix applies to --to hf only")
     if args.hf_config:
         raise ValueError("--hf-config applies to --to hf only")
+    if args.to == "deepspeed":  # the conversion lives with the DeepSpeed integration
+        from .integrations.deepspeed import to_deepspeed
+
+        done = to_deepspeed(path, args.out, force=args.force, trusted=args.trust)
+        print(f"wrote {done.out}: {len(done.files)} DeepSpeed file(s), {_human(done.nbytes)} (torch.save): "
+              f"{', '.join(done.files)}")
+        return 0
     if args.to == "torch":
         done = convert.to_torch(path, args.out, force=args.force, trusted=args.trust, progress=progress)
         print(f"wrote {done.out}: {done.items} items, {_human(done.nbytes)} (torch.save)")
@@ -313,11 +320,13 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser(
         "convert",
-        help="write a consolidated Hugging Face safetensors folder, a torch.save file or a stock DCP checkpoint",
+        help="write a consolidated Hugging Face safetensors folder, a torch.save file, a stock DCP checkpoint "
+        "or DeepSpeed's own files of a tag",
     )
     s.add_argument("path", help="checkpoint folder")
-    s.add_argument("out", help="output folder (hf, dcp) or file (torch)")
-    s.add_argument("--to", required=True, choices=("hf", "torch", "dcp"), help="output format")
+    s.add_argument("out", help="output folder (hf, dcp, deepspeed) or file (torch)")
+    s.add_argument("--to", required=True, choices=("hf", "torch", "dcp", "deepspeed"),
+                   help="output format (deepspeed: a DeepSpeed tag folder of torch.save files, for zero_to_fp32)")
     s.add_argument(
         "--max-shard-size",
         default="5GB",
