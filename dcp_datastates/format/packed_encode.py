@@ -68,7 +68,7 @@ class _Layout:
         self.counts, self.offsets, self.chunk_sizes = _ints(counts), _ints(offsets), _ints(chunk_sizes)
         self.starts = list(itertools.accumulate(counts, initial=0))
         self.fingerprint: list = []  # each item's object and chunk count (_layout_of)
-        self._keys: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._keys: torch.Tensor | None = None
         self._by_offsets: dict[int, dict[tuple, int]] = {}
 
     def by_offsets(self, t: int) -> dict[tuple, int]:
@@ -80,18 +80,17 @@ class _Layout:
                 found.setdefault(tuple(ch.offsets), i)
         return found
 
-    def keys(self, check: _Check) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tensors' ``name_key`` values sorted, and the tensor of each; refused when two
-        tensors have one key."""
+    def keys(self, check: _Check) -> torch.Tensor:
+        """Each tensor's ``name_key``, in the table's order; refused when two tensors share one."""
         if self._keys is None:
-            keys = self.key_column = _ints([name_key(f) for f in self.fqns])
+            keys = _ints([name_key(f) for f in self.fqns])
             ordered, order = torch.sort(keys)
             same = torch.nonzero(ordered[1:] == ordered[:-1]).flatten()
             if len(same):
                 a, b = int(order[int(same[0])]), int(order[int(same[0]) + 1])
                 raise check.fail(f"items {self.fqns[a]!r} and {self.fqns[b]!r} have the same 64-bit name key: "
                                  f"their write results cannot be told apart (rename one of them)")
-            self._keys = (ordered, order)
+            self._keys = keys
         return self._keys
 
 
@@ -287,9 +286,8 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
     # Each result's chunk, by its tensor's name key and its position hint (checked against its
     # offsets); a later result for one chunk wins.
     C = layout.starts[-1]
-    layout.keys(check)  # two tensors with one key are refused first
     src, status = torch.empty(C, dtype=i64), torch.empty(len(key), dtype=i64)
-    keys, ndims = layout.key_column, _ints([len(s) for s in layout.sizes])
+    keys, ndims = layout.keys(check), _ints([len(s) for s in layout.sizes])
     _engine.place_chunks(_view(keys), _view(layout.counts), _view(ndims), _view(layout.offsets), _view(key), _view(pos),
                          _view(ndim), _view(offs), _view(src), _view(status))
     hints_off = torch.nonzero(status <= -2).flatten().tolist()

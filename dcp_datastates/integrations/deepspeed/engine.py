@@ -213,7 +213,7 @@ class DataStatesCheckpointEngine(CheckpointEngine):
         self.wait()
         self._collecting = True
 
-    def abort(self) -> None:
+    def drop_files(self) -> None:
         """DeepSpeed's ``save_checkpoint`` raised: nothing of the tag is submitted."""
         self._collecting = False
         self._files = {}

@@ -83,7 +83,7 @@ def _wrap(engine) -> None:
         try:
             saved = save_checkpoint(*args, **kwargs)
         except BaseException:
-            ckpt.abort()
+            ckpt.drop_files()
             raise
         ckpt.submit()
         return saved
