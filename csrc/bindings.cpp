@@ -14,6 +14,7 @@
 #include "crc32c.h"
 #include "engine.h"
 #include "grid.h"
+#include "tiling.h"
 #include "hash64.h"
 #include "io_util.h"
 #include "write_job.h"
@@ -760,6 +761,30 @@ PYBIND11_MODULE(_engine, m) {
         py::arg("hash"), py::arg("has_hash"), py::arg("row_record"), py::arg("row_offset"), py::arg("row_length"),
         py::arg("row_count"), py::arg("row_hash"), py::arg("row_has"),
         "The placed table's location columns (chunk_table.h); returns the checksums in row order (int64).");
+  m.def("find_bad_tilings", [](py::handle counts, py::handle ndims, py::handle dims, py::handle offsets,
+                               py::handle sizes, bool check_covered) {
+    const Int64Buffer b_counts(counts, "counts", false), b_ndims(ndims, "ndims", false), b_dims(dims, "dims", false),
+        b_off(offsets, "offsets", false), b_sizes(sizes, "sizes", false);
+    require_size(b_ndims, b_counts.size(), "ndims");
+    size_t values = 0, ndim_total = 0;
+    for (size_t k = 0; k < b_counts.size(); ++k) {
+      if (b_counts.in()[k] < 0 || b_ndims.in()[k] < 0) throw py::value_error("a negative count or ndim");
+      values += static_cast<size_t>(b_counts.in()[k] * b_ndims.in()[k]);
+      ndim_total += static_cast<size_t>(b_ndims.in()[k]);
+    }
+    require_size(b_dims, ndim_total, "dims");
+    require_size(b_off, values, "offsets");
+    require_size(b_sizes, values, "sizes");
+    std::vector<int64_t> bad;
+    {
+      NoGil nogil;
+      bad = dcpds::find_bad_tilings(b_counts.in(), b_ndims.in(), b_dims.in(), b_off.in(), b_sizes.in(), check_covered);
+    }
+    return bad;
+  }, py::arg("counts"), py::arg("ndims"), py::arg("dims"), py::arg("offsets"), py::arg("sizes"),
+        py::arg("check_covered"),
+        "The indices of the tensors whose chunks do not tile them (tiling.h); int64 buffers, the\n"
+        "chunks' offsets and sizes chunk by chunk.");
   m.def("find_shared_bytes", [](py::handle fid, py::handle start, py::handle length, int64_t files,
                                 int64_t ordered) -> py::object {
     const Int64Buffer b_fid(fid, "fid", false), b_start(start, "start", false), b_length(length, "length", false);

@@ -206,6 +206,31 @@ void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key,
     cstart[k + 1] = cstart[k] + counts[k];
     tensor_of.emplace(tensor_keys[k], static_cast<int64_t>(k));
   }
+  // Chunk `q` of tensor `t` has the offsets at offsets[o...]?
+  auto same = [&](int64_t t, int64_t q, size_t o) {
+    const int64_t n = counts[t];
+    for (int64_t d = 0; d < ndims[t]; ++d)
+      if (table_offsets[static_cast<size_t>(vstart[t] + d * n + q)] != offsets[o + static_cast<size_t>(d)]) return false;
+    return true;
+  };
+  // Per tensor, made when a hint first misses: its positions by dim-0 offset (stable).
+  std::vector<std::vector<int64_t>> by_dim0(T);
+  auto look_up = [&](int64_t t, size_t o) -> int64_t {
+    const int64_t n = counts[t];
+    if (ndims[t] == 0) return n > 0 ? 0 : -1;
+    std::vector<int64_t>& order = by_dim0[static_cast<size_t>(t)];
+    const int64_t* first = table_offsets.data + vstart[t];
+    if (order.empty() && n > 0) {
+      order.resize(static_cast<size_t>(n));
+      std::iota(order.begin(), order.end(), 0);
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return first[a] < first[b]; });
+    }
+    const int64_t want = offsets[o];
+    auto it = std::lower_bound(order.begin(), order.end(), want, [&](int64_t q, int64_t v) { return first[q] < v; });
+    for (; it != order.end() && first[*it] == want; ++it)
+      if (same(t, *it, o)) return *it;
+    return -1;
+  };
   for (size_t r = 0; r < src.size; ++r) src[r] = -1;
   size_t o = 0;
   int64_t last = -1;
@@ -221,11 +246,14 @@ void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key,
       t = found->second;
     }
     last = t;
-    const int64_t n = counts[t], p = position[i];
-    bool ok = p >= 0 && p < n && ndim[i] == ndims[t];
-    for (int64_t d = 0; ok && d < ndims[t]; ++d)
-      ok = table_offsets[static_cast<size_t>(vstart[t] + d * n + p)] == offsets[o + static_cast<size_t>(d)];
-    if (!ok) {
+    const int64_t n = counts[t];
+    int64_t p = position[i];
+    if (ndim[i] != ndims[t]) {
+      status[i] = -2 - t;
+      continue;
+    }
+    if (!(p >= 0 && p < n && same(t, p, o))) p = look_up(t, o);
+    if (p < 0) {
       status[i] = -2 - t;
       continue;
     }

@@ -59,11 +59,12 @@ bool find_shared_bytes(In fid, In start, In length, int64_t files, size_t ordere
 
 // Places every rank's chunk results in the table (format/results.py sends them packed). The
 // table: per tensor its name key, chunks and dimensions, and its chunks' offsets (as in
-// ChunkTable). Per result: its tensor's key, DCP's position hint, its number of dimensions and
-// (back to back) its offsets. A result whose key names a tensor and whose hint points at a chunk
-// with its offsets goes there: status = that chunk's row, and src[row] = the result (a later
-// result for one row wins). Otherwise status = -1 (no tensor has the key) or -2 - tensor (the
-// hint does not hold: the caller looks the offsets up). src starts at -1.
+// ChunkTable). Per result: its tensor's key, DCP's position hint (-1: none), its number of
+// dimensions and (back to back) its offsets. A result whose key names a tensor goes to the chunk
+// its hint points at when that chunk has its offsets, else to the first chunk that has them
+// (looked up by dim-0 offset): status = that chunk's row, and src[row] = the result (a later
+// result for one row wins). Otherwise status = -1 (no tensor has the key) or -2 - tensor (no
+// chunk of it has the offsets). src starts at -1.
 void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key, In position, In ndim, In offsets,
                   Out src, Out status);
 

@@ -8,10 +8,13 @@ release (one test per touch point). Callers import the wrappers below, never the
 
 from __future__ import annotations
 
+import dataclasses
 import threading
+from collections import ChainMap
 from typing import Any, Callable
 
 import torch
+from torch.distributed.checkpoint import default_planner as _default_planner
 
 __all__ = [
     "TORCH_VERSION",
@@ -20,6 +23,7 @@ __all__ = [
     "create_write_items",
     "dcp_compat_mode",
     "cached_save_plans",
+    "SavePlannerSteps",
     "global_optimizer_pre_hooks",
     "register_before_thread_join",
     "tensor_version",
@@ -156,6 +160,51 @@ def cached_save_plans() -> dict:
     if not isinstance(cache, dict):
         raise _missing("SavePlanner._cached_save_plan (DCP plan caching)")
     return cache
+
+
+# ------------------------------------------------------------------ global planning steps
+# DefaultSavePlanner.create_global_plan (with or without its plan cache) makes a first save's
+# global plan in the private ``_create_global_plan``: ``_dedup_save_plans``, the public
+# ``create_default_global_save_plan``, the flattening mappings merged, then the private module
+# function ``_validate_global_plan``. These are per-item Python loops over every rank's plan on
+# the coordinator; ``SavePlannerSteps`` names the two replaceable steps so the planners module
+# can make them cheaper without touching a private name.
+
+
+class SavePlannerSteps(_default_planner.DefaultSavePlanner):
+    """DCP's ``DefaultSavePlanner`` whose first-save global plan runs two overridable steps:
+    ``dedup_plans(all_plans)`` and ``validate_global_plan(global_plan, metadata)`` (a list of
+    error messages, DCP's wording). By default both are DCP's own. ``rewrite_index_hints``
+    (DCP's default: True) gives each write item of the global plan a new index holding its
+    chunk's position in the metadata, a copy of every item; False keeps the ranks' items."""
+
+    rewrite_index_hints = True
+
+    def dedup_plans(self, all_plans: list) -> list:
+        return _default_planner.DefaultSavePlanner._dedup_save_plans(self, all_plans)
+
+    def validate_global_plan(self, global_plan: list, metadata) -> list[str]:
+        validate = getattr(_default_planner, "_validate_global_plan", None)
+        if validate is None:
+            raise _missing("default_planner._validate_global_plan")
+        return validate(global_plan, metadata)
+
+    def _dedup_save_plans(self, all_plans: list) -> list:
+        return self.dedup_plans(all_plans)
+
+    def _create_global_plan(self, all_plans: list):
+        global_plan, metadata = _default_planner.create_default_global_save_plan(
+            self._dedup_save_plans(all_plans), rewrite_index_hints=self.rewrite_index_hints)
+        if self.flatten_state_dict:
+            # Each rank's flattening mappings, the first rank's entry winning (DCP's order).
+            merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
+            metadata = dataclasses.replace(metadata, planner_data=merged)
+        errors = self.validate_global_plan(global_plan, metadata)
+        if errors:
+            summary = "; ".join(errors)
+            raise ValueError("Failed to validate global plan: "
+                             + (summary if len(summary) <= 500 else summary[:500] + "... (truncated)"))
+        return global_plan, metadata
 
 
 # ------------------------------------------------------------------------- optimizer hooks

@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -23,11 +23,13 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.tensor import DTensor
 
-from .compat import cached_save_plans, checkpointable_global_shape
+from .compat import SavePlannerSteps, cached_save_plans, checkpointable_global_shape
 from .errors import CheckpointMismatchError
 from .format import metadata as metadata_codec
 from .format.packed import PackedItems, unpack_items
 from .format.packed_encode import pack_items
+from .runtime.inflight import gc_paused
+from .save import global_plan as coordinator_plan
 
 __all__ = ["DataStatesSavePlanner", "DataStatesLoadPlanner"]
 
@@ -41,11 +43,17 @@ def _dtype_signature(state_dict: dict) -> tuple:
     return tuple((fqn, str(v.dtype)) for fqn, v in state_dict.items() if isinstance(v, torch.Tensor))
 
 
-class DataStatesSavePlanner(DefaultSavePlanner):
+class DataStatesSavePlanner(SavePlannerSteps):
     """Save planner with plan caching that also notices dtype changes.
 
     - Flattening and dedup are DCP's; with ``DataStatesWriter`` each replicated value reaches
       planning from one rank only (the writer's stage-time policy), so dedup has one candidate.
+    - A first save's global plan gives DCP's results at a C-level cost per item
+      (``save.global_plan``): dedup looks only at items whose hash repeats, and DCP's validation
+      runs only on the tensors whose chunks may not tile them. Its items are the ranks' own,
+      without DCP's position hints (a copy of every item on the coordinator, held by the plan
+      cache): ``DataStatesWriter``'s commit finds each chunk by its offsets. The collector is
+      paused meanwhile: the plan makes objects per item.
     - The local plan, the global plan and the metadata are cached while names, shapes, shardings
       and dtypes are unchanged: a steady-state checkpoint sends an empty, unusable plan instead of
       its items. DCP's own cache comparison ignores dtypes, so a dtype change here drops the
@@ -56,6 +64,8 @@ class DataStatesSavePlanner(DefaultSavePlanner):
         cache_key: plans are cached per key (class-wide by default); give different keys to
             planners of different state dicts saved alternately (e.g. model-only and full).
     """
+
+    rewrite_index_hints = False
 
     def __init__(self, *args, enable_plan_caching: bool = True, cache_key: str | None = None, **kwargs) -> None:
         super().__init__(*args, enable_plan_caching=enable_plan_caching, **kwargs)
@@ -69,8 +79,19 @@ class DataStatesSavePlanner(DefaultSavePlanner):
             cached_save_plans().pop(key, None)  # forces a usable (re-sent) plan
         return super().create_local_plan()
 
+    def dedup_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        return coordinator_plan.dedup_plans(all_plans, self.dedup_save_to_lowest_rank)
+
+    def validate_global_plan(self, plans: list[SavePlan], metadata: Metadata) -> list[str]:
+        suspects = coordinator_plan.suspect_tensors(metadata, len(plans) > 1)
+        if not suspects:
+            return []
+        items = metadata.state_dict_metadata
+        return super().validate_global_plan(plans, Metadata({fqn: items[fqn] for fqn in suspects}))
+
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
-        deltas, metadata = super().create_global_plan(all_plans)
+        with gc_paused():
+            deltas, metadata = super().create_global_plan(all_plans)
         items = metadata.state_dict_metadata
         if not isinstance(items, _SentPacked) and \
                 sum(len(getattr(v, "chunks", ())) for v in items.values()) >= metadata_codec.PACK_FROM_CHUNKS:

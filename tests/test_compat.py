@@ -217,3 +217,34 @@ def test_a_failed_collective_save_is_pickled_to_every_rank(tmp_path):
         f"torch {compat.TORCH_VERSION}: DCP no longer broadcasts the metadata the coordinator's finish() "
         f"holds ({seen}): the other ranks do not learn that their save is committed"
     )
+
+
+def test_save_planner_steps_are_the_steps_dcps_global_plan_runs():
+    """DefaultSavePlanner.create_global_plan (cached or not) makes a first save's plan in
+    _create_global_plan, whose steps SavePlannerSteps replaces; _validate_global_plan exists."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    calls = []
+
+    class Steps(compat.SavePlannerSteps):
+        def dedup_plans(self, all_plans):
+            calls.append("dedup")
+            return super().dedup_plans(all_plans)
+
+        def validate_global_plan(self, global_plan, metadata):
+            calls.append("validate")
+            return super().validate_global_plan(global_plan, metadata)
+
+    for caching in (False, True):
+        calls.clear()
+        planner = Steps(enable_plan_caching=caching)
+        planner._cached_plans_key = f"compat-steps-{caching}"
+        try:
+            planner.create_global_plan([SavePlan([], planner_data={}), SavePlan([], planner_data={})])
+        except compat.TorchCompatError as exc:
+            pytest.fail(str(exc))
+        assert calls == ["dedup", "validate"], (
+            f"{RELEASE}: DefaultSavePlanner.create_global_plan (caching={caching}) no longer calls "
+            f"_create_global_plan/_dedup_save_plans as SavePlannerSteps expects: {calls}")
+    assert "_create_global_plan" in vars(DefaultSavePlanner), f"{RELEASE}: DefaultSavePlanner._create_global_plan moved"

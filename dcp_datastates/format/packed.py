@@ -204,9 +204,13 @@ class _Columns:
             offs, sizes, dims = self.offsets, self.chunk_sizes, range(base, base + nd * k, k)
             return [make(offsets=size_of([offs[i + p] for i in dims]), sizes=size_of([sizes[i + p] for i in dims]))
                     for p in positions]
+        # Dimension-major columns turned chunk by chunk with zip; one Python call per object.
         offs = self.offsets[base: base + nd * k].tolist()
         sizes = self.chunk_sizes[base: base + nd * k].tolist()
-        return [make(offsets=size_of(offs[p::k]), sizes=size_of(sizes[p::k])) for p in range(k)]
+        if nd == 0:
+            return [make(offsets=size_of(), sizes=size_of()) for _ in range(k)]
+        return list(map(make, map(size_of, zip(*[offs[d * k:(d + 1) * k] for d in range(nd)])),
+                        map(size_of, zip(*[sizes[d * k:(d + 1) * k] for d in range(nd)]))))
 
     def metadata(self, t: int, chunks: list[ChunkStorageMetadata]) -> TensorStorageMetadata:
         props = TensorProperties(dtype=self.dtypes[t], requires_grad=self.requires_grad[t])

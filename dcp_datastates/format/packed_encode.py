@@ -270,7 +270,7 @@ def _joined(blocks: list[PackedResults], name: str, dtype: torch.dtype) -> torch
 def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, check: _Check) -> _Placed:
     """The columns from every rank's packed results at once (``format.results``): each chunk
     found by its tensor's name key and the position DCP's planning gave it, checked against its
-    offsets; a result whose hint does not hold is found by its offsets. As in a dict of all
+    offsets; a result without a hint that holds is found by its offsets (in the engine). As in a dict of all
     results, a later result for one chunk wins; a result for a tensor the metadata does not list
     is left out; chunks sharing their offsets share one result."""
     if any(array(code).itemsize != size for code, size in (("b", 1), ("i", 4), ("I", 4), ("q", 8), ("Q", 8))):
@@ -284,20 +284,12 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
     record = torch.cat([_column(b.record, torch.int32) + base for b, base in zip(blocks, record_base)]) \
         if blocks else torch.zeros(0, dtype=i64)
     # Each result's chunk, by its tensor's name key and its position hint (checked against its
-    # offsets); a later result for one chunk wins.
+    # offsets; without one, or a wrong one, by its offsets); a later result for one chunk wins.
     C = layout.starts[-1]
     src, status = torch.empty(C, dtype=i64), torch.empty(len(key), dtype=i64)
     keys, ndims = layout.keys(check), _ints([len(s) for s in layout.sizes])
     _engine.place_chunks(_view(keys), _view(layout.counts), _view(ndims), _view(layout.offsets), _view(key), _view(pos),
                          _view(ndim), _view(offs), _view(src), _view(status))
-    hints_off = torch.nonzero(status <= -2).flatten().tolist()
-    if hints_off:  # hints that do not hold: looked up by offsets (rare)
-        ostart = (torch.cumsum(ndim, 0) - ndim).tolist()
-        for j in hints_off:
-            t = -2 - int(status[j])
-            p = layout.by_offsets(t).get(tuple(offs[ostart[j]:ostart[j] + int(ndim[j])].tolist()))
-            if p is not None and int(src[layout.starts[t] + p]) < j:
-                src[layout.starts[t] + p] = j
     missing: dict[int, list[int]] = {}
     for slot in torch.nonzero(src < 0).flatten().tolist():
         missing.setdefault(bisect.bisect_right(layout.starts, slot) - 1, []).append(slot)

@@ -7,7 +7,9 @@
    write only the items whose hashes changed since the base checkpoint); a watcher seals the version guard
    (``pipeline.VersionGuard``) and resolves DCP's Future; the save in flight is
    ``request.StagedSave``, a ``request.FileJob`` per data file;
-2. ``request.name_folder`` / ``request.sync_save``: DCP names the folder;
+2. ``request.name_folder`` / ``request.sync_save``: DCP names the folder; on the coordinator,
+   DCP's global plan (``global_plan``: its dedup and validation at a C-level cost per item, for
+   ``planners.DataStatesSavePlanner``);
 3. ``write``: on DCP's thread, ``write_data``: every file durable, late items, the planner's
    data hooks (``planner_hooks``), the items' locations; ``consolidate``: results rank -> node
    leader -> coordinator;
