@@ -213,19 +213,32 @@ void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key,
       if (table_offsets[static_cast<size_t>(vstart[t] + d * n + q)] != offsets[o + static_cast<size_t>(d)]) return false;
     return true;
   };
-  // Per tensor, made when a hint first misses: its positions by dim-0 offset (stable).
+  // Per tensor, made when a hint first misses: its positions by dim-0 offset (stable), unless
+  // they are in that order already (DCP's shardings list them so): then none is needed.
+  enum : char { kUnknown, kInOrder, kSorted };
+  std::vector<char> state(T, kUnknown);
   std::vector<std::vector<int64_t>> by_dim0(T);
   auto look_up = [&](int64_t t, size_t o) -> int64_t {
     const int64_t n = counts[t];
     if (ndims[t] == 0) return n > 0 ? 0 : -1;
-    std::vector<int64_t>& order = by_dim0[static_cast<size_t>(t)];
     const int64_t* first = table_offsets.data + vstart[t];
-    if (order.empty() && n > 0) {
-      order.resize(static_cast<size_t>(n));
-      std::iota(order.begin(), order.end(), 0);
-      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return first[a] < first[b]; });
+    char& how = state[static_cast<size_t>(t)];
+    if (how == kUnknown) {
+      how = std::is_sorted(first, first + n) ? kInOrder : kSorted;
+      if (how == kSorted) {
+        std::vector<int64_t>& order = by_dim0[static_cast<size_t>(t)];
+        order.resize(static_cast<size_t>(n));
+        std::iota(order.begin(), order.end(), 0);
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return first[a] < first[b]; });
+      }
     }
     const int64_t want = offsets[o];
+    if (how == kInOrder) {
+      for (const int64_t* q = std::lower_bound(first, first + n, want); q != first + n && *q == want; ++q)
+        if (same(t, q - first, o)) return q - first;
+      return -1;
+    }
+    const std::vector<int64_t>& order = by_dim0[static_cast<size_t>(t)];
     auto it = std::lower_bound(order.begin(), order.end(), want, [&](int64_t q, int64_t v) { return first[q] < v; });
     for (; it != order.end() && first[*it] == want; ++it)
       if (same(t, *it, o)) return *it;
