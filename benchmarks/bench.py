@@ -26,8 +26,9 @@ way (medians of ``--reps`` repetitions):
 * stage cost: ``DataStatesWriter.stage()`` and the whole ``dcp.async_save`` call on
   ``--stage-tensors`` tiny tensors (wall, CPU, and with Python's cyclic GC paused).
 
-The table also checks the project's targets for DataStates (docs/benchmarks.md) and says how
-busy other processes kept the machine (it may be shared: busy neighbours skew every number).
+The table also checks the project's targets for DataStates (benchmarks/results/history-benchmarks.md,
+"Targets") and says how busy other processes kept the machine (it may be shared: busy neighbours
+skew every number).
 
 Methods: ``datastates`` (DataStatesWriter / DataStatesReader), ``dcp-save`` (``dcp.save`` with
 FileSystemWriter), ``dcp-async`` (``dcp.async_save`` with FileSystemWriter, DCP's default
@@ -1188,7 +1189,7 @@ def _tree_bytes(path: str | None) -> int:
 def measure_version_guard(tensors: list, reps: int) -> dict:
     """The torn-state guard's share of a save: recording every source tensor's version counter
     at stage() and comparing them at the seal (both on the training thread at worst)."""
-    from dcp_datastates.save.pipeline import VersionGuard
+    from dcp_datastates.save.version_guard import VersionGuard
 
     names = [f"t{i}" for i in range(len(tensors))]
     record, check = [], []
@@ -1240,7 +1241,7 @@ def measure_stage_cost(root: str, count: int, reps: int, profile: bool, config) 
         staged.finished.set()  # no DCP save follows this stage(): release its path
         return wall, cpu
 
-    from dcp_datastates.save.pipeline import plan_stats
+    from dcp_datastates.save.plan_cache import plan_stats
 
     n = max(3, reps)
     before = plan_stats()

@@ -118,10 +118,11 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from dcp_datastates import DataStatesConfig, DataStatesLoadPlanner, DataStatesReader, DataStatesSavePlanner, DataStatesWriter
 from dcp_datastates import planners as ds_planners
 from dcp_datastates.format import layout as ds_layout
+from dcp_datastates.format import locations as ds_locations
 from dcp_datastates.format.metadata import encode_commit
 from dcp_datastates.format.results import CommitLocations, pack_write_results
 from dcp_datastates.native import engine_module
-from dcp_datastates.runtime.inflight import gc_paused
+from dcp_datastates.runtime.gc_pause import gc_paused
 from dcp_datastates.save import CommitNotice, skip_replicas
 from dcp_datastates.save.ownership import _dtensor_replicas
 from dcp_datastates.storage import open_storage
@@ -292,7 +293,7 @@ def _ds_prepare_local_plan(plan: SavePlan, rank: int, flat: dict, folder: str) -
 
 def _ds_location(file, offset, length, dtype, shape, data_start, file_size):
     crcs = tuple(random.getrandbits(32) for _ in range(PIECE_COUNT(offset, length, data_start, PIECE)))
-    return ds_layout.ItemLocation(file, offset, length, dtype, shape, crcs, data_start, PIECE, file_size)
+    return ds_locations.ItemLocation(file, offset, length, dtype, shape, crcs, data_start, PIECE, file_size)
 
 
 def _ds_commit(metadata, results, folder):

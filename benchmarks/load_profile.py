@@ -1,5 +1,6 @@
 """Where a load's time goes, step by step, into CPU or CUDA tensors (it found why a load into CUDA
-tensors took 10.7x the raw host read on an H200: docs/benchmarks.md "GPU").
+tensors took 10.7x the raw host read on an H200: benchmarks/results/history-benchmarks.md,
+"H200, 2026-11-26").
 
 One checkpoint of the bench's state (``bench.build_state``: large 2-D tensors plus tiny ones) is
 saved once, then loaded ``--loads`` times with ``dcp.load`` + ``DataStatesReader`` into existing

@@ -108,7 +108,9 @@ def _table(rows: list[list[str]], headers: list[str]) -> str:
 # ------------------------------------------------------------------------------------ inspect
 def _cmd_inspect(args) -> int:
     from .convert import checkpoint_items
-    from .format.layout import FORMAT_NAME, FORMAT_VERSION, REFERENCES_VERSION, split_reference
+    from .format.document import FORMAT_VERSION, REFERENCES_VERSION
+    from .format.layout import FORMAT_NAME
+    from .format.locations import split_reference
     from .storage import file_kind
 
     path = _checkpoint_dir(args.path)

@@ -28,7 +28,7 @@ from .errors import CheckpointMismatchError
 from .format import metadata as metadata_codec
 from .format.packed import PackedItems, unpack_items
 from .format.packed_encode import pack_items
-from .runtime.inflight import gc_paused
+from .runtime.gc_pause import gc_paused
 from .save import global_plan as coordinator_plan
 
 __all__ = ["DataStatesSavePlanner", "DataStatesLoadPlanner"]

@@ -28,10 +28,12 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .commit import by_folder, check_data_files, data_file, file_size_error, is_committed, read_commit
 from .config import DataStatesConfig
 from .errors import CheckpointFormatError, DataStatesError, IncompleteCheckpointError, record_metadata_read
-from .format.layout import FileInfo, ItemLocation, rank_marker_name
+from .format.layout import rank_marker_name
+from .format.locations import FileInfo, ItemLocation
 from .load import read
 from .runtime import get_engine
-from .runtime.inflight import gc_paused, pause_collector, wait_staged
+from .runtime.gc_pause import gc_paused, pause_collector
+from .runtime.inflight import wait_staged
 from .storage import LocalStorage, is_supported_url, normalize, open_storage
 from .tiers.hooks import ReadPlan, tier_for
 

@@ -1,5 +1,5 @@
 """Time of the metadata work: the ``.metadata`` document of a checkpoint of N tensors, encoded
-and checked (``format.layout.encode_commit``, what ``commit.write_commit`` runs), for comparison
+and checked (``format.metadata.encode_commit``, what ``commit.write_commit`` runs), for comparison
 encoded then decoded (what the commit did before), and decoded (``decode_metadata``, what every
 load runs first). Medians of 9, with Python's cyclic GC on (as in a training process) and paused.
 

@@ -6,9 +6,10 @@ outside the repo), installs that torch first with an exact pin (the CPU build wh
 pip's local wheel folders, else the registry's default wheel: several GB for a CUDA build), then
 this package with its test extra (``pip install -e CHECKOUT[test]``; the C++ build needs no
 torch), then TorchTitan where it imports with that release, and runs ``python -m pytest -q -ra``
-there (GPU tests skip on a machine without one). The results go to a JSON file beside the docs
-and to the table in docs/torch-versions.md (between the ``matrix`` markers), one row per release;
-rows of releases not run this time are kept.
+there (GPU tests skip on a machine without one). The results go to a dated JSON file,
+benchmarks/results/<today>-torch-matrix.json (the newest earlier one is read first, so rows of
+releases not run this time are kept), and to the table in docs/torch-versions.md (between the
+``matrix`` markers), one row per release.
 
     python scripts/torch_matrix.py                       # the default releases
     python scripts/torch_matrix.py 2.14.1 --prepare-only # build the env only (background it)
@@ -185,6 +186,19 @@ def short_failures(failing: list[str], per_module: int = 3) -> str:
     return ", ".join(parts)
 
 
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def results_paths(given: Path | None) -> tuple[Path | None, Path]:
+    """(the results file to read, the one to write): ``--results`` for both, else the newest
+    ``benchmarks/results/*-torch-matrix.json`` and today's (UTC) file beside it."""
+    if given is not None:
+        return given, given
+    earlier = sorted(RESULTS.glob("*-torch-matrix.json"))
+    today = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    return (earlier[-1] if earlier else None), RESULTS / f"{today}-torch-matrix.json"
+
+
 def render(results: dict) -> str:
     def key(rel: str):
         return tuple(int(p) if p.isdigit() else 0 for p in re.split(r"[.+]", rel))
@@ -231,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--checkout", type=Path, default=REPO, help="the source tree to install and test (default: this one)")
     ap.add_argument("--python", default="python3.11", help="interpreter the venvs are made from (default: python3.11)")
     ap.add_argument("--doc", type=Path, default=REPO / "docs" / "torch-versions.md")
-    ap.add_argument("--results", type=Path, default=REPO / "docs" / "torch-matrix.json", help="per-release results (JSON)")
+    ap.add_argument("--results", type=Path, default=None,
+                    help="per-release results (JSON), read and written (default: the newest "
+                         "benchmarks/results/*-torch-matrix.json read, benchmarks/results/<today>-torch-matrix.json written)")
     ap.add_argument("--commit", help="the source commit tested, for the table (default: the checkout's HEAD, if a git tree)")
     ap.add_argument("--prepare-only", action="store_true", help="build the environments, run nothing")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds for one release's suite")
@@ -242,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     _NO_CONSTRAINTS.write_text("")
     checkout = args.checkout.resolve()
 
-    results = json.loads(args.results.read_text()) if args.results.exists() else {}
+    previous, args.results = results_paths(args.results)
+    results = json.loads(previous.read_text()) if previous is not None and previous.exists() else {}
     status = 0
     for rel in args.releases:
         today = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")

@@ -7,6 +7,12 @@ order, the number of entries, and the re-entries (an entry into a module the thr
 before and left). The training thread is the caller of ``dcp.async_save`` / ``dcp.load``.
 
     python scripts/trace_save.py [--tensors 1612] [--json out.json]
+    python scripts/trace_save.py --per-item 100 200 [--json out.json]
+
+``--per-item A B`` traces a save and a load of A and of B tensors and reports, per thread, the
+cross-module entries per item: (entries at B - entries at A) / (B - A), the cost that grows with
+the state, apart from the fixed cost of a save. ``tests/test_trace.py`` holds them to the
+ceilings in ``scripts/trace_ceilings.json``.
 """
 
 from __future__ import annotations
@@ -80,13 +86,54 @@ def state_of(n: int) -> dict:
     return {"model": model, "step": 3}
 
 
+def thread_role(what: str, thread: str) -> str:
+    """The role of a traced thread: the caller of dcp.async_save / dcp.load, or DCP's own."""
+    if thread == threading.main_thread().name:
+        return "training_thread" if what == "save" else "caller_thread"
+    return "dcp_thread" if thread.startswith("AsyncCheckpointExecutor") else thread
+
+
+def per_item(small: int, large: int) -> dict:
+    """Cross-module entries per item, per thread role, for a save and a load."""
+    a, b = trace(small), trace(large)
+    out: dict = {"tensors": [small, large]}
+    for what in ("save", "load"):
+        roles: dict = {}
+        for thread in set(a[what]) | set(b[what]):
+            ea = a[what].get(thread, {}).get("entries", 0)
+            eb = b[what].get(thread, {}).get("entries", 0)
+            role = thread_role(what, thread)
+            roles[role] = round(roles.get(role, 0.0) + (eb - ea) / (large - small), 2)
+        out[what] = roles
+    return out
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tensors", type=int, default=1612)
+    p.add_argument("--per-item", type=int, nargs=2, metavar=("A", "B"), default=None)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     warnings.filterwarnings("ignore")
-    state = state_of(args.tensors)
+    if args.per_item:
+        report = per_item(*args.per_item)
+        print(json.dumps(report))
+    else:
+        report = trace(args.tensors)
+        for what in ("construct", "save", "load"):
+            for thread, s in report[what].items():
+                print(f"{what} [{thread}]: {s['modules']} modules, {s['entries']} entries, {s['reentries']} re-entries"
+                      + (f"; packages: {', '.join(s['packages'])}" if "packages" in s else ""))
+                print("    " + " -> ".join(s["order"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
+def trace(tensors: int) -> dict:
+    """One traced writer construction, steady-state save and load of ``tensors`` tensors."""
+    state = state_of(tensors)
     root = tempfile.mkdtemp(prefix="trace_save_")
     for k in range(3):  # warm: engine started, plan cached
         dcp.async_save(state, storage_writer=DataStatesWriter(f"{root}/warm-{k}")).upload_completion.result()
@@ -99,18 +146,10 @@ def main(argv=None) -> dict:
     dcp.load(dest, storage_reader=DataStatesReader(f"{root}/warm-0"))  # warm
     with ModuleTrace() as load_trace:
         dcp.load(dest, storage_reader=DataStatesReader(f"{root}/traced"))
-    report = {"tensors": args.tensors, "construct": construct_trace.summary(), "save": save_trace.summary(),
+    report = {"tensors": tensors, "construct": construct_trace.summary(), "save": save_trace.summary(),
               "load": load_trace.summary()}
     for s in report["save"].values():
         s["packages"] = sorted({m.split(".")[0] for m in s["order"]})
-    for what in ("construct", "save", "load"):
-        for thread, s in report[what].items():
-            print(f"{what} [{thread}]: {s['modules']} modules, {s['entries']} entries, {s['reentries']} re-entries"
-                  + (f"; packages: {', '.join(s['packages'])}" if "packages" in s else ""))
-            print("    " + " -> ".join(s["order"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
     return report
 
 

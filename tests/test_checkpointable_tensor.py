@@ -141,7 +141,7 @@ def test_two_ranks_save_row_shards_and_load_column_shards_and_whole(tmp_path):
 
 
 def test_stage_plan_cache_never_covers_checkpointable_shards():
-    from dcp_datastates.save.pipeline import scan_state
+    from dcp_datastates.save.scan import scan_state
 
     plain = {"w": torch.zeros(ROWS + 1, COLS)}
     assert scan_state(plain) is not None

@@ -340,7 +340,7 @@ def test_the_commit_refuses_locations_the_reader_would_refuse(tmp_path, monkeypa
 
 
 def test_the_metadata_text_is_the_json_of_its_fields(tmp_path):
-    """The commit writes its items as JSON text directly (format.layout._encode); the document
+    """The commit writes its items as JSON text directly (format.items_codec._encode); the document
     must parse to exactly the fields of each item, names with quotes, backslashes, newlines and
     non-ASCII characters included."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
@@ -383,7 +383,7 @@ def test_planner_data_is_written_only_when_it_is_flat_keys_to_paths():
     also with subclasses of str and int (the checks' slow path); anything else is dropped."""
     import enum
 
-    from dcp_datastates.format.layout import _jsonable_planner_data
+    from dcp_datastates.format.document import _jsonable_planner_data
 
     class Name(str, enum.Enum):
         A = "a"

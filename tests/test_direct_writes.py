@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 import dcp_datastates._engine as E
 from dcp_datastates import DataStatesConfig, DataStatesReader, DataStatesWriter, engine_stats, start_engine
 from dcp_datastates.runtime.engine import current_engine
-from dcp_datastates.save.pipeline import SPLIT_MIN_BYTES, split_for_writers
+from dcp_datastates.save.file_groups import SPLIT_MIN_BYTES, split_for_writers
 
 from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
 from engine_util import build_engine

@@ -14,6 +14,7 @@ benchmark runs: their arguments are checked against the command's ``--help``).
 
 from __future__ import annotations
 
+import ast
 import functools
 import os
 import re
@@ -336,3 +337,105 @@ def test_config_file_blocks_in_the_docs_load(tmp_path):
             assert config.host_cache_size == 16 << 30, b.line  # the seeds' `host_cache_size: 16`
             loaded += 1
     assert loaded == 2
+
+
+# ------------------------------------------------------------ result files, links, the module map
+RESULTS = ROOT / "benchmarks" / "results"
+LINKED_DOCS = [*DOCS, "benchmarks/results/README.md", "benchmarks/results/history-benchmarks.md"]
+
+
+def _prose(doc: str) -> str:
+    """A document's text without its fenced code blocks."""
+    return re.sub(r"^```.*?^```", "", (ROOT / doc).read_text(), flags=re.M | re.S)
+
+
+def test_docs_hold_no_result_files():
+    """docs/ holds documents only; results go to benchmarks/results/ (docs/benchmarks.md quotes them)."""
+    others = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").iterdir() if p.suffix != ".md")
+    assert not others, f"result files (or folders) in docs/, move them to benchmarks/results/: {others}"
+
+
+def test_relative_links_and_named_result_files_exist():
+    """Every relative link of the docs and the results' index reaches a file, and every
+    ``benchmarks/results/<file>`` a document names exists."""
+    broken = []
+    for doc in LINKED_DOCS:
+        text = _prose(doc)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            if not ((ROOT / doc).parent / target.split("#")[0]).exists():
+                broken.append(f"{doc}: link to {target}")
+        if doc in DOCS:  # the index and the history quote commands, whose outputs may not be kept
+            for name in re.findall(r"benchmarks/results/[\w.-]+\.(?:json|png|md)\b", (ROOT / doc).read_text()):
+                if not (ROOT / name).exists():
+                    broken.append(f"{doc}: names {name}")
+    assert not broken, "\n".join(broken)
+
+
+def test_the_results_index_lists_every_result_file():
+    """benchmarks/results/README.md has one row per result file, and no row for a file that is gone."""
+    index = (RESULTS / "README.md").read_text()
+    listed = set(re.findall(r"^\| \[([^\]]+)\]\(\1\) \|", index, flags=re.M))
+    files = {str(p.relative_to(RESULTS)) for p in RESULTS.rglob("*") if p.is_file()} - {"README.md", "history-benchmarks.md"}
+    assert files - listed == set(), f"result files without a row in benchmarks/results/README.md: {sorted(files - listed)}"
+    assert listed - files == set(), f"rows of benchmarks/results/README.md naming no file: {sorted(listed - files)}"
+    assert "(history-benchmarks.md)" in index
+
+
+def package_modules() -> dict[str, Path]:
+    """Dotted name -> file of every module and package of dcp_datastates."""
+    modules = {}
+    for path in sorted((ROOT / "dcp_datastates").rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
+
+
+def first_docstring_line(path: Path) -> str | None:
+    doc = ast.get_docstring(ast.parse(path.read_text()), clean=True)
+    return doc.strip().splitlines()[0].strip() if doc and doc.strip() else None
+
+
+def module_map_problems(doc_text: str, modules: dict[str, Path]) -> list[str]:
+    """What docs/how-it-works.md's module map (rows ``| `dcp_datastates.x` | concern |`` under
+    "## Module map") gets wrong against the package: each problem names its module."""
+    section = doc_text.split("\n## Module map\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(dcp_datastates(?:\.\w+)*)` \| (.*) \|$", section, flags=re.M)
+    mapped = {name: concern.replace("\\|", "|").strip() for name, concern in rows}
+    problems = [f"{name}: listed twice in the module map" for name in sorted(mapped) if [n for n, _ in rows].count(name) > 1]
+    for name in sorted(modules.keys() - mapped.keys()):
+        problems.append(f"{name}: in the package ({modules[name].relative_to(ROOT)}) but not in the module map; "
+                        f"add the row | `{name}` | {first_docstring_line(modules[name])} |")
+    for name in sorted(mapped.keys() - modules.keys()):
+        problems.append(f"{name}: in the module map but not in the package (renamed, merged or removed?)")
+    for name in sorted(mapped.keys() & modules.keys()):
+        first = first_docstring_line(modules[name])
+        if first is None:
+            problems.append(f"{name}: has no docstring, whose first line names its concern")
+        elif mapped[name] != first:
+            problems.append(f"{name}: the module map says {mapped[name]!r}, the docstring's first line is {first!r}")
+    return problems
+
+
+def test_the_module_map_is_the_package():
+    """docs/how-it-works.md's module map lists every module and package of dcp_datastates, and no
+    other, each with the first line of its docstring as its concern."""
+    problems = module_map_problems((ROOT / "docs" / "how-it-works.md").read_text(), package_modules())
+    assert not problems, "docs/how-it-works.md, \"Module map\", is out of date:\n  " + "\n  ".join(problems)
+
+
+def test_the_module_map_check_names_what_is_wrong():
+    """The check is live: a module missing from the map, a row for no module, and a changed
+    concern are each reported by name."""
+    doc = (ROOT / "docs" / "how-it-works.md").read_text()
+    modules = package_modules()
+    concern = first_docstring_line(modules["dcp_datastates.writer"])
+    row = f"| `dcp_datastates.writer` | {concern} |\n"
+    assert row in doc
+    changed = doc.replace(row, "| `dcp_datastates.writer` | something else |\n| `dcp_datastates.save.gone` | a module no more |\n")
+    problems = module_map_problems(changed, modules)
+    assert any(p.startswith("dcp_datastates.writer: the module map says 'something else'") for p in problems), problems
+    assert any(p.startswith("dcp_datastates.save.gone: in the module map but not in the package") for p in problems), problems
+    problems = module_map_problems(doc.replace(row, ""), modules)
+    assert problems == [p for p in problems if p.startswith("dcp_datastates.writer: in the package")] and problems, problems

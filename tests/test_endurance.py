@@ -113,7 +113,7 @@ def test_200_checkpoints_bounded_resources(tmp_path, small_engine):
     assert final["threads"] <= baseline["threads"], growth
     # 180 more checkpoints of ~6 MiB each (over 1 GiB moved): a leak of even one state-sized
     # buffer per checkpoint would be far above this. (Back to back, the saves keep Python's cyclic
-    # GC paused, runtime/inflight.py: the cyclic garbage torch.save/torch.load make per stored value, ~100
+    # GC paused, runtime/gc_pause.py: the cyclic garbage torch.save/torch.load make per stored value, ~100
     # KiB per checkpoint here, waits up to a few seconds for the collection, and the allocator
     # keeps the arenas it grew meanwhile: 18 MiB was seen on a busy machine.)
     assert growth["rss"] < 32 << 20, growth

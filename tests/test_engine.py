@@ -233,8 +233,9 @@ def test_the_engine_has_no_defaults_of_its_own():
 
 
 def test_grid_binding_is_the_grid_a_job_checksums(tmp_path):
-    """format.layout.piece_ranges and the binding it calls cut exactly where a write job checksums."""
-    from dcp_datastates.format.layout import ItemLocation, piece_ranges
+    """format.pieces.piece_ranges and the binding it calls cut exactly where a write job checksums."""
+    from dcp_datastates.format.locations import ItemLocation
+    from dcp_datastates.format.pieces import piece_ranges
 
     rng = np.random.default_rng(7)
     grid = 64 * KiB

@@ -78,8 +78,8 @@ SCRIPT = textwrap.dedent(
         # Locks of the library that a parent's thread may hold at the fork (a commit, a request),
         # held here by this thread instead: the child's save takes each of them.
         from dcp_datastates.commit import reading
-        from dcp_datastates.save import checkpoint_stats, pipeline
-        held = [pipeline._plans_lock, checkpoint_stats._lock, reading._summaries_lock]
+        from dcp_datastates.save import checkpoint_stats, plan_cache
+        held = [plan_cache._plans_lock, checkpoint_stats._lock, reading._summaries_lock]
         for lock in held:
             lock.acquire()
         pid = os.fork()

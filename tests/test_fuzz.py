@@ -31,8 +31,10 @@ from torch.distributed.checkpoint.metadata import (
 
 from dcp_datastates.errors import CheckpointFormatError, UnsafeCheckpointError
 from dcp_datastates.format.header import MAX_HEADER_BYTES, parse_header
-from dcp_datastates.format.layout import FileEntry, ItemLocation, piece_ranges, plan_file
+from dcp_datastates.format.layout import FileEntry, plan_file
+from dcp_datastates.format.locations import ItemLocation
 from dcp_datastates.format.metadata import decode_metadata, encode_metadata
+from dcp_datastates.format.pieces import piece_ranges
 from dcp_datastates.format.safe_unpickle import decode_value
 
 QUICK = settings(

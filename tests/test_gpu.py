@@ -291,7 +291,7 @@ def test_batchnorm_statistics_on_the_gpu_are_saved_at_request_time(tmp_path, cop
     forward's BatchNorm kernels (no version bump) are queued right after the request. The small
     buffers' request-time copy is on the current stream, before those kernels. Two saves: the
     second takes the plan cache's path. Turned off, the counter's in-place bump fails the save."""
-    from dcp_datastates.save.pipeline import plan_stats
+    from dcp_datastates.save.plan_cache import plan_stats
 
     from conftest import raises_through_dcp
 

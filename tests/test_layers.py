@@ -113,9 +113,12 @@ def _lint_imports(config: Path) -> subprocess.CompletedProcess:
 
 
 def test_layers_contract_is_kept():
-    """import-linter checks the layers of .importlinter: each imports only the layers below it."""
+    """import-linter checks the contracts of .importlinter: the layers (each imports only the
+    layers below it) and the pure plan (save/plan.py and save/planning.py reach no runtime,
+    storage or engine)."""
     r = _lint_imports(PKG.parent / ".importlinter")
-    assert r.returncode == 0 and "1 kept, 0 broken" in r.stdout, r.stdout + r.stderr
+    assert r.returncode == 0 and re.search(r"Contracts: \d+ kept, 0 broken", r.stdout), r.stdout + r.stderr
+    assert "the plan is pure" in r.stdout, r.stdout
 
 
 def test_layers_contract_can_fail(tmp_path):
@@ -126,6 +129,18 @@ def test_layers_contract_can_fail(tmp_path):
     (tmp_path / "contract.ini").write_text(swapped)
     r = _lint_imports(tmp_path / "contract.ini")
     assert r.returncode != 0 and "dcp_datastates.storage is not allowed to import dcp_datastates.format" in r.stdout
+
+
+def test_the_plan_contract_can_fail(tmp_path):
+    """The pure plan's contract with the format layer forbidden too is reported broken (the plan
+    lays out files with it, so the check is live)."""
+    text = (PKG.parent / ".importlinter").read_text()
+    stricter = text.replace("forbidden_modules =\n    dcp_datastates.runtime\n",
+                            "forbidden_modules =\n    dcp_datastates.runtime\n    dcp_datastates.format\n")
+    assert stricter != text
+    (tmp_path / "contract.ini").write_text(stricter)
+    r = _lint_imports(tmp_path / "contract.ini")
+    assert r.returncode != 0 and "dcp_datastates.save.plan is not allowed to import dcp_datastates.format" in r.stdout
 
 
 def test_docs_module_map_names_the_contract_layers():

@@ -172,7 +172,7 @@ def test_slots_grow_for_a_larger_file_only_after_their_copies(monkeypatch):
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
 
-    from dcp_datastates.format.layout import ItemLocation
+    from dcp_datastates.format.locations import ItemLocation
 
     monkeypatch.setattr(read, "SLOT_BYTES", 1 << 20)
     staging = CpuStaging()

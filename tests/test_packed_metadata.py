@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.metadata import (
 
 import dcp_datastates.format.metadata as metadata_codec
 from dcp_datastates import CheckpointFormatError, DataStatesLoadPlanner, DataStatesReader, DataStatesWriter
-from dcp_datastates.format.layout import ItemLocation
+from dcp_datastates.format.locations import ItemLocation
 from dcp_datastates.format.metadata import decode_metadata, encode_commit, encode_metadata
 from dcp_datastates.format.packed import PackedItems, PackedLocations
 from dcp_datastates.native import engine_module

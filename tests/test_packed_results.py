@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_datastates import CheckpointFormatError
-from dcp_datastates.format.layout import ItemLocation
+from dcp_datastates.format.locations import ItemLocation
 from dcp_datastates.format.metadata import encode_commit
 from dcp_datastates.format.results import PACKED_RESULTS, CommitLocations, PackedResults, pack_write_results
 

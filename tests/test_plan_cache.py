@@ -8,7 +8,7 @@ from safetensors import safe_open
 
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.format.layout import data_file_name
-from dcp_datastates.save.pipeline import plan_stats
+from dcp_datastates.save.plan_cache import plan_stats
 
 from conftest import assert_state_equal, clone_state, zeros_like_state
 
@@ -127,7 +127,7 @@ def test_parameter_storage_swapped_after_stage_is_kept_alive(tmp_path):
     ([1, 2], 65536, None, 65536),
 ])
 def test_request_copy_limit_keeps_the_smallest_tensors_within_the_total(sizes, max_bytes, total, limit):
-    from dcp_datastates.save.pipeline import request_copy_limit
+    from dcp_datastates.save.copy_at_request import request_copy_limit
 
     assert request_copy_limit(sizes, max_bytes, total) == limit
 
@@ -149,10 +149,10 @@ def _flatten_cases():
 
 @pytest.mark.parametrize("case", list(_flatten_cases()))
 def test_flatten_gives_exactly_what_dcp_flatten_state_dict_gives(case):
-    """``pipeline.flatten`` (the training thread's own walk) returns DCP's keys, order, values and
+    """``scan.flatten`` (the training thread's own walk) returns DCP's keys, order, values and
     paths for every kind of nesting, and its duplicate-key error."""
     from dcp_datastates.compat import flatten_state_dict
-    from dcp_datastates.save.pipeline import flatten
+    from dcp_datastates.save.scan import flatten
 
     state = _flatten_cases()[case]
     ours, theirs = flatten(state), flatten_state_dict(state)
@@ -162,7 +162,7 @@ def test_flatten_gives_exactly_what_dcp_flatten_state_dict_gives(case):
 
 def test_flatten_refuses_a_duplicated_key_as_dcp_does():
     from dcp_datastates.compat import flatten_state_dict
-    from dcp_datastates.save.pipeline import flatten
+    from dcp_datastates.save.scan import flatten
 
     state = {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}}
     with pytest.raises(ValueError, match="duplicated flatten key a.b"):

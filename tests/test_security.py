@@ -25,7 +25,7 @@ from dcp_datastates.cli import main as cli_main
 from dcp_datastates.commit import read_commit
 from dcp_datastates.config import DataStatesConfig
 from dcp_datastates.errors import CheckpointFormatError, IncompleteCheckpointError, UnsafeCheckpointError, checkpoint_error_cause
-from dcp_datastates.format.layout import MAX_METADATA_BYTES
+from dcp_datastates.format.document import MAX_METADATA_BYTES
 from dcp_datastates.runtime import get_engine
 
 from conftest import raises_through_dcp

@@ -43,3 +43,18 @@ def test_doc_keeps_its_prose_and_replaces_only_the_table(tmp_path):
     fresh = tmp_path / "new.md"
     tm.write_doc(fresh, f"{tm.BEGIN}\nt\n{tm.END}")
     assert fresh.read_text().endswith(f"{tm.BEGIN}\nt\n{tm.END}\n")
+
+
+def test_results_are_read_from_the_newest_dated_file_and_written_to_todays(tmp_path, monkeypatch):
+    """Without --results the newest benchmarks/results/*-torch-matrix.json is read (rows of releases
+    not run again are kept) and today's dated file written; --results names one file for both."""
+    monkeypatch.setattr(tm, "RESULTS", tmp_path)
+    assert tm.results_paths(None)[0] is None
+    for date in ("2026-11-23", "2026-11-24"):
+        (tmp_path / f"{date}-torch-matrix.json").write_text("{}")
+    read, write = tm.results_paths(None)
+    assert read == tmp_path / "2026-11-24-torch-matrix.json"
+    assert write.parent == tmp_path and write.name.endswith("-torch-matrix.json") and len(write.name) == len("2026-11-24-torch-matrix.json")
+    given = tmp_path / "mine.json"
+    assert tm.results_paths(given) == (given, given)
+    assert sorted((tm.REPO / "benchmarks" / "results").glob("*-torch-matrix.json")), "the committed results moved"

@@ -208,10 +208,10 @@ def test_the_request_copy_takes_the_smallest_tensors_up_to_its_total(tmp_path, s
     save through the version guard (were it copied at the request, the save would commit; were
     the statistic left lazy, it would hold -1). With the default total all of them are copied at
     the request. Each case saves twice: the second reuses the cached plan (one rule on both paths)."""
-    from dcp_datastates.save import pipeline
+    from dcp_datastates.save import copy_at_request, plan_cache
 
-    monkeypatch.setattr(pipeline, "_limits_told", set())
-    monkeypatch.setattr(pipeline, "_plans", {})  # the first save lays the state out, the second reuses it
+    monkeypatch.setattr(copy_at_request, "_limits_told", set())
+    monkeypatch.setattr(plan_cache, "_plans", {})  # the first save lays the state out, the second reuses it
     start_engine_now()
     for attempt in range(2):
         g = torch.Generator().manual_seed(attempt)
@@ -221,7 +221,7 @@ def test_the_request_copy_takes_the_smallest_tensors_up_to_its_total(tmp_path, s
                  "count": torch.tensor(7 + attempt), **{f"mid{k}": torch.randn(8192, generator=g) for k in range(40)}}
         before = clone_state(state)
         path = tmp_path / f"ckpt{attempt}"
-        hits = pipeline.plan_stats()["hits"]
+        hits = plan_cache.plan_stats()["hits"]
         with caplog.at_level("WARNING", logger="dcp_datastates"), stalled_flushes(path):
             resp = dcp.async_save(state, storage_writer=DataStatesWriter(path, copy_at_request_total_bytes=total,
                                                                          **OPTS))
@@ -229,7 +229,7 @@ def test_the_request_copy_takes_the_smallest_tensors_up_to_its_total(tmp_path, s
                 state["stats"].data.fill_(-1.0)
             if mutate in ("mid", "both"):
                 state["mid3"].add_(1.0)
-        assert pipeline.plan_stats()["hits"] == hits + attempt  # the second save is a plan-cache hit
+        assert plan_cache.plan_stats()["hits"] == hits + attempt  # the second save is a plan-cache hit
         if not committed:
             with raises_through_dcp(r"tensor 'mid3' was changed in place"):
                 resp.upload_completion.result(timeout=120)

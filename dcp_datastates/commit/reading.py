@@ -15,7 +15,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from ..errors import CheckpointFormatError, DataStatesError, IncompleteCheckpointError
 from ..forking import new_locks_in_child
-from ..format.layout import MAX_METADATA_BYTES, METADATA_NAME, STEP_NUMBER, FileInfo, own_files, rank_marker_name, split_reference
+from ..format.document import MAX_METADATA_BYTES
+from ..format.layout import METADATA_NAME, STEP_NUMBER, rank_marker_name
+from ..format.locations import FileInfo, own_files, split_reference
 from ..format.metadata import decode_metadata
 from ..storage import Storage, open_storage
 
@@ -140,7 +142,7 @@ def _remember(key: bytes, summary: tuple[str | None, dict[str, FileInfo]]) -> No
 def data_file(storage: Storage, name: str, beside: Storage | None = None) -> tuple[Storage, str]:
     """(folder, file name in it) of data file ``name`` as a checkpoint's metadata lists it: a file
     of the checkpoint itself, or (incremental saves) a reference to a file of the checkpoint
-    folder beside it that holds those bytes (``format.layout.reference_name``), beside ``beside``
+    folder beside it that holds those bytes (``format.locations.reference_name``), beside ``beside``
     when given (a node-local copy refers to the durable checkpoints beside its durable path)."""
     ref = split_reference(name)
     return (storage, name) if ref is None else ((beside or storage).sibling(ref[0]), ref[1])

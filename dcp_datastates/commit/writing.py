@@ -21,7 +21,8 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
 from ..errors import CheckpointWriteError, DataStatesError
-from ..format.layout import METADATA_NAME, FileInfo, ItemLocation, rank_marker_name
+from ..format.layout import METADATA_NAME, rank_marker_name
+from ..format.locations import FileInfo, ItemLocation
 from ..format.metadata import encode_commit
 from ..storage import Storage, open_storage
 from .reading import check_data_files, referenced_by, remember_commit

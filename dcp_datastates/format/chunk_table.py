@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from ..native import engine_module
-from .layout import FileInfo, ItemLocation, _Check
+from .checks import _Check
+from .locations import FileInfo, ItemLocation
 
 _engine = engine_module()  # the table checks (csrc/chunk_table.cpp)
 

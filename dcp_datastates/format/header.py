@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointFormatError
-from .layout import _DuplicateKey, _no_duplicate_keys
+from .checks import _DuplicateKey, _no_duplicate_keys
 
 __all__ = ["DataFileItem", "DataFileHeader", "parse_header", "MAX_HEADER_BYTES"]
 

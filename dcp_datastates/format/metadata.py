@@ -2,7 +2,7 @@
 the codec its version names.
 
 Version 1 (2 when it refers to earlier checkpoints' files) writes one JSON object per chunk
-(``format.layout``); version 3 writes the chunk table as packed columns (``format.packed``). A
+(``format.items_codec``); version 3 writes the chunk table as packed columns (``format.packed``). A
 commit of at least ``PACK_FROM_CHUNKS`` chunks is written as version 3: below that, the JSON
 objects cost little and any tool reads them. Both are JSON documents, never a pickle, and
 both decoders check everything they read.
@@ -15,7 +15,10 @@ from collections.abc import Mapping
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-from .layout import PACKED_VERSION, FileInfo, ItemLocation, _Check, decode_items, encode_items, parse_document
+from .checks import _Check
+from .document import PACKED_VERSION, parse_document
+from .items_codec import decode_items, encode_items
+from .locations import FileInfo, ItemLocation
 from .packed import decode_packed
 from .packed_encode import encode_packed
 from .results import CommitLocations

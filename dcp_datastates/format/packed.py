@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from .checks import _MAX_DIMS, _MAX_INT, _MAX_NUMEL, _Check
 from .chunk_table import (
     _READ_ONLY,
     _U32,
@@ -50,21 +51,10 @@ from .chunk_table import (
     _Table,
     _unpack,
 )
-from .layout import (
-    _MAX_DIMS,
-    _MAX_INT,
-    _MAX_NUMEL,
-    PACKED_VERSION,
-    FileInfo,
-    ItemLocation,
-    _Check,
-    _numel,
-    bytes_location,
-    decode_planner_data,
-    decode_storage_meta,
-    dtype_to_name,
-    name_to_dtype,
-)
+from .document import PACKED_VERSION, decode_planner_data, decode_storage_meta
+from .items_codec import _numel, bytes_location
+from .layout import dtype_to_name, name_to_dtype
+from .locations import FileInfo, ItemLocation
 
 
 # ------------------------------------------------------------------------------- decode

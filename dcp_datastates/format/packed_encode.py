@@ -18,19 +18,12 @@ import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
 
 from ..native import engine_module
+from .checks import _MAX_INT, _Check, _check_file, _check_file_name
 from .chunk_table import _U32, _check_items_apart, _check_table, _fail_chunk, _ints, _pack, _require_little_endian, _Table, _view
-from .layout import (
-    _MAX_INT,
-    PACKED_VERSION,
-    FileInfo,
-    ItemLocation,
-    _Check,
-    _check_file,
-    _check_file_name,
-    bytes_location,
-    document_head,
-    dtype_to_name,
-)
+from .document import PACKED_VERSION, document_head
+from .items_codec import bytes_location
+from .layout import dtype_to_name
+from .locations import FileInfo, ItemLocation
 from .results import CommitLocations, PackedResults, name_key
 
 _engine = engine_module()  # placing results (csrc/chunk_table.cpp)

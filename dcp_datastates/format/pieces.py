@@ -1,14 +1,29 @@
-"""Checksum pieces: the one routine that checks bytes in memory against their stored CRC32Cs.
+"""Checksum pieces: where an item's pieces lie on the engine's grid, and their check in memory.
 
-Each item's bytes are cut into pieces on the file's checksum grid (``layout.piece_ranges``);
-the save records one CRC32C per piece. The engine's local read batch checks pieces itself while
+Checksum grid. Each data file is cut on a grid of ``piece_size`` bytes from its first data byte;
+the part of an item inside one cell is a piece with its own CRC32C. The grid is the engine's
+(``csrc/grid.h``: it cuts and checksums on it); ``piece_ranges`` here reads it from there.
+
+The save records one CRC32C per piece. The engine's local read batch checks pieces itself while
 they are hot (``Engine.read_into`` with checks); every other path (object-store reads, the drain,
-``verify``) reads into memory and calls ``bad_pieces``.
+``verify``) reads into memory and calls ``bad_pieces``, the one routine that checks bytes in
+memory against their stored CRC32Cs.
 """
 
 from __future__ import annotations
 
-__all__ = ["bad_pieces"]
+from ..native import engine_module
+from .locations import ItemLocation
+
+_engine = engine_module()  # the checksum grid is the engine's, computed once (piece_ranges)
+
+__all__ = ["piece_ranges", "bad_pieces"]
+
+
+# The checksum grid is the engine's (csrc/grid.h): it cuts and checksums on it, and these read it.
+def piece_ranges(loc: ItemLocation) -> list[tuple[int, int]]:
+    """(file offset, length) of each checksum piece of an item, in order."""
+    return _engine.piece_ranges(loc.offset, loc.length, loc.data_start, loc.piece_size)
 
 
 def bad_pieces(engine, ranges: list, checks: list, *, first_only: bool = False) -> list[tuple[int, int, int, int, int]]:

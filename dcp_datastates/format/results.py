@@ -28,7 +28,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .layout import ItemLocation
+from .locations import ItemLocation
 
 __all__ = ["PackedResults", "CommitLocations", "pack_write_results", "name_key", "PACKED_RESULTS"]
 

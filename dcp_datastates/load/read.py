@@ -30,7 +30,9 @@ from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from ..format import safe_unpickle
-from ..format.layout import ItemLocation, name_to_dtype, piece_ranges
+from ..format.layout import name_to_dtype
+from ..format.locations import ItemLocation
+from ..format.pieces import piece_ranges
 from ..storage import Storage
 from .verify import checksum_mismatch
 

@@ -14,8 +14,9 @@ from ..commit import check_data_files, read_commit
 from ..commit.reading import size_text
 from ..errors import CheckpointFormatError, ChecksumMismatchError
 from ..format.header import MAX_HEADER_BYTES, DataFileHeader, DataFileItem, parse_header
-from ..format.layout import FileInfo, ItemLocation, own_files, piece_ranges, safetensors_dtype, split_reference
-from ..format.pieces import bad_pieces
+from ..format.layout import safetensors_dtype
+from ..format.locations import FileInfo, ItemLocation, own_files, split_reference
+from ..format.pieces import bad_pieces, piece_ranges
 from ..storage import LocalStorage, file_kind, open_for_reading
 
 __all__ = ["read_header", "validate_data_file", "validate_checkpoint", "verify_checkpoint", "VerifyReport",

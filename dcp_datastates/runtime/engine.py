@@ -15,7 +15,7 @@ from ..compat import ASYNC_EXECUTOR_THREAD_PREFIX, register_before_thread_join
 from ..config import CACHE_SIZE_ENV, ENGINE_OPTIONS, DataStatesConfig, check_cache_fits, memory_limit
 from ..forking import keep_forever, new_locks_in_child
 from ..native import engine_module
-from . import inflight
+from . import gc_pause, inflight  # noqa: F401 - gc_pause first: its atexit then runs after ours
 
 __all__ = ["get_engine", "start_engine", "engine_stats", "shutdown_engine"]
 

@@ -1,12 +1,14 @@
 """The save, as named steps, in the order a save runs them (each module tells its step):
 
-1. ``request``: on the training thread, ``stage()``: flatten and scan the state once
-   (``pipeline``; on a plan-cache miss ``items`` and ``ownership``), copy small items now, submit each
-   planned file to the storage's engine job, hold what cannot be written yet (``held_file``),
-   register the save (``runtime.inflight``) (``incremental``: an incremental save's held files
-   write only the items whose hashes changed since the base checkpoint); a watcher seals the version guard
-   (``pipeline.VersionGuard``) and resolves DCP's Future; the save in flight is
-   ``request.StagedSave``, a ``request.FileJob`` per data file;
+1. ``request``: on the training thread, ``stage()``: flatten and scan the state once (``scan``,
+   non-tensor values serialized by ``values``), plan this rank's files (``planning.plan_stage``:
+   the plan types in ``plan``, reused from ``plan_cache`` while the state's structure holds; on a
+   miss ``items``, ``ownership`` and ``file_groups``), copy small items now (``copy_at_request``),
+   submit each planned file to the storage's engine job, hold what cannot be written yet
+   (``held_file``), register the save (``runtime.inflight``) (``incremental``: an incremental
+   save's held files write only the items whose hashes changed since the base checkpoint); a
+   watcher seals the version guard (``version_guard.VersionGuard``) and resolves DCP's Future; the
+   save in flight is ``request.StagedSave``, a ``request.FileJob`` per data file;
 2. ``request.name_folder`` / ``request.sync_save``: DCP names the folder; on the coordinator,
    DCP's global plan (``global_plan``: its dedup and validation at a C-level cost per item, for
    ``planners.DataStatesSavePlanner``);

@@ -29,12 +29,13 @@ import time
 from concurrent.futures import Future
 
 from ..errors import CheckpointWriteError
-from ..format.layout import ItemLocation, plan_file
+from ..format.layout import plan_file
+from ..format.locations import ItemLocation
 from ..native import engine_module
 from ..storage import Storage
 from .incremental import Incremental
 from .items import ItemKey, SourceItem
-from .pipeline import item_location
+from .plan import item_location
 
 _engine = engine_module()  # hash64_segments: the incremental save's content hash
 

@@ -23,7 +23,7 @@ changed once (trainable parameters, optimizer state) almost always changes again
 stops changing is found at the next probe. A tensor that is not a candidate is always written.
 
 An unchanged item gets the base's location with its file named as a reference
-(``format.layout.reference_name``: ``../<base>/<file>``); a base item that was itself a
+(``format.locations.reference_name``: ``../<base>/<file>``); a base item that was itself a
 reference keeps the checkpoint it names, so a reference is always one hop to the checkpoint
 that wrote the bytes. The commit checks that every referenced file is there with its size.
 """
@@ -37,7 +37,9 @@ import threading
 from ..commit import check_data_files, step_folders
 from ..errors import CheckpointFormatError, DataStatesError
 from ..forking import new_locks_in_child
-from ..format.layout import MAX_METADATA_BYTES, METADATA_NAME, FileEntry, ItemLocation, moved, reference_name, split_reference
+from ..format.document import MAX_METADATA_BYTES
+from ..format.layout import METADATA_NAME, FileEntry
+from ..format.locations import ItemLocation, moved, reference_name, split_reference
 from ..format.metadata import decode_metadata
 from ..native import engine_module
 from ..storage import Storage, root_of

@@ -1,6 +1,6 @@
 """Turns a state dict into the rank-local list of items to write, the way DCP's planners see it.
 
-Used by the staging pipeline on a plan-cache miss (on the training thread, so it must cost time
+Used by ``planning`` on a plan-cache miss (on the training thread, so it must cost time
 proportional to the number of tensors, never to their bytes) and by ``write_data`` for items a planner asks for
 that were not staged (``dcp.save`` without staging). Keys are ``(fqn, offsets)`` exactly as in
 the planner's ``WriteItem.index``, so the two always agree.

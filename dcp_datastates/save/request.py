@@ -3,9 +3,9 @@
 file the engine writes for it), and the watcher that resolves DCP's staging Future once every
 byte is in the host cache.
 
-1. flatten the state dict (``pipeline.flatten``) and claim the folder in the registry of saves in
+1. flatten the state dict (``scan.flatten``) and claim the folder in the registry of saves in
    flight (a second save to the same folder is refused while the first runs);
-2. plan this rank's data files from the local state alone (``pipeline.plan_stage``: owners,
+2. plan this rank's data files from the local state alone (``planning.plan_stage``: owners,
    layout, the version guard);
 3. copy the small items now (``copy_small_at_request``, below), hand each planned file to the engine unnamed
    (``start_file``: the copies start, nothing is written yet), hold the items whose writer or
@@ -39,24 +39,20 @@ from ..commit import prepare_folder
 from ..compat import unflatten_state_dict
 from ..errors import CheckpointWriteError
 from ..forking import ThreadPool, new_locks_in_child
-from ..format.layout import ItemLocation, data_file_name, new_tag
-from ..runtime import get_engine, inflight
+from ..format.layout import data_file_name, new_tag
+from ..format.locations import ItemLocation
+from ..runtime import gc_pause, get_engine, inflight
 from ..storage import Storage
+from .copy_at_request import CopyAtRequest
+from .file_groups import on_one_device
 from .held_file import HeldFile
 from .incremental import Incremental, hint_key
 from .items import ItemKey, SourceItem
 from .ownership import DecisionKey
-from .pipeline import (
-    PlannedFile,
-    VersionGuard,
-    flatten,
-    freed_message,
-    on_one_device,
-    plan_stage,
-    planned_file,
-    torn_message,
-    written,
-)
+from .plan import PlanContext, PlannedFile, planned_file, written
+from .planning import plan_stage
+from .scan import flatten
+from .version_guard import VersionGuard, freed_message, torn_message
 
 __all__ = ["FileJob", "StagedSave", "request_save", "name_folder", "sync_save", "submit_file", "start_file", "prepare_destination", "hold", "claim_folder", "current_stream",
            "global_rank_world", "finish_staging", "planned", "copy_small_at_request", "give_back", "hold_limit"]
@@ -317,7 +313,7 @@ def request_save(state_dict: dict, *, path: str | None, storage: Storage | None,
     """Start the save of ``state_dict`` into ``path`` (None: named later by DCP): the save and
     the Future DCP waits on before planning."""
     # Tens of objects per tensor live until the commit: no collection sees them (runtime/inflight.py).
-    pause = inflight.pause_collector(GC_PAUSE_MAX_S)
+    pause = gc_pause.pause_collector(GC_PAUSE_MAX_S)
     try:
         staged, future = _request(state_dict, path, storage, config, tier, requested, check_launch)
     except BaseException:  # (errors are kept on the save; this is Ctrl-C and the like)
@@ -399,11 +395,11 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
     if staged.incremental is not None:
         durable = tier.reported(staged.path)
         direct = staged.incremental.written_directly(hint_key(durable, rank)) if durable else frozenset()
-    plan = plan_stage(flat, rank=rank, world=world, dedup=dedup, cuda=engine.cuda_devices > 0,
-                      folder_known=staged.path is not None, hold_limit=lambda: hold_limit(config),
-                      copied_at_request=config.copy_at_request_max_bytes,
-                      copied_at_request_total=config.copy_at_request_total_bytes, incremental=direct,
-                      mirroring=tier.mirroring, files_per_group=_files_per_group(staged.storage, config))
+    context = PlanContext(rank, world, dedup, engine.cuda_devices > 0, tier.mirroring,
+                          _files_per_group(staged.storage, config))
+    copies = CopyAtRequest(config.copy_at_request_max_bytes, config.copy_at_request_total_bytes)
+    plan = plan_stage(flat, context, copies, folder_known=staged.path is not None,
+                      hold_limit=lambda: hold_limit(config), incremental=direct)
     staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
     staged.guard, staged.late_guard = plan.guard, plan.late_guard
     staged.decision_key, staged.learn, staged.plain_keys = plan.decision_key, plan.learn, plan.plain_keys
@@ -455,7 +451,7 @@ def name_folder(staged: StagedSave, path: str, storage: Storage, config, tier) -
 def sync_save(path: str, storage: Storage, rank: int, config, tier) -> StagedSave:
     """``dcp.save`` (nothing staged): the folder prepared at planning time; the save that
     ``write_data`` then writes from live memory."""
-    pause = inflight.pause_collector(GC_PAUSE_MAX_S)  # DCP's write items live until the commit here too
+    pause = gc_pause.pause_collector(GC_PAUSE_MAX_S)  # DCP's write items live until the commit here too
     try:
         tag = new_tag() if prepare_folder(storage, overwrite=config.overwrite) else None
     except BaseException:

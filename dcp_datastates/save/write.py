@@ -23,15 +23,16 @@ from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from ..commit import is_committed
 from ..errors import CheckpointWriteError
-from ..format.layout import ItemLocation, data_file_name, moved, name_to_dtype
+from ..format.layout import data_file_name, name_to_dtype
+from ..format.locations import ItemLocation, moved
 from ..runtime import get_engine
 from ..storage import Storage
 from .held_file import HeldFile
 from .items import ItemKey, item_key, source_for_resolved
 from .ownership import decisions
-from .pipeline import torn_message
 from .planner_hooks import items_to_rewrite, overridden_data_hooks
 from .request import FileJob, StagedSave, hold, hold_limit, planned, submit_file
+from .version_guard import torn_message
 
 __all__ = ["write_rank", "check_rank_local", "skip_replicas"]
 

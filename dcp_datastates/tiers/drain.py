@@ -27,7 +27,9 @@ from ..commit import check_data_files, checkpoint_id, prepare_folder, read_commi
 from ..config import DataStatesConfig
 from ..errors import CheckpointWriteError, ChecksumMismatchError
 from ..forking import ThreadPool, new_locks_in_child
-from ..format.layout import data_file_name, data_file_parts, moved, new_tag, own_files, piece_ranges, split_reference
+from ..format.layout import data_file_name, data_file_parts, new_tag
+from ..format.locations import moved, own_files, split_reference
+from ..format.pieces import piece_ranges
 from ..runtime import get_engine
 from ..storage import Storage, open_storage, root_of
 from . import local_tier as tiers

@@ -30,7 +30,8 @@ from ..commit import prepare_folder, write_commit
 from ..config import usable_cpus
 from ..errors import CheckpointWriteError
 from ..forking import ThreadPool
-from ..format.layout import moved, new_tag, split_reference
+from ..format.layout import new_tag
+from ..format.locations import moved, split_reference
 from ..save import global_rank_world
 from ..storage import Storage, open_storage, root_of
 from . import drain, peers

@@ -36,7 +36,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from ..config import DataStatesConfig
 from ..errors import DataStatesError, RestartError
-from ..format.layout import MAX_METADATA_BYTES, METADATA_NAME, PENDING_NAME, STEP_NUMBER, data_file_parts, own_files
+from ..format.document import MAX_METADATA_BYTES
+from ..format.layout import METADATA_NAME, PENDING_NAME, STEP_NUMBER, data_file_parts
+from ..format.locations import own_files
 from ..format.metadata import decode_metadata
 from ..runtime import get_engine
 from ..storage import normalize, open_storage
