@@ -22,9 +22,9 @@ namespace {
 
 // Optional lower priority for the copy and flush threads (DCP_DATASTATES_WORKER_NICE=N, this
 // thread only; default 0 = unchanged). On a CPU-only machine they share the cores with training:
-// nice +10 cut the compute slowdown during a checkpoint from 18-25x to 1.6-1.8x in the benchmark,
-// but with a checkpoint every iteration on 2 cores it delays durability more than it saves
-// (iteration 271-425 ms at +10 vs 225-248 ms at 0), so it is opt-in. Best effort.
+// nice +10 cut the compute slowdown during a checkpoint by an order of magnitude in the benchmark,
+// but with a checkpoint every iteration on 2 cores it delays durability more than it saves (the
+// iterations got longer, not shorter), so it is opt-in. Best effort.
 void lower_thread_priority() {
   const char* env = std::getenv("DCP_DATASTATES_WORKER_NICE");
   const int nice = env ? std::atoi(env) : 0;
@@ -372,7 +372,7 @@ bool Engine::device_wait(WriteJob& job, uint64_t stream) {
 
 // The first queued chunk of a file no other worker is writing (among the first kLookahead),
 // else the first chunk: writes into one file are serialized by its inode lock (tmpfs, ext4), so
-// two workers on two files write twice as fast as on one (tmpfs: 0.19 against 0.37 s a GiB).
+// two workers on two files write about twice as fast as on one (on tmpfs).
 // A file's own chunks stay in queue order.
 bool Engine::pop_flush(ChunkRef* out) {
   constexpr size_t kLookahead = 64;
@@ -476,8 +476,8 @@ void Engine::flush_chunk(FileJob& job, Chunk& c) {
 
 // Checksum, then write, one block at a time: the checksum pulls the block into the core's L2 and
 // the kernel's copy into the page cache reads it from there, so the checksum costs no extra pass
-// over memory (measured: +4 % over the bare pwrite, against +20 % for checksumming the whole
-// slot after one pwrite; scripts/crc_cost.py).
+// over memory (a few percent over the bare pwrite, several times less than checksumming the
+// whole slot after one pwrite; measured with scripts/crc_cost.py).
 std::string Engine::write_from_slot(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns) {
   const char* base = cache_->slot_ptr(c.slot);
   size_t first = c.piece_begin;

@@ -108,7 +108,7 @@ bool HostCache::wait_while(const std::function<bool()>& busy) {
 
 // Touches rather than madvise(MADV_POPULATE_WRITE): that holds the process's mmap lock for a
 // whole step, so every mmap/munmap of the training thread (Python and torch allocations) waited
-// for it, which made the first checkpoint's call 1.5-5x slower here; page faults take only the
+// for it, which made the first checkpoint's call several times slower; page faults take only the
 // cache's own VMA lock.
 // A slot is touched only while this thread holds it (taken off the free list), so no copy
 // writes into it meanwhile; a slot in use is skipped: its copy faulted its pages in.

@@ -168,8 +168,9 @@ int open_regular_for_write(const std::string& path, std::string* err) {
 
 // Starts the disk write of a chunk just written to the page cache, without waiting for it, so the
 // file's final fsync finds little left to write: without this the disk idles while the whole file
-// sits dirty, and the fsync alone took ~40 % of the time to durable (issue 26). Only a hint: an
-// error here (a file system that cannot do it) changes nothing, the final fsync reports real ones.
+// sits dirty, and the fsync alone took a large share of the time to durable (issue 26). Only a
+// hint: an error here (a file system that cannot do it) changes nothing, the final fsync reports
+// real ones.
 void start_writeback(int fd, uint64_t off, uint64_t len) {
 #if defined(__linux__)
   int rc;

@@ -151,9 +151,9 @@ def usable_cpus() -> int:
 
 def _default_copy_threads() -> int:
     """2, or 1 where the process may use at most 2 CPUs: there a second copy worker takes the
-    training thread's core during ``stage()`` (1 GiB in 1,612 tensors: the call 11-15 ms of wall
-    for 6 ms of CPU with 2 workers, 6-9 ms with 1) without staging any faster (durable 0.57-0.58 s
-    with 2, 0.54-0.56 s with 1; docs/benchmarks.md, "Engine thread counts")."""
+    training thread's core during ``stage()`` (the call waits for its core: its wall time runs
+    well past its CPU time) without staging any faster (time to durable is the same or a little
+    longer; the figures are in docs/benchmarks.md, "Engine thread counts")."""
     return 1 if usable_cpus() <= 2 else 2
 
 

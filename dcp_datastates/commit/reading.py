@@ -97,8 +97,8 @@ def _read_marker(storage: Storage, name: str) -> bytes:
 
 # The tiers ask for the checkpoint id of the same few folders at every save (each local copy and
 # its durable folder: the drain, drain_pending, eviction, choosing the copy to load), and decoding
-# a marker costs tens of microseconds per item (75 ms for 1,612 items here, several times per
-# save). A marker's id and file table are kept per content (a hash of its bytes, which are read
+# a marker costs time per item, several times per save, which adds up on a large checkpoint.
+# A marker's id and file table are kept per content (a hash of its bytes, which are read
 # each time): a marker replaced or damaged, even in place with the same size, is decoded again.
 _SUMMARIES_KEPT = 64
 _summaries: OrderedDict[bytes, tuple[str | None, dict[str, FileInfo]]] = OrderedDict()

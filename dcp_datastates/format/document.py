@@ -61,8 +61,8 @@ def document_head(md: Metadata, version: int, files: dict[str, FileInfo]) -> dic
 def _jsonable_planner_data(data: Any) -> Any:
     """DefaultSavePlanner's planner_data, which maps flat keys to object paths (tuples of str and
     int; ``json.dumps`` writes them as arrays), or None for anything else. The types are gathered
-    in C loops and each distinct one checked once (20,000 keys: ~5 ms, against ~70 ms for a check
-    per entry)."""
+    in C loops and each distinct one checked once (an order of magnitude faster than a check per
+    entry on a large state dict)."""
     if not isinstance(data, dict):
         return None
     paths = data.values()

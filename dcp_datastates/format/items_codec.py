@@ -45,10 +45,10 @@ def encode_items(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
 def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
             c: _Check | None) -> tuple[bytes, dict[str, FileInfo]]:
     """(the document, its files), in one pass over the items; with ``c``, every item is checked
-    as it is placed. This runs once per item of every commit (20,000 items: every microsecond
-    per item is 20 ms of time to durable).
+    as it is placed. This runs once per item of every commit, so any cost per item is multiplied
+    by the item count in the time to durable.
 
-    The items are written as JSON text directly (3-4x faster than building dicts for
+    The items are written as JSON text directly (several times faster than building dicts for
     ``json.dumps``): names through the json module's own string encoder, numbers from
     ``torch.Size`` and ``int`` (whose ``str`` is JSON), nothing else."""
     files: dict[str, list[int]] = {}  # name -> [size, data_start, piece_size]
@@ -56,7 +56,7 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
     spans: dict[str, list[tuple[int, int]]] = {}  # name -> (start, end) of each item's bytes
     items: list[str] = []
     # Looked up by (fqn, offset), MetadataIndex's own equality (its ``index`` hint is not
-    # compared): a MetadataIndex built per item only to look it up costs ~2.5 us more.
+    # compared): a MetadataIndex built per item only to look it up costs more than the lookup.
     find = {(index.fqn, index.offset): loc for index, loc in locations.items()}.get
     dims_json: dict = {}  # the JSON text of each distinct shape and offset (a model repeats a few)
 

@@ -203,9 +203,9 @@ class DeviceStaging:
     """Reads for CUDA destinations land in two pinned slots used in turn: the copies out of one
     slot run on the device (queued on the current stream: ordered after the work that made the
     destinations, before what is queued later, the planner's commits included) while the next
-    batch is read into the other. Pinning is slow (on an H200, ~0.3 s of a 0.5 s first load of
-    512 MiB when every item had a pinned buffer of its own), copies from pageable memory are
-    4-5x slower than from pinned (docs/benchmarks.md "GPU"): two slots are pinned once, and reused.
+    batch is read into the other. Pinning is slow (most of a first load's time when every item had
+    a pinned buffer of its own), and copies from pageable memory are several times slower than from
+    pinned (docs/benchmarks.md, "GPU"): two slots are pinned once, and reused.
 
     A whole item larger than a slot is read and copied in parts of whole checksum pieces; a
     resharded read larger than a slot gets a pageable buffer of its own, whose copy is awaited

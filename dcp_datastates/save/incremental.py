@@ -146,7 +146,7 @@ def find_base(storage: Storage) -> Base | None:
 
 
 # The bases decoded last ({(folder, own): (XXH64 of its marker, Base)}): consecutive saves build
-# on the same few checkpoints, and decoding a large marker holds the GIL (~0.4 s at 20,000 items).
+# on the same few checkpoints, and decoding a large marker holds the GIL for a long time.
 _decoded: dict[tuple[str, str], tuple[int, Base]] = {}
 _decoded_lock = threading.Lock()
 new_locks_in_child(globals(), "_hints_lock", "_decoded_lock")

@@ -570,7 +570,7 @@ def finish_staging(staged: StagedSave, resolve: tuple | None) -> None:
 # The engine then copies from that side buffer lazily like any other item.
 #
 # Side buffers are reused: a fresh one costs a page fault per 4 KiB page on first touch, on the
-# training thread (42 ms of a 50 ms call for 64 MiB of such items on the bench machine). A buffer
+# training thread (most of the call's time when such items are large). A buffer
 # is given back (``give_back``) only once the engine job reading it is staged, so no copy of an
 # earlier save can still read what the next request writes into it.
 

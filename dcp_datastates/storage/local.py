@@ -271,9 +271,9 @@ class LocalStorage(Storage):
 
     def discard(self, name: str) -> None:
         """Renamed aside at once (its name is free, and no listing counts it as a data file) and
-        unlinked in the background: freeing a large file is slow on some file systems (1 GiB
-        took 1.5 s on this project's ext4 VM, mounted with ``discard``), and the save that made
-        it obsolete is durable already; its ``upload_completion`` need not wait for that."""
+        unlinked in the background: freeing a large file is slow on some file systems (ext4
+        mounted with ``discard``, for one), and the save that made it obsolete is durable
+        already; its ``upload_completion`` need not wait for that."""
         aside = self.where(f"{_DISCARDED_PREFIX}{uuid.uuid4().hex}")
         os.rename(self.where(name), aside)
         _discard_in_background(self.location, aside)
@@ -324,7 +324,7 @@ class LocalStorage(Storage):
 class _WritebackFile:
     """A file written front to back (the drain's copies) whose bytes start their way to the disk
     every ``WRITEBACK_BYTES``, as the engine does for its own files: without it the whole file
-    sits dirty until the final fsync, which then alone took ~0.3 s of a 512 MiB copy."""
+    sits dirty until the final fsync, which then takes a large share of the copy's time."""
 
     WRITEBACK_BYTES = 8 << 20
 

@@ -225,14 +225,14 @@ class LocalTier(NoTier):
 
     def files_started(self, staged) -> None:
         """One process saving alone: its files are copied to the durable tier before DCP plans
-        (DCP plans only once staging ended, then takes its time over every item: ~0.1-0.2 s for
-        1,612 tensors here, while the store would sit idle). The durable folder is prepared here
-        (a new file-name tag when it holds a commit); the coordinator's ``global_plan`` hands
-        that plan on. Where the machine has cores to spare beside the engine's threads and the
-        trainer (``_cores_to_spare``), the copies stream from the first chunk on, as a
-        single-tier save's upload does; else from the end of staging, so that they never slow
-        what the training waits for (on 2 cores, following from the first chunk made staging
-        ~0.15 s longer for 256 MiB). Several ranks must wait for the coordinator's plan (the
+        (DCP plans only once staging ended, then takes its time over every item, a cost that
+        grows with the item count, while the store would sit idle). The durable folder is
+        prepared here (a new file-name tag when it holds a commit); the coordinator's
+        ``global_plan`` hands that plan on. Where the machine has cores to spare beside the
+        engine's threads and the trainer (``_cores_to_spare``), the copies stream from the first
+        chunk on, as a single-tier save's upload does; else from the end of staging, so that they
+        never slow what the training waits for (on 2 cores, following from the first chunk made
+        staging measurably longer). Several ranks must wait for the coordinator's plan (the
         names' tag, the folder's checks): their copies start in ``writing``."""
         if self.durable_path is None or global_rank_world()[1] != 1 or not staged.files:
             return
@@ -458,8 +458,8 @@ class LocalTier(NoTier):
         plan = staged.tier_plan if staged is not None else None
         prepared = isinstance(plan, SoloDrain)  # its files were copied while written (writing())
         # Older copies beyond keep_local go while this one drains, not after: removing a copy
-        # frees its memory (~40 ms per 256 MiB on tmpfs here). Each goes only if its durable
-        # folder holds it, whatever this drain does; this copy, the newest, is kept.
+        # frees its memory, which on tmpfs takes time in proportion to its size. Each goes only
+        # if its durable folder holds it, whatever this drain does; this copy, the newest, is kept.
         evicting = _evictors.submit(tiers.evict_drained, config.local_tier, config.keep_local, config.storage_options)
         try:
             drain.drain(storage.location, self.durable_path, config, plan.tag if prepared else drain.UNPREPARED,
