@@ -46,14 +46,15 @@ def _dtype_signature(state_dict: dict) -> tuple:
 class DataStatesSavePlanner(SavePlannerSteps):
     """Save planner with plan caching that also notices dtype changes.
 
-    - Flattening and dedup are DCP's; with ``DataStatesWriter`` each replicated value reaches
-      planning from one rank only (the writer's stage-time policy), so dedup has one candidate.
+    - Flattening is DCP's. With ``DataStatesWriter`` a replicated DTensor shard reaches planning
+      from one rank only (the writer's stage-time policy); plain replicated values (an optimizer's
+      ``step``, its param groups) come from every rank and are deduplicated as DCP does.
     - A first save's global plan gives DCP's results at a C-level cost per item
       (``save.global_plan``): dedup looks only at items whose hash repeats, and DCP's validation
-      runs only on the tensors whose chunks may not tile them. Its items are the ranks' own,
-      without DCP's position hints (a copy of every item on the coordinator, held by the plan
-      cache): ``DataStatesWriter``'s commit finds each chunk by its offsets. The collector is
-      paused meanwhile: the plan makes objects per item.
+      runs only on the tensors whose chunks may not tile them. Its items are the ranks' own:
+      DCP would copy every one to give it its position hint, and its plan cache would keep the
+      copies; ``DataStatesWriter``'s commit finds each chunk by its offsets instead. The
+      collector is paused meanwhile: the plan makes objects per item.
     - The local plan, the global plan and the metadata are cached while names, shapes, shardings
       and dtypes are unchanged: a steady-state checkpoint sends an empty, unusable plan instead of
       its items. DCP's own cache comparison ignores dtypes, so a dtype change here drops the

@@ -7,8 +7,7 @@ import random
 
 import pytest
 import torch
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner, _validate_global_plan
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -20,7 +19,18 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from dcp_datastates import DataStatesSavePlanner
+from dcp_datastates.compat import SavePlannerSteps
 from dcp_datastates.save import global_plan
+
+
+def dedup_save_plans(plans: list, to_lowest: bool) -> list:
+    """DCP's own dedup (compat.SavePlannerSteps' default step)."""
+    return SavePlannerSteps(dedup_save_to_lowest_rank=to_lowest).dedup_plans(plans)
+
+
+def _validate_global_plan(plans: list, metadata: Metadata) -> list[str]:
+    """DCP's own validation (compat.SavePlannerSteps' default step)."""
+    return SavePlannerSteps().validate_global_plan(plans, metadata)
 
 
 def _tensor_item(fqn: str, offsets: tuple, sizes: tuple, size: tuple, dtype=torch.float32) -> WriteItem:

@@ -47,10 +47,11 @@ def dedup_plans(all_plans: list, to_lowest_rank: bool) -> list:
     # The items whose hash repeats (a collision only costs a look), grouped by their key.
     suspects = [torch.isin(col, repeated).nonzero().flatten().tolist() for col in columns]
     groups: dict = {}  # key -> [first plan, first position, plans holding it, its last item]
+    keys = []  # per plan, the key at each of its suspect positions (the items are read once)
     for p, (plan, positions) in enumerate(zip(all_plans, suspects)):
         items = plan.items
-        for j in positions:
-            key = _index_key(items[j])
+        keys.append([_index_key(items[j]) for j in positions])
+        for j, key in zip(positions, keys[-1]):
             group = groups.get(key)
             if group is None:
                 groups[key] = [p, j, {p}, items[j]]
@@ -59,9 +60,9 @@ def dedup_plans(all_plans: list, to_lowest_rank: bool) -> list:
                 group[3] = items[j]
     selected = _select_plans(all_plans, suspects, groups, to_lowest_rank)
     out = []
-    for p, (plan, positions) in enumerate(zip(all_plans, suspects)):
+    for p, (plan, positions, plan_keys) in enumerate(zip(all_plans, suspects, keys)):
         items = plan.items
-        lost = [j for j in positions if selected.get(_index_key(items[j]), p) != p]
+        lost = [j for j, key in zip(positions, plan_keys) if selected.get(key, p) != p]
         if not lost:
             out.append(plan)
             continue
@@ -82,12 +83,14 @@ def _select_plans(all_plans: list, suspects: list, groups: dict, to_lowest_rank:
     shared = {key: g for key, g in groups.items() if len(g[2]) > 1}
     if to_lowest_rank:
         return {key: g[0] for key, g in shared.items()}
+    last: dict[int, int] = {}  # first holder -> the position of the last shared item it meets first
+    for g in shared.values():
+        last[g[0]] = max(last.get(g[0], -1), g[1])
     planned = [0] * len(all_plans)
     selected: dict = {}
-    for p in sorted({g[0] for g in shared.values()}):
+    for p in sorted(last):
         items, suspect = all_plans[p].items, set(suspects[p])
-        last = max(g[1] for g in shared.values() if g[0] == p)
-        for j in range(last + 1):
+        for j in range(last[p] + 1):
             item = items[j]
             if j not in suspect:
                 planned[p] += item.tensor_storage_size() or 1
@@ -96,9 +99,9 @@ def _select_plans(all_plans: list, suspects: list, groups: dict, to_lowest_rank:
             group = groups[key]
             if group[0] != p or group[1] != j:
                 continue  # met before: decided already
-            chosen = p if len(group[2]) == 1 else min(group[2], key=planned.__getitem__)
+            chosen = p
             if len(group[2]) > 1:
-                selected[key] = chosen
+                chosen = selected[key] = min(group[2], key=planned.__getitem__)
             planned[chosen] += group[3].tensor_storage_size() or 1
     return selected
 
