@@ -198,12 +198,12 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--follow-from", choices=("auto", "first-chunk", "staged"), default="auto",
                     help="when one process's copies to the durable tier start reading: auto (first chunk where "
-                         "the machine has cores to spare, else the end of staging: tiers/hooks.py), or forced")
+                         "the machine has cores to spare, else the end of staging: tiers/layered.py), or forced")
     args = ap.parse_args()
     if args.follow_from != "auto":
-        from dcp_datastates.tiers import hooks
+        from dcp_datastates.tiers import layered
 
-        hooks._cores_to_spare = lambda config: args.follow_from == "first-chunk"
+        layered._cores_to_spare = lambda config: args.follow_from == "first-chunk"
     _Device.bandwidth = args.durable_mbps * 1e6
     state = make_state(args.mib, args.tensors)
     root = tempfile.mkdtemp(prefix="bench_tiers_durable_", dir=args.durable_dir)

@@ -9,7 +9,7 @@
 """
 
 from .commit import check_commit, is_committed, referenced_by
-from .config import DataStatesConfig, parse_size
+from .config import DataStatesConfig
 from .errors import (
     CheckpointFormatError,
     CheckpointMismatchError,
@@ -28,6 +28,7 @@ from .runtime import engine_stats, shutdown_engine, start_engine
 from .runtime.inflight import protect_optimizer, wait_staged
 from .runtime.process_group import checkpoint_process_group
 from .save.checkpoint_stats import CheckpointStats, recent_checkpoints
+from .sizes import parse_size
 from .tiers.local_tier import latest_checkpoint
 from .tiers.peers import wait_peer_copies
 from .tiers.restart import prepare_restart

@@ -238,7 +238,7 @@ def _cmd_verify(args) -> int:
 # ------------------------------------------------------------------------------------ convert
 def _cmd_convert(args) -> int:
     from . import convert
-    from .config import parse_size
+    from .sizes import parse_size
 
     path = _checkpoint_dir(args.path)
 

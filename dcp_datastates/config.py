@@ -3,164 +3,26 @@
 Accepts the spellings of the DataStates-LLM seeds: a Nanotron-style ``datastates:`` block
 (``host_cache_size`` in GB when a bare number, ``parser_threads``, ``pin_host_cache``), a
 DeepSpeed-style ``datastates_ckpt`` section, and sizes written as strings ("16GB", "512MiB").
+Sizes are parsed by ``sizes.py``, the defaults drawn from this machine come from ``machine.py``
+and config files are read by ``config_file.py``; their public names are importable from here too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import json
 import os
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
+from .config_file import read_config_file
+from .machine import CachePlan, check_cache_fits, default_cache_plan, default_copy_threads, default_read_threads, memory_limit
+from .machine import local_ranks as local_ranks  # re-exported: importable from here as before
+from .machine import usable_cpus as usable_cpus  # re-exported: importable from here as before
+from .sizes import GIB_BELOW, cache_size, parse_size
+
 __all__ = ["DataStatesConfig", "parse_size", "cache_size", "default_cache_plan", "CachePlan", "ENGINE_OPTIONS", "check_cache_fits", "memory_limit"]
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 1000,
-    "kb": 1000,
-    "m": 1000**2,
-    "mb": 1000**2,
-    "g": 1000**3,
-    "gb": 1000**3,
-    "t": 1000**4,
-    "tb": 1000**4,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-
-
-# A unitless number below this is GiB for the cache sizes (the seeds' ``host_cache_size: 16``);
-# from it up, bytes. A cache is at least this many bytes (and 64 Ki GiB is no cache), so the two
-# never overlap and a size in bytes reads back as itself.
-GIB_BELOW = 1 << 16
-
-
-def parse_size(value: Any, *, bare_unit: int = 1, name: str = "size", bare_gib_below: int = 0) -> int:
-    """Parse a byte size: an int, a float, or a string such as "16GB", "512MiB", "1.5G".
-
-    A number without a unit is multiplied by ``bare_unit``; with ``bare_gib_below`` set, a
-    unitless number below it is GiB instead (the rule for ``host_cache_size`` and
-    ``gpu_cache_size``, the same wherever the size is written: see ``cache_size``).
-    """
-    if isinstance(value, bool):
-        raise ValueError(f"{name}: expected a size, got a boolean {value!r}")
-    if isinstance(value, (int, float)):
-        number, unit = float(value), None
-    elif isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(
-                f"{name}: cannot parse size {value!r}; expected a number with an optional unit "
-                f"such as '16GB', '512MiB' or '1.5G'"
-            )
-        number, unit = float(m.group(1)), (_UNITS[m.group(2).lower()] if m.group(2) else None)
-    else:
-        raise ValueError(f"{name}: expected a size (int or string like '16GB'), got {type(value).__name__}")
-    if unit is None:
-        unit = (1 << 30) if 0 <= number < bare_gib_below else bare_unit
-    nbytes = value * unit if isinstance(value, int) else int(number * unit)
-    if nbytes < 0:
-        raise ValueError(f"{name}: size must not be negative, got {value!r}")
-    return nbytes
-
-
-def cache_size(value: Any, name: str = "host_cache_size") -> int:
-    """The one rule for ``host_cache_size`` / ``gpu_cache_size``, in every entry point (keyword,
-    dict, YAML, JSON, TorchTitan, environment): a string with a unit means that unit; a number
-    without a unit (``16``, ``"16"``, ``0.5``) is GiB below 65536 and bytes from 65536 up
-    (``64 << 20``)."""
-    return parse_size(value, name=name, bare_gib_below=GIB_BELOW)
-
-
-def memory_limit() -> int:
-    """Bytes of memory this process's node can use: physical memory, or the cgroup's limit when
-    that is lower (a container: pinned and resident memory count against it)."""
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        total = 8 << 30
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        try:
-            text = Path(path).read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit() and 0 < int(text) < total:
-            total = int(text)
-    return total
-
-
-# Environment variables that give the number of processes on this node, in order of trust.
-_LOCAL_SIZE_VARS = ("LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE")
-# The share of the node's memory that all default-sized caches of the node take together.
-CACHE_SHARE = 0.25
-MIN_DEFAULT_CACHE = 256 << 20
-
-
-def local_ranks() -> tuple[int, str]:
-    """(processes sharing this node, where that number came from)."""
-    for var in _LOCAL_SIZE_VARS:
-        text = os.environ.get(var, "").strip()
-        if text.isdigit() and int(text) > 0:
-            return int(text), var
-    return 1, "no LOCAL_WORLD_SIZE"
-
-
-@dataclass(frozen=True)
-class CachePlan:
-    """How the default host cache size was chosen (see ``default_cache_plan``)."""
-
-    nbytes: int
-    memory: int
-    local_ranks: int
-    local_ranks_from: str
-
-    def describe(self) -> str:
-        return (
-            f"default: {CACHE_SHARE:.0%} of {self.memory / 2**30:.1f} GiB node memory shared by "
-            f"{self.local_ranks} local rank(s) ({self.local_ranks_from}); set host_cache_size to choose"
-        )
-
-
-def default_cache_plan() -> CachePlan:
-    """The default host cache: a quarter of the node's memory (physical, or the cgroup limit),
-    split between the processes of the node, at least 256 MiB. The caches of a node then take a
-    quarter of its memory together, pinned or not: pinned memory must stay well below the
-    node's memory, since the kernel can neither swap nor reclaim it."""
-    memory = memory_limit()
-    n, source = local_ranks()
-    nbytes = max(MIN_DEFAULT_CACHE, int(memory * CACHE_SHARE) // n)
-    nbytes -= nbytes % 4096
-    return CachePlan(nbytes, memory, n, source)
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity where the OS tells it, else all of them)."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):
-        return max(1, os.cpu_count() or 1)
-
-
-def _default_copy_threads() -> int:
-    """2, or 1 where the process may use at most 2 CPUs: there a second copy worker takes the
-    training thread's core during ``stage()`` (the call waits for its core: its wall time runs
-    well past its CPU time) without staging any faster (time to durable is the same or a little
-    longer; the figures are in docs/benchmarks.md, "Engine thread counts")."""
-    return 1 if usable_cpus() <= 2 else 2
-
-
-def _default_read_threads() -> int:
-    """min(4, 2 x CPUs): on 2 cores, 2 and 4 workers read a 1 GiB checkpoint equally fast, warm
-    and cold (each streams its own part of the file), and more only add context switches."""
-    return max(1, min(4, 2 * (os.cpu_count() or 1)))
 
 
 # Option spellings from the seeds and from DCP's FileSystemWriter, mapped to our field names.
@@ -283,9 +145,9 @@ class DataStatesConfig:
     gpu_cache_size: int = 0
     chunk_size: int = 16 << 20
     cache_alignment: int = 4096
-    copy_threads: int = field(default_factory=_default_copy_threads)
+    copy_threads: int = field(default_factory=default_copy_threads)
     flush_threads: int = 2
-    read_threads: int = field(default_factory=_default_read_threads)
+    read_threads: int = field(default_factory=default_read_threads)
     sync_files: bool = True
     direct_writes: bool | None = None
     overwrite: bool = True
@@ -377,18 +239,7 @@ class DataStatesConfig:
         """Load a YAML or JSON file (by extension; JSON with ``//`` comments is accepted, as in
         the DeepSpeed tutorial)."""
         p = Path(path)
-        text = p.read_text()
-        try:
-            if p.suffix.lower() == ".json":
-                data = json.loads(_strip_json_comments(text))
-            else:
-                import yaml
-
-                data = yaml.safe_load(text)
-        except Exception as exc:  # noqa: BLE001 - re-raised with the file name
-            raise ValueError(f"{p}: cannot parse config: {exc}") from exc
-        if data is None:
-            data = {}
+        data = read_config_file(p)
         try:
             return cls.from_dict(data)
         except (ValueError, TypeError) as exc:
@@ -482,40 +333,6 @@ def _normalize(data: Mapping[str, Any], *, bare_sizes_in_gb: bool) -> dict:
 def _check_cache_min(nbytes: int, name: str) -> None:
     if nbytes < GIB_BELOW:
         raise ValueError(f"{name}: must be at least {GIB_BELOW} bytes, got {nbytes}")
-
-
-def check_cache_fits(nbytes: int, name: str = "host_cache_size") -> None:
-    """Raise MemoryError when a cache of ``nbytes`` cannot fit in this node's memory. Checked when
-    the engine starts (``start_engine`` or the first checkpoint), not when a config is parsed: a
-    config file is machine-independent and may be read on a smaller machine than it runs on."""
-    memory = memory_limit()
-    if nbytes > memory:
-        raise MemoryError(
-            f"{name}: {nbytes} bytes ({nbytes / 2**30:.1f} GiB) asked, but this machine has "
-            f"{memory} bytes ({memory / 2**30:.1f} GiB) of memory; choose a smaller host_cache_size "
-            f"(a unitless number is GiB below 65536 and bytes from 65536 up; '16GB' or '512MiB' are explicit)"
-        )
-
-
-def _strip_json_comments(text: str) -> str:
-    """Drop ``//`` line comments that sit outside strings."""
-    out_lines = []
-    for line in text.splitlines():
-        in_str = False
-        escaped = False
-        cut = len(line)
-        for i, ch in enumerate(line):
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                in_str = not in_str
-            elif not in_str and line.startswith("//", i):
-                cut = i
-                break
-        out_lines.append(line[:cut])
-    return "\n".join(out_lines)
 
 
 def tool_config() -> DataStatesConfig:

@@ -2,13 +2,14 @@
 
 This module only answers DCP; the load reads top to bottom:
 
-1. ``read_metadata``: the tier chooses the copy to read (``tiers.hooks``: the node-local copy
+1. ``read_metadata``: the tier chooses the copy to read (``tiers``: the node-local copy
    when complete and verified, else the durable one), the commit protocol reads and checks its
    marker (``commit.read_commit``);
 2. ``read_data``: for each data file this rank needs, its size is checked
    (``commit.check_data_files``), then ``load.read``: targets, reads through the storage with
-   every piece verified, delivery to DCP's planner. Where this node's local tier holds the file
-   for the same checkpoint, it is read from there, and from the durable copy if that fails.
+   every piece verified, delivery to DCP's planner. The tier's ``NodeCopies`` is asked first
+   for each file (this node's local copy, when the local tier holds one for the same
+   checkpoint); the durable file is read when it says no.
 """
 
 from __future__ import annotations
@@ -25,17 +26,18 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
-from .commit import by_folder, check_data_files, data_file, file_size_error, is_committed, read_commit
+from .commit import by_folder, data_file, file_size_error, is_committed, read_commit
 from .config import DataStatesConfig
-from .errors import CheckpointFormatError, DataStatesError, IncompleteCheckpointError, record_metadata_read
+from .errors import CheckpointFormatError, IncompleteCheckpointError, record_metadata_read
 from .format.layout import rank_marker_name
 from .format.locations import FileInfo, ItemLocation
 from .load import read
 from .runtime import get_engine
 from .runtime.gc_pause import gc_paused, pause_collector
 from .runtime.inflight import wait_staged
-from .storage import LocalStorage, is_supported_url, normalize, open_storage
-from .tiers.hooks import ReadPlan, tier_for
+from .storage import is_supported_url, normalize, open_storage
+from .tiers import ReadPlan, tier_for
+from .tiers.node_copies import NodeCopies
 
 log = logging.getLogger("dcp_datastates")
 
@@ -91,10 +93,12 @@ class DataStatesReader(StorageReader):
         self._storage = None
         self._beside = None  # where references resolve when not beside self.path (_read_metadata)
         self._sizes: dict[str, int] = {}  # the durable data files' sizes, read once per read_data
-        # local_tier, several-rank saves: durable file name -> this node's local copy of it, and
-        # how many files this load read from each tier (logged)
-        self._local_files: dict[str, str] = {}
-        self.tier_reads = {"local": 0, "durable": 0}
+        self._copies = NodeCopies()  # this node's copies of the data files (the tier's: node_copies)
+
+    @property
+    def tier_reads(self) -> dict[str, int]:
+        """How many data files this load read from each tier ("local", "durable")."""
+        return self._copies.reads
 
     # ---------------------------------------------------------------------------- StorageReader
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -142,7 +146,7 @@ class DataStatesReader(StorageReader):
                                                                                 self.config.storage_options)
         if self._plan.pending is not None:  # several ranks: committed on the local tiers, not drained yet
             md, files = self._plan.pending
-            self._local_files = self.tier.local_files(self._plan, self._plan.pending_id)
+            self._copies = self.tier.node_copies(self._plan, self._plan.pending_id, self._rank())
             return self._with_index(md, files)
         if rank is None and dist.is_available() and dist.is_initialized():
             # A rank-local checkpoint (saved with use_collectives=False): each rank reads its own
@@ -152,7 +156,8 @@ class DataStatesReader(StorageReader):
                 rank = dist.get_rank()
         md, files = read_commit(self._storage, rank=rank)
         if rank is None:
-            self._local_files = self.tier.local_files(self._plan, md.storage_meta.save_id if md.storage_meta else None)
+            self._copies = self.tier.node_copies(self._plan, md.storage_meta.save_id if md.storage_meta else None,
+                                                 self._rank())
         return self._with_index(md, files)
 
     def _with_index(self, md: Metadata, files: dict[str, FileInfo]) -> Metadata:
@@ -166,6 +171,10 @@ class DataStatesReader(StorageReader):
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id  # stock DCP's readers say which load read the metadata
         return md
+
+    @staticmethod
+    def _rank() -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data
@@ -205,15 +214,12 @@ class DataStatesReader(StorageReader):
                 by_file[loc.file].append((req, loc))
             # The sizes of the durable files this rank reads: one listing on an object store, one
             # lstat per file here (never the other ranks' files).
-            self._sizes = self._file_sizes([n for n in by_file if n not in self._local_files])
+            self._sizes = self._file_sizes([n for n in by_file if not self._copies.holds(n)])
             staging = read.DeviceStaging()
             for name, items in by_file.items():
                 self._read_file(name, items, planner, staging)
             staging.finish()
-        if self._local_files:
-            log.info("dcp_datastates: rank %d read %d data file(s) of %s from the local tier %s and %d from "
-                     "the durable tier", self.rank, self.tier_reads["local"], self.durable_path,
-                     self.config.local_tier, self.tier_reads["durable"])
+        self._copies.log_reads(self.durable_path, self.config.local_tier)
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(None)
         return fut
@@ -235,49 +241,27 @@ class DataStatesReader(StorageReader):
 
     def _read_file(self, name: str, items: list[tuple[ReadItem, ItemLocation]], planner: LoadPlanner,
                    staging: read.DeviceStaging) -> None:
-        local = self._usable_local_copy(name)
-        if local is None:
+        if not self._copies.usable(name, self.storage_data.files.get(name)):
             self._check_file(name)  # before any buffer is allocated for what the metadata claims
         pending = read.targets(items, planner, verify=self.config.verify)
         host = [p for p in pending if not p.staged]
-        local = self._read(name, [p for p in host if p.nbytes], local)
+        self._read(name, [p for p in host if p.nbytes])
         read.deliver(host, planner, trusted=self.trusted, checkpoint=str(self.path))
         for batch in staging.batches([p for p in pending if p.staged]):  # CUDA destinations
-            local = self._read(name, batch, local)
+            self._read(name, batch)
             staging.copy(batch, planner)
-        self.tier_reads["durable" if local is None else "local"] += 1
+        self._copies.served(name)
 
-    def _usable_local_copy(self, name: str) -> str | None:
-        """This node's copy of data file ``name`` (local_tier) when it exists with its recorded
-        size, checked once per load; None, with a warning when there is one, otherwise."""
-        local = self._local_files.get(name)
-        info = self.storage_data.files.get(name)
-        if local is None or info is None:
-            return local
-        try:
-            check_data_files(_local_folder(local), {os.path.basename(local): info})
-        except (DataStatesError, OSError) as exc:
-            self._warn_local_unusable(local, name, exc)
-            return None
-        return local
-
-    def _read(self, name: str, reading: list, local: str | None) -> str | None:
-        """Fill ``reading`` from this node's copy ``local`` of data file ``name`` (always
-        verified) while it reads well, else from the durable tier. Returns the local copy still
-        in use (None once not)."""
+    def _read(self, name: str, reading: list) -> None:
+        """Fill ``reading`` from this node's copy of data file ``name`` while it reads well
+        (the tier's ``NodeCopies``), else from the durable file."""
         engine = get_engine(self.config)
-        if local is not None:
-            try:
-                read.read_targets(_local_folder(local), os.path.basename(local), reading, engine, verify=True,
-                                  threads=self.config.read_threads, checkpoint=os.path.dirname(local))
-                return local
-            except (DataStatesError, OSError) as exc:
-                self._warn_local_unusable(local, name, exc)
-                self._check_file(name)
+        if self._copies.read(name, reading, engine, self.config.read_threads):
+            return
+        self._check_file(name)
         folder, own = data_file(self._storage, name, self._beside)  # a reference: an earlier checkpoint's file
         read.read_targets(folder, own, reading, engine, verify=self.config.verify,
                           threads=self.config.read_threads, checkpoint=self.path)
-        return None
 
     def _file_sizes(self, names: list[str]) -> dict[str, int]:
         """Sizes of the durable data files ``names`` (as the metadata lists them): one listing per
@@ -286,10 +270,6 @@ class DataStatesReader(StorageReader):
         for folder, own in by_folder(self._storage, names, self._beside):
             sizes.update((own[n], size) for n, size in folder.sizes(own).items())
         return sizes
-
-    def _warn_local_unusable(self, local: str, name: str, exc: BaseException) -> None:
-        log.warning("dcp_datastates: rank %d: the local copy %s of %s is unusable (%s); reading it from "
-                    "the durable tier", self.rank, local, name, exc)
 
     def _check_file(self, name: str) -> None:
         """The durable data file exists with its recorded size (``read_data`` read the sizes)."""
@@ -311,7 +291,3 @@ class DataStatesReader(StorageReader):
                 f"({exc})"
             ) from exc
 
-
-def _local_folder(local: str) -> LocalStorage:
-    """The folder of a local-tier copy."""
-    return LocalStorage(os.path.dirname(local))  # the local tier is a folder of this machine

@@ -13,7 +13,7 @@ This module only answers DCP: each callback delegates to one named step of the s
   ``commit`` hook: ``commit.write_commit`` for a plain save.
 
 Storage is chosen once per checkpoint path (``storage.open_storage``); the node-local tier is
-one object (``tiers.hooks``) whose hooks run at fixed points. Faults: a rank's error never skips
+one object (``tiers.tier_for``: ``tiers/hooks.py`` names its hooks) whose hooks run at fixed points. Faults: a rank's error never skips
 a collective: an error at ``stage()`` is kept and raised from ``prepare_local_plan`` (inside
 DCP's planning collective, so every rank gets CheckpointException), and ``write_data`` takes part
 in the optional consolidation before it raises. The staging Future itself never fails.
@@ -42,7 +42,7 @@ from .config import DataStatesConfig
 from .errors import CheckpointWriteError
 from .format.results import CommitLocations, pack_write_results
 from .storage import is_supported_url, normalize, open_storage
-from .tiers.hooks import tier_for
+from .tiers import tier_for
 
 __all__ = ["DataStatesWriter"]
 
@@ -254,7 +254,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         staged = self._current
         self._current = None
-        staged.tier_plan = plan.storage_data
+        self.tier.planned(staged, plan.storage_data)
         results: list[WriteResult] = []
         error: BaseException | None = None
         try:
@@ -314,7 +314,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
 
     def _close(self, staged, **figures) -> None:
         save.close_save(staged, path=self.tier.reported(staged.path or self.path),
-                          coordinator=self.is_coordinator or not self.use_collectives, **figures)
+                        coordinator=self.is_coordinator or not self.use_collectives,
+                        local_s=self.tier.local_seconds(staged), **figures)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

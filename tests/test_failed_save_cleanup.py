@@ -273,22 +273,22 @@ def test_local_tier_a_failed_drain_leaves_no_durable_file(tmp_path, monkeypatch)
     """The drain to the durable tier fails midway through a file: its partial copy goes, the
     durable folder keeps its previous checkpoint alone; the local copy stays committed (a level
     of the checkpoint, restorable; the next save drains it)."""
-    from dcp_datastates.tiers import drain
+    from dcp_datastates.tiers import file_copy
 
     durable, nv = str(tmp_path / "durable" / "step"), str(tmp_path / "nvme")
     good, new = state_of(1.0), state_of(2.0)
     save(durable, good, "sync", local_tier=nv)
     before = committed_entries(durable)
-    real = drain.copy_verified
+    real = file_copy.copy_verified
 
     def failing(local, name, out, size, pieces, engine, *args, **kwargs):
         out.write(b"\0" * 4096)  # some bytes reach the durable file first
         raise OSError(5, "Input/output error", "durable store")
 
-    monkeypatch.setattr(drain, "copy_verified", failing)
+    monkeypatch.setattr(file_copy, "copy_verified", failing)
     with raises_through_dcp("Input/output error"):
         save(durable, new, "async", local_tier=nv)
-    monkeypatch.setattr(drain, "copy_verified", real)
+    monkeypatch.setattr(file_copy, "copy_verified", real)
     assert entries(durable) == before
     assert_state_equal(good, load(durable, good))
     assert_state_equal(new, load(tiers.local_copy(nv, durable), new))  # committed on the local tier

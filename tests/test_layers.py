@@ -124,11 +124,24 @@ def test_layers_contract_is_kept():
 def test_layers_contract_can_fail(tmp_path):
     """The same contract with two layers swapped is reported broken (the check is live)."""
     text = (PKG.parent / ".importlinter").read_text()
-    swapped = text.replace("    dcp_datastates.storage\n    dcp_datastates.format\n", "    dcp_datastates.format\n    dcp_datastates.storage\n")
+    swapped = text.replace("    dcp_datastates.channel\n    dcp_datastates.storage\n", "    dcp_datastates.storage\n    dcp_datastates.channel\n")
     assert swapped != text
     (tmp_path / "contract.ini").write_text(swapped)
     r = _lint_imports(tmp_path / "contract.ini")
-    assert r.returncode != 0 and "dcp_datastates.storage is not allowed to import dcp_datastates.format" in r.stdout
+    assert r.returncode != 0 and "dcp_datastates.channel is not allowed to import dcp_datastates.storage" in r.stdout
+
+
+def test_the_storage_contract_can_fail(tmp_path):
+    """The folders-only contract with the exceptions module forbidden too is reported broken (every
+    storage raises the library's errors, so the check is live)."""
+    text = (PKG.parent / ".importlinter").read_text()
+    stricter = text.replace("source_modules =\n    dcp_datastates.storage\nforbidden_modules =\n    dcp_datastates.native\n",
+                            "source_modules =\n    dcp_datastates.storage\nforbidden_modules =\n    dcp_datastates.native\n"
+                            "    dcp_datastates.errors\n")
+    assert stricter != text
+    (tmp_path / "contract.ini").write_text(stricter)
+    r = _lint_imports(tmp_path / "contract.ini")
+    assert r.returncode != 0 and "dcp_datastates.storage is not allowed to import dcp_datastates.errors" in r.stdout
 
 
 def test_the_plan_contract_can_fail(tmp_path):
@@ -177,13 +190,14 @@ def test_the_save_and_load_tracer_runs(tmp_path):
 
 
 def test_local_or_remote_is_decided_in_the_storage_layer_only():
-    """No module outside ``storage`` asks whether a location is a URL; the few that open a
-    ``LocalStorage`` directly say why on that line (the local tier and ``verify`` read folders of
-    this machine by definition)."""
+    """No module outside ``storage`` and ``channel`` (one data channel per kind of storage) asks
+    whether a location is a URL or which storage it holds; the few that open a ``LocalStorage``
+    directly say why on that line (the local tier and ``verify`` read folders of this machine by
+    definition)."""
     offenders = []
     for path in sorted(PKG.rglob("*.py")):
         rel = path.relative_to(PKG).as_posix()
-        if rel.startswith("storage/"):
+        if rel.startswith(("storage/", "channel/")):
             continue
         for n, line in enumerate(path.read_text().splitlines(), 1):
             code = line.split("#", 1)[0]

@@ -115,7 +115,7 @@ def test_a_frozen_node_fails_the_save_on_the_survivors_within_stall_timeout(tmp_
 
 
 def test_a_live_drain_is_waited_for_past_stall_timeout_and_a_silent_one_is_not(tmp_path):
-    """The coordinator's wait (tiers.wait_drained): a rank whose drain is alive, even queued and
+    """The coordinator's wait (pending_ckpt.wait_drained): a rank whose drain is alive, even queued and
     slow, renews its report and is waited for past ``stall_timeout`` (``drain_timeout`` bounds
     it); a rank that never renews it fails the wait after ``stall_timeout``, named."""
     import threading
@@ -123,7 +123,7 @@ def test_a_live_drain_is_waited_for_past_stall_timeout_and_a_silent_one_is_not(t
     from dcp_datastates.errors import CheckpointWriteError
     from dcp_datastates.storage import LocalStorage
     from dcp_datastates.tiers import drain
-    from dcp_datastates.tiers import local_tier as tiers
+    from dcp_datastates.tiers import pending as pending_ckpt
 
     store = LocalStorage(str(tmp_path))
     beat = drain.Heartbeat(store, 1, "s1", every=0.2)
@@ -131,13 +131,13 @@ def test_a_live_drain_is_waited_for_past_stall_timeout_and_a_silent_one_is_not(t
     def finish_later() -> None:
         time.sleep(2.0)  # four stall_timeouts of a live drain
         beat.stop()
-        tiers.report_drained(store, 1, "s1", None)
+        pending_ckpt.report_drained(store, 1, "s1", None)
 
     threading.Thread(target=finish_later).start()
     t0 = time.monotonic()
-    tiers.wait_drained(store, "s1", {1}, timeout=30, stall=0.5)
+    pending_ckpt.wait_drained(store, "s1", {1}, timeout=30, stall=0.5)
     assert 1.8 < time.monotonic() - t0 < 10
     t0 = time.monotonic()
     with pytest.raises(CheckpointWriteError, match=r"rank\(s\) \[2\] showed no progress for 0.5 s \(stall_timeout\)"):
-        tiers.wait_drained(store, "s1", {2}, timeout=30, stall=0.5)
+        pending_ckpt.wait_drained(store, "s1", {2}, timeout=30, stall=0.5)
     assert time.monotonic() - t0 < 5

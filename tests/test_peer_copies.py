@@ -19,7 +19,7 @@ import dcp_datastates
 from dcp_datastates import DataStatesReader, DataStatesWriter, commit
 from dcp_datastates.config import DataStatesConfig
 from dcp_datastates.tiers import local_tier as tiers
-from dcp_datastates.tiers import peers
+from dcp_datastates.tiers import peer_wire, peers
 
 from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
 from dist_harness import run_ranks
@@ -106,7 +106,7 @@ def _damaged_in_transit(rank, world, root):
     nv = as_node(rank, root)
     durable = os.path.join(root, "step-2")
     if rank == 0:
-        real_send = peers._send_tensor
+        real_send = peer_wire.send_tensor
 
         def flipping(p, dst, t, what, **kwargs):
             if what.startswith("a block of") and t.numel() > 100:
@@ -114,7 +114,7 @@ def _damaged_in_transit(rank, world, root):
                 t[t.numel() // 2] ^= 1
             return real_send(p, dst, t, what, **kwargs)
 
-        peers._send_tensor = flipping
+        peer_wire.send_tensor = flipping
     logging.getLogger("dcp_datastates").setLevel(logging.WARNING)
     records = []
     handler = logging.Handler()
@@ -152,15 +152,15 @@ def _a_peer_that_never_answers(rank, world, root, how):
     if rank == 3 and how == "never":
         peers._exchange = lambda *args: (_ for _ in ()).throw(RuntimeError("this rank is gone"))
     if rank == 3 and how == "mid-copy":
-        real_send = peers._send_tensor
+        real_send = peer_wire.send_tensor
 
         def dying(p, dst, t, what, **kwargs):
             if what.startswith("a block of"):
                 time.sleep(8)
-                raise peers._OutOfStep(f"sending {what} to rank {dst}: connection lost")
+                raise peer_wire.OutOfStep(f"sending {what} to rank {dst}: connection lost")
             return real_send(p, dst, t, what, **kwargs)
 
-        peers._send_tensor = dying
+        peer_wire.send_tensor = dying
     states = [rank_state(rank, s) for s in (3, 4)]
     for k, state in enumerate(states):
         durable = os.path.join(root, f"step-{3 + k}")

@@ -16,9 +16,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from dcp_datastates import DataStatesReader, DataStatesWriter, commit
+from dcp_datastates.channel import objectstore as object_channel
 from dcp_datastates.errors import IncompleteCheckpointError
 from dcp_datastates.runtime import engine_stats
-from dcp_datastates.storage import ObjectStorage, objectstore
+from dcp_datastates.storage import ObjectStorage
 
 from conftest import assert_state_equal, raises_through_dcp, zeros_like_state
 from s3_util import CutProxy as _CutProxy
@@ -190,7 +191,7 @@ def test_memory_upload_error_surfaces_from_upload_completion(mem_url, monkeypatc
 
 def test_read_requests_split_merge_and_cover_every_range():
     ranges = [(1000, 0, 10), (2000, 10, 5), (3000, 100, 50), (40_000, 10_000, 25_000)]
-    reqs = objectstore._requests(ranges, request=8192, gap=64)
+    reqs = object_channel._requests(ranges, request=8192, gap=64)
     assert reqs[0][:2] == (0, 15) and reqs[1][:2] == (100, 150)  # adjacent merged; gap 85 > 64 not
     assert len(reqs) == 2 + 4  # 25,000 bytes in requests of at most 8 KiB
     got = {}
@@ -246,7 +247,7 @@ def test_s3_server_gone_mid_upload_fails_the_save_without_commit(s3, monkeypatch
     url = f"s3://{bucket}/victim"
     proxy = _CutProxy(int(s3.endpoint.rsplit(":", 1)[1]))
     options = dict(_options(proxy.endpoint), config_kwargs={"retries": {"max_attempts": 1}, "connect_timeout": 2, "read_timeout": 5})
-    monkeypatch.setattr(objectstore, "UPLOAD_BLOCK_SIZE", 5 * MiB)
+    monkeypatch.setattr(object_channel, "UPLOAD_BLOCK_SIZE", 5 * MiB)
     state = make_state(big=24 * MiB)
     assert_state_equal(state, save_load(url, state, storage_options=options))  # a committed checkpoint first
     assert commit.is_committed(url, storage_options=s3.options)

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 
 from dcp_datastates import DataStatesConfig, DataStatesReader, DataStatesWriter, commit, recent_checkpoints
 from dcp_datastates.errors import CheckpointWriteError
-from dcp_datastates.tiers import drain, hooks
+from dcp_datastates.tiers import drain, file_copy, layered
 from dcp_datastates.tiers import local_tier as tiers
 
 from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
@@ -224,7 +224,7 @@ import torch, torch.distributed.checkpoint as dcp
 sys.path.insert(0, {tests!r})
 from test_tiers import make_state
 from dcp_datastates import DataStatesWriter
-from dcp_datastates.tiers import drain
+from dcp_datastates.tiers import drain, file_copy
 drain.drain = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # die right after the local commit
 dcp.save(make_state(11), storage_writer=DataStatesWriter({durable!r}, local_tier={nv!r}))
 """
@@ -322,7 +322,7 @@ def test_full_local_tier_evicts_drained_copies_oldest_first_never_undrained(tmp_
     def store_down(*args, **kwargs):
         raise OSError(5, "Input/output error", "durable")
 
-    monkeypatch.setattr(drain, "_write_durable", store_down)
+    monkeypatch.setattr(file_copy, "_write_durable", store_down)
     for i in (4, 5):  # committed locally, never drained: step-2 then step-3 make room for them
         with raises_through_dcp("draining .* failed"):
             save(make_state(i), durables[i - 1], nv, keep_local=10)
@@ -372,12 +372,12 @@ def test_drain_copies_files_in_parallel_blocks_byte_for_byte(tmp_path, monkeypat
     lands in order, gaps (headers, padding) included, under the new names."""
     from dcp_datastates.storage import open_storage
 
-    monkeypatch.setattr(drain, "_COPY_BLOCK", 3000)
-    monkeypatch.setattr(drain, "_BLOCKS_AHEAD", 2)
+    monkeypatch.setattr(file_copy, "_COPY_BLOCK", 3000)
+    monkeypatch.setattr(file_copy, "_BLOCKS_AHEAD", 2)
     sizes, pieces = _files_with_pieces(str(tmp_path / "local"), [50_000, 1, 70_123, 0, 9000], 1000)
     renamed = {n: f"new-{n}" for n in sizes}
     os.makedirs(tmp_path / "durable")
-    drain._copy_all(open_storage(str(tmp_path / "local")), open_storage(str(tmp_path / "durable")), sizes, pieces,
+    file_copy._copy_all(open_storage(str(tmp_path / "local")), open_storage(str(tmp_path / "durable")), sizes, pieces,
                     renamed, DataStatesConfig())
     for name in sizes:
         assert (tmp_path / "durable" / renamed[name]).read_bytes() == (tmp_path / "local" / name).read_bytes()
@@ -389,7 +389,7 @@ def test_drain_names_the_damaged_piece_and_stops_its_reader(tmp_path, monkeypatc
     from dcp_datastates.errors import ChecksumMismatchError
     from dcp_datastates.storage import open_storage
 
-    monkeypatch.setattr(drain, "_COPY_BLOCK", 4096)
+    monkeypatch.setattr(file_copy, "_COPY_BLOCK", 4096)
     sizes, pieces = _files_with_pieces(str(tmp_path / "local"), [40_000, 40_000], 1000)
     os.makedirs(tmp_path / "durable")
     off, length, _crc, item = pieces["f1.bin"][0 if where == "first" else -1]
@@ -399,7 +399,7 @@ def test_drain_names_the_damaged_piece_and_stops_its_reader(tmp_path, monkeypatc
         f.seek(off + length - 1)
         f.write(bytes([b[0] ^ 1]))
     with pytest.raises(ChecksumMismatchError, match=rf"f1.bin: checksum mismatch in item '{item}', bytes \[{off}, {off + length}\)"):
-        drain._copy_all(open_storage(str(tmp_path / "local")), open_storage(str(tmp_path / "durable")), sizes, pieces,
+        file_copy._copy_all(open_storage(str(tmp_path / "local")), open_storage(str(tmp_path / "durable")), sizes, pieces,
                         {n: n for n in sizes}, DataStatesConfig())
     assert _drain_readers_alive() == []
 
@@ -407,7 +407,7 @@ def test_drain_names_the_damaged_piece_and_stops_its_reader(tmp_path, monkeypatc
 def test_a_failing_durable_write_stops_the_read_ahead(tmp_path, monkeypatch):
     from dcp_datastates.storage import open_storage
 
-    monkeypatch.setattr(drain, "_COPY_BLOCK", 2048)
+    monkeypatch.setattr(file_copy, "_COPY_BLOCK", 2048)
     sizes, pieces = _files_with_pieces(str(tmp_path / "local"), [100_000], 500)
 
     class Full:
@@ -422,27 +422,27 @@ def test_a_failing_durable_write_stops_the_read_ahead(tmp_path, monkeypatch):
 
     out = Full()
     with pytest.raises(OSError, match="No space left"):
-        drain.copy_verified(open_storage(str(tmp_path / "local")), "f0.bin", out, sizes["f0.bin"], pieces["f0.bin"],
-                         drain.get_engine(DataStatesConfig()))
+        file_copy.copy_verified(open_storage(str(tmp_path / "local")), "f0.bin", out, sizes["f0.bin"], pieces["f0.bin"],
+                         file_copy.get_engine(DataStatesConfig()))
     assert out.writes == 3 and _drain_readers_alive() == []
 
 
 def test_drain_blocks_cover_the_file_in_order_and_never_split_a_piece(monkeypatch):
-    monkeypatch.setattr(drain, "_COPY_BLOCK", 100)
+    monkeypatch.setattr(file_copy, "_COPY_BLOCK", 100)
     pieces = [(10, 30, 0, "a"), (40, 70, 0, "b"), (110, 250, 0, "big"), (400, 5, 0, "c")]
-    blocks = drain._blocks(620, pieces)
+    blocks = file_copy._blocks(620, pieces)
     assert [(o, n) for o, n, _ in blocks] == [(0, 40), (40, 70), (110, 250), (360, 100), (460, 100), (560, 60)]
     assert [[p[3] for p in inside] for _, _, inside in blocks] == [["a"], ["b"], ["big"], ["c"], [], []]
-    assert drain._blocks(0, []) == []
+    assert file_copy._blocks(0, []) == []
     # a piece past the recorded size: the block reaches it, so the read fails as truncated
-    assert [(o, n) for o, n, _ in drain._blocks(20, [(10, 30, 0, "a")])] == [(0, 40)]
+    assert [(o, n) for o, n, _ in file_copy._blocks(20, [(10, 30, 0, "a")])] == [(0, 40)]
 
 
 # ------------------------------------------------------------ drained while the files are written
 def _recording(writes: list):
-    """drain._write_durable, recording (durable name, made while the file was written, i.e. by a
-    drain.Follower) into ``writes``."""
-    real = drain._write_durable
+    """file_copy._write_durable, recording (durable name, made while the file was written, i.e. by a
+    file_copy.Follower) into ``writes``."""
+    real = file_copy._write_durable
 
     def recording(local, name, durable, durable_name, *args):
         writes.append((durable_name, len(args) > 4 and args[4] is not None))
@@ -455,14 +455,14 @@ def _recording(writes: list):
 def durable_writes():
     """The drain's durable file writes made in the block (``_recording``)."""
     writes: list = []
-    with mock.patch.object(drain, "_write_durable", _recording(writes)):
+    with mock.patch.object(file_copy, "_write_durable", _recording(writes)):
         yield writes
 
 
 def _durable_writes(monkeypatch) -> list:
     """The drain's durable file writes made in the rest of the test (``_recording``)."""
     writes: list = []
-    monkeypatch.setattr(drain, "_write_durable", _recording(writes))
+    monkeypatch.setattr(file_copy, "_write_durable", _recording(writes))
     return writes
 
 
@@ -488,7 +488,7 @@ def test_files_are_copied_to_the_durable_tier_while_the_engine_writes_them(tmp_p
     if durable_folder == "holding a commit":
         save(_big_state(0), durable, nv, **opts)  # the new files get tagged names next to it
     writes = _durable_writes(monkeypatch)
-    monkeypatch.setattr(drain, "_COPY_BLOCK", 64 << 10)  # blocks of one chunk (16 MiB: this file at once)
+    monkeypatch.setattr(file_copy, "_COPY_BLOCK", 64 << 10)  # blocks of one chunk (16 MiB: this file at once)
     state = _big_state(1)
     w = DataStatesWriter(durable, local_tier=str(nv), **opts)
     engine_of = get_engine(w.config)
@@ -506,7 +506,7 @@ def test_files_are_copied_to_the_durable_tier_while_the_engine_writes_them(tmp_p
         time.sleep(0.2)  # (and would go on, were it not held to the written prefix)
         from dcp_datastates.runtime import inflight
 
-        progress = [(f.name, f.job.written_prefix, f.job.error(), s.tier_state)
+        progress = [(f.name, f.job.written_prefix, f.job.error())
                     for s in inflight.inflight() for f in s.files]
         assert 0 < copied.stat().st_size <= (256 << 10) + 4096, progress  # the header and 4 chunks at most
         assert not w.local_commit.done()
@@ -524,7 +524,7 @@ def test_a_copy_made_while_written_whose_checksums_differ_is_made_again(tmp_path
     """The copy made while the file was written reads other bytes than the save checksummed
     (here: its CRC32Cs are off by one): the drain warns, copies the file again from the local
     copy, verified, and commits that; nothing wrong reaches the durable commit."""
-    real_get_engine = drain.get_engine
+    real_get_engine = file_copy.get_engine
 
     class OffByOne:
         def __init__(self, engine):
@@ -536,7 +536,7 @@ def test_a_copy_made_while_written_whose_checksums_differ_is_made_again(tmp_path
         def __getattr__(self, name):
             return getattr(self._engine, name)
 
-    monkeypatch.setattr(drain, "get_engine", lambda config: OffByOne(real_get_engine(config)))
+    monkeypatch.setattr(file_copy, "get_engine", lambda config: OffByOne(real_get_engine(config)))
     writes = _durable_writes(monkeypatch)
     durable, nv = tmp_path / "durable" / "step-1", tmp_path / "nv"
     state = _big_state(2)
@@ -558,7 +558,7 @@ def test_a_durable_tier_that_cannot_be_reached_while_writing_never_fails_the_loc
     def unreachable(*args, **kwargs):
         raise OSError(113, "No route to host", "durable")
 
-    monkeypatch.setattr(drain, "follow", unreachable)
+    monkeypatch.setattr(file_copy, "follow", unreachable)
     durable, nv = tmp_path / "durable" / "step-1", tmp_path / "nv"
     state = make_state(5)
     w = save(state, durable, nv)
@@ -572,24 +572,25 @@ def test_durable_local_files_start_their_writeback_as_they_are_written(tmp_path,
     """A local folder's file written by the drain (create with sync) starts each 8 MiB of it on
     its way to the disk as it goes, like the engine's own files, so the final fsync finds little
     left; the bytes are the ones written."""
-    from dcp_datastates.storage import local as local_storage
+    from dcp_datastates.channel import channel_for
+    from dcp_datastates.channel import local as local_channel
     from dcp_datastates.storage import open_storage
 
-    started, real = [], local_storage.engine_module()
+    started, real = [], local_channel.engine_module()
 
     class Recording:
         def start_writeback(self, fd, offset, nbytes):
             started.append((offset, nbytes))
             real.start_writeback(fd, offset, nbytes)
 
-    monkeypatch.setattr(local_storage, "engine_module", lambda: Recording())
+    monkeypatch.setattr(local_channel, "engine_module", lambda: Recording())
     data = os.urandom(20 << 20)
-    with open_storage(str(tmp_path)).create("f.bin", sync=True) as out:
+    with channel_for(open_storage(str(tmp_path))).create_streamed("f.bin", sync=True) as out:
         for k in range(0, len(data), 3 << 20):
             out.write(data[k: k + (3 << 20)])
     assert (tmp_path / "f.bin").read_bytes() == data
     assert started == [(0, 9 << 20), (9 << 20, 9 << 20)]  # every 8 MiB or more, in order, no gap
-    with open_storage(str(tmp_path)).create("g.bin", sync=False) as out:  # not durable: no hint
+    with channel_for(open_storage(str(tmp_path))).create_streamed("g.bin", sync=False) as out:  # not durable: no hint
         out.write(data)
     assert len(started) == 2
     with pytest.raises(ValueError, match="must be >= 0"):
@@ -629,7 +630,7 @@ def test_one_process_copies_its_files_to_the_durable_tier_before_dcp_plans(tmp_p
     Here DCP's planning waits until the durable copies are whole: they are, before it plans.
     The save commits that copy (the drain copies nothing again) and loads back bitwise from the
     durable tier alone."""
-    monkeypatch.setattr(hooks, "_cores_to_spare", lambda config: start == "first chunk")
+    monkeypatch.setattr(layered, "_cores_to_spare", lambda config: start == "first chunk")
     writes = _durable_writes(monkeypatch)
     durable, nv = tmp_path / "durable" / "step-1", tmp_path / "nv"
     state = _big_state(3)
@@ -647,7 +648,7 @@ def test_copies_started_for_a_folder_dcp_then_renames_are_cancelled_and_removed(
     """A writer made for one path saves under another checkpoint_id (DCP's reset names it after
     staging): the copies the request started toward the first path's durable folder stop and
     their files are removed; the checkpoint is committed, drained and loadable at the new path."""
-    monkeypatch.setattr(hooks, "_cores_to_spare", lambda config: True)
+    monkeypatch.setattr(layered, "_cores_to_spare", lambda config: True)
     first, other, nv = tmp_path / "durable" / "step-1", tmp_path / "durable" / "step-2", tmp_path / "nv"
     state = _big_state(4)
     w = DataStatesWriter(str(first), local_tier=str(nv))
@@ -723,7 +724,7 @@ def test_a_copy_from_the_end_of_staging_reads_nothing_before(tmp_path, from_stag
     data = os.urandom(300_000)
     (tmp_path / "local" / "f").write_bytes(data)
     job = _UnstagedJob(len(data))
-    follower = drain.Follower(open_storage(str(tmp_path / "local")), "f", job, len(data), {},
+    follower = file_copy.Follower(open_storage(str(tmp_path / "local")), "f", job, len(data), {},
                               open_storage(str(tmp_path / "durable")), "f", DataStatesConfig(), from_staged)
     copy = tmp_path / "durable" / "f"
     deadline = time.monotonic() + (0.5 if from_staged else 10)
@@ -743,7 +744,7 @@ def test_copies_that_cannot_start_at_the_request_never_fail_the_save(tmp_path, m
         def submit(self, *args, **kwargs):
             raise RuntimeError("cannot schedule new futures after interpreter shutdown")
 
-    monkeypatch.setattr(hooks, "_early", Refusing())
+    monkeypatch.setattr(layered, "_early", Refusing())
     writes = _durable_writes(monkeypatch)
     durable, nv = tmp_path / "durable" / "step-1", tmp_path / "nv"
     state = _big_state(5)

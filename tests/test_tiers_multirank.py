@@ -17,7 +17,7 @@ from test_tiers import durable_writes
 from dcp_datastates import DataStatesReader, DataStatesWriter, commit
 from dcp_datastates.errors import CheckpointWriteError
 from dcp_datastates.load import verify as integrity
-from dcp_datastates.tiers import drain
+from dcp_datastates.tiers import drain, file_copy
 from dcp_datastates.tiers import local_tier as tiers
 
 from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state
@@ -123,12 +123,12 @@ def _failing_drain_on_one_rank(rank, world, root):
     old = rank_state(rank, 1)
     save(old, durable, nv, asynchronous=True)
     new = rank_state(rank, 2)
-    real = drain._write_durable
+    real = file_copy._write_durable
 
     def disk_full(src, *args, **kwargs):
         raise OSError(28, "No space left on device", src)
 
-    with mock.patch.object(drain, "_write_durable", disk_full if rank == world - 1 else real):
+    with mock.patch.object(file_copy, "_write_durable", disk_full if rank == world - 1 else real):
         for asynchronous in (True, False):
             with raises_through_dcp(r"draining .* to the durable tier .* failed: OSError: No space left on device"):
                 save(new, durable, nv, asynchronous)
@@ -236,9 +236,9 @@ def _killed_before_its_drain(rank, world, root):
     states = {i: {f"own{rank}": rank_state(rank, i)[f"own{rank}"]} for i in (1, 2, 3)}
     save(states[1], first, nv, asynchronous=True)
     dead = (lambda *args, **kwargs: None) if rank == world - 1 else drain.drain_rank
-    # ... nor copied anything while its files were written (drain.follow)
-    no_copies = (lambda *args, **kwargs: {}) if rank == world - 1 else drain.follow
-    with mock.patch.object(drain, "drain_rank", dead), mock.patch.object(drain, "follow", no_copies):
+    # ... nor copied anything while its files were written (file_copy.follow)
+    no_copies = (lambda *args, **kwargs: {}) if rank == world - 1 else file_copy.follow
+    with mock.patch.object(drain, "drain_rank", dead), mock.patch.object(file_copy, "follow", no_copies):
         with raises_through_dcp(rf"rank\(s\) \[{world - 1}\] did not report within 2 s \(drain_timeout\)"):
             save(states[2], second, nv, asynchronous=True, drain_timeout=2)
     assert not commit.is_committed(second)

@@ -83,7 +83,7 @@ if __name__ == "__main__":  # pragma: no cover
 
 def test_files_are_uploaded_while_the_engine_writes_them_locally(s3, tmp_path, monkeypatch):
     """With an object store as the durable tier too, each data file is streamed to the store as
-    the engine writes its local copy (drain.Follower), and the drain uploads nothing again."""
+    the engine writes its local copy (file_copy.Follower), and the drain uploads nothing again."""
     uploads = _durable_writes(monkeypatch)
     url = f"s3://{s3.bucket()}/run/step-1"
     state = make_state(3)

@@ -88,13 +88,6 @@ def _all_dims(values: list) -> bool:
     return True
 
 
-def _all_crcs(values: list) -> bool:
-    for v in values:
-        if type(v) is not int or v < 0 or v > 0xFFFFFFFF:
-            return False
-    return True
-
-
 def _tname(typ: type | tuple) -> str:
     if isinstance(typ, tuple):
         return " or ".join(t.__name__ for t in typ)

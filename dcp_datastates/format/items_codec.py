@@ -24,9 +24,9 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..errors import CheckpointFormatError
 from ..native import engine_module
-from .checks import _MAX_NUMEL, _MAX_OVERLAP_CHECK, _all_crcs, _Check, _check_file, _check_file_name
+from .checks import _MAX_NUMEL, _MAX_OVERLAP_CHECK, _Check, _check_file, _check_file_name
 from .document import FORMAT_VERSION, REFERENCES_VERSION, decode_planner_data, decode_storage_meta, document_head
-from .layout import dtype_to_name, name_to_dtype
+from .layout import DTYPE_NAMES, dtype_to_name, name_to_dtype
 from .locations import FileInfo, ItemLocation
 
 _engine = engine_module()  # the checksum grid is the engine's (_check_crcs counts its pieces)
@@ -108,7 +108,7 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
             items.append(f'{_json_str(fqn)}:{{"type":"bytes",{where(fqn, None)[0]}}}')
             continue
         props, size = smd.properties, smd.size
-        name = dtype_to_name(props.dtype)
+        name = DTYPE_NAMES.get(props.dtype) or dtype_to_name(props.dtype)  # (the second names a dtype without one)
         chunks: list[str] = []
         covered = 0
         for i, chunk in enumerate(smd.chunks):
@@ -332,6 +332,14 @@ def _check_range(c: _Check, where: str, fname: str, offset: int, length: int, cr
             f"[{info.data_start}, {info.size}) of {fname}"
         )
     _check_crcs(c, str, (where,), offset, length, crcs, info.data_start, info.piece_size)
+
+
+def _all_crcs(values: list) -> bool:
+    """Every value a 32-bit checksum (the fast path of ``_check_crcs``)."""
+    for v in values:
+        if type(v) is not int or v < 0 or v > 0xFFFFFFFF:
+            return False
+    return True
 
 
 def _check_crcs(c: _Check, where, where_args: tuple, offset: int, length: int, crcs, data_start: int,

@@ -43,7 +43,8 @@ _DTYPES: dict[str, torch.dtype] = {
     )
     if hasattr(torch, name)
 }
-_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+#: dtype -> its name in the metadata (``dtype_to_name`` says which dtypes have none).
+DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 # The safetensors spelling of each dtype it supports. Others are stored as raw U8 bytes (shape
 # [nbytes]); our metadata keeps their real dtype and shape.
@@ -59,7 +60,7 @@ _SAFETENSORS = {
 
 def dtype_to_name(dtype: torch.dtype) -> str:
     try:
-        return _NAMES[dtype]
+        return DTYPE_NAMES[dtype]
     except KeyError:
         raise ValueError(f"dtype {dtype} cannot be checkpointed by dcp_datastates") from None
 

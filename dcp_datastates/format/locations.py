@@ -8,10 +8,13 @@ root instead (a reference, ``reference_name``). Where an item's checksum pieces 
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
-__all__ = ["ItemLocation", "moved", "FileInfo", "reference_name", "split_reference", "own_files"]
+__all__ = ["ItemLocation", "moved", "all_written", "FileInfo", "reference_name", "split_reference", "own_files"]
+
+K = TypeVar("K")
 
 
 class ItemLocation(NamedTuple):
@@ -42,6 +45,16 @@ def moved(loc: "ItemLocation", file: str, *, crc32c: tuple[int, ...] | None = No
     return ItemLocation(file, loc.offset, loc.length, loc.dtype, loc.shape, loc.crc32c if crc32c is None else crc32c,
                         loc.data_start, loc.piece_size, loc.file_size if file_size is None else file_size,
                         loc.hash64)
+
+
+def all_written(locations: Mapping[K, ItemLocation], keys: Sequence[K], file: str, crcs, file_size: int
+                ) -> dict[K, ItemLocation]:
+    """The final locations of a durable file's items: ``keys`` (in file order) looked up in
+    ``locations``, each ``moved`` to ``file`` with its checksums (``crcs``, one sequence per
+    item) and the file's size; one call per file, not per item."""
+    return {k: ItemLocation(file, loc.offset, loc.length, loc.dtype, loc.shape, tuple(c), loc.data_start,
+                            loc.piece_size, file_size, loc.hash64)
+            for k, c in zip(keys, crcs) for loc in (locations[k],)}
 
 
 # References. An item of an incremental save whose bytes are unchanged since an earlier committed

@@ -191,5 +191,9 @@ class CommitLocations(Mapping):
     def __iter__(self) -> Iterator[MetadataIndex]:
         return iter(self._expanded())
 
+    def items(self):
+        # The expanded dict's own view: a codec walks every pair without a call per item here.
+        return self._expanded().items()
+
     def __len__(self) -> int:
         return len(self._expanded())

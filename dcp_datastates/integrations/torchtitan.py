@@ -47,12 +47,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from ..commit import referenced_by
-from ..config import DataStatesConfig, cache_size
+from ..config import DataStatesConfig
 from ..format.layout import METADATA_NAME, STEP_NUMBER
 from ..format.safe_unpickle import restricted_pickle_loads
 from ..reader import DataStatesReader
 from ..runtime.inflight import wait_staged
 from ..runtime.process_group import checkpoint_process_group
+from ..sizes import cache_size
 from ..storage import open_storage
 from ..tiers.peers import wait_peer_copies
 from ..tiers.restart import prepare_restart

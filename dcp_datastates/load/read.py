@@ -29,6 +29,7 @@ import torch
 from torch.autograd.graph import increment_version
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
+from ..channel import channel_for
 from ..format import safe_unpickle
 from ..format.layout import name_to_dtype
 from ..format.locations import ItemLocation
@@ -156,7 +157,7 @@ def read_targets(storage: Storage, name: str, reading: list[ReadTarget], engine,
     ranges = [(p.ptr, p.read_start, p.nbytes) for p in reading]
     if not ranges:
         return
-    bad = storage.read_into(engine, name, ranges, _checks(reading) if verify else None, threads)
+    bad = channel_for(storage).read_into(engine, name, ranges, _checks(reading) if verify else None, threads)
     if bad is not None:
         index, off, length, expected, got = bad
         raise checksum_mismatch(checkpoint, reading[index].loc.file, reading[index].req.storage_index,

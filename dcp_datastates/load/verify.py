@@ -10,6 +10,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from ..channel import LocalChannel
 from ..commit import check_data_files, read_commit
 from ..commit.reading import size_text
 from ..errors import CheckpointFormatError, ChecksumMismatchError
@@ -285,7 +286,7 @@ def verify_checkpoint(path: str | os.PathLike, *, engine, progress=None, referen
             window = max([_VERIFY_WINDOW_BYTES] + [p[3] for p in pieces])
             buf = torch.empty(window if pieces else 0, dtype=torch.uint8)
             base = buf.data_ptr()
-            storage = LocalStorage(path)  # verify reads a folder of this machine (the CLI's verify command)
+            channel = LocalChannel(LocalStorage(path))  # verify reads a folder of this machine (the CLI's verify command)
             for batch in _batches(pieces, window):
                 ranges, checks, pos = [], [], 0
                 for k, (_, expected, off, n) in enumerate(batch):
@@ -293,7 +294,7 @@ def verify_checkpoint(path: str | os.PathLike, *, engine, progress=None, referen
                     checks.append((k, off, n, expected))
                     pos += n
                 try:
-                    storage.read_into(engine, name, ranges, None, 0)
+                    channel.read_into(engine, name, ranges, None, 0)
                 except (OSError, ValueError) as exc:
                     first, last = batch[0], batch[-1]
                     problems.append(f"{name}: cannot read bytes [{first[2]}, {last[2] + last[3]}): {' '.join(str(exc).split())}")

@@ -12,8 +12,9 @@ import os
 import threading
 
 from ..compat import ASYNC_EXECUTOR_THREAD_PREFIX, register_before_thread_join
-from ..config import CACHE_SIZE_ENV, ENGINE_OPTIONS, DataStatesConfig, check_cache_fits, memory_limit
+from ..config import CACHE_SIZE_ENV, ENGINE_OPTIONS, DataStatesConfig
 from ..forking import keep_forever, new_locks_in_child
+from ..machine import check_cache_fits, memory_limit
 from ..native import engine_module
 from . import gc_pause, inflight  # noqa: F401 - gc_pause first: its atexit then runs after ours
 

@@ -32,7 +32,7 @@ from ..commit import read_commit
 from ..compat import on_save_failure_sent
 from ..forking import keep_forever
 from ..format.layout import METADATA_NAME
-from .request import FileJob, StagedSave
+from .request import StagedSave
 
 __all__ = ["discard", "watch", "unwatch", "wait_settled", "CommitNotice"]
 
@@ -60,20 +60,8 @@ def discard(staged: StagedSave, reason: str, tier) -> None:
 
 def _wait_ended(staged: StagedSave) -> None:
     deadline = time.monotonic() + JOB_END_WAIT_S
-    for j in staged.jobs():
-        left = max(0.0, deadline - time.monotonic())
-        if isinstance(j, FileJob):
-            j.job.wait_done(left)
-            if j.upload is not None:
-                try:
-                    j.upload.exception(timeout=max(0.0, deadline - time.monotonic()))
-                except Exception:  # noqa: BLE001 - still uploading: its object goes once it ends
-                    pass
-        else:
-            try:
-                j.result.exception(timeout=left)
-            except Exception:  # noqa: BLE001 - still running: removed all the same
-                pass
+    for j in staged.jobs():  # one still running past the deadline: its file is removed all the same
+        j.wait_ended(max(0.0, deadline - time.monotonic()))
 
 
 def _remove_files(staged: StagedSave) -> None:

@@ -16,9 +16,10 @@ log = logging.getLogger("dcp_datastates")
 
 
 def close_save(staged: StagedSave, *, path: str | None, coordinator: bool, error: BaseException | None = None,
-               total_bytes: int | None = None, committed: bool = False) -> None:
+               total_bytes: int | None = None, committed: bool = False, local_s: float | None = None) -> None:
     """The save needs nothing more from this rank: release its folder, leave the registry, and
-    record its figures (the coordinator's record, with the commit, is logged)."""
+    record its figures (the coordinator's record, with the commit, is logged; ``local_s``: the
+    tier's word on its local copy)."""
     # DCP's plans and metadata are freed when its save returns, right after this: the collector
     # resumes a moment later, so that it never sees them (runtime/inflight.py).
     staged.close(collector_after=0.25)
@@ -29,7 +30,7 @@ def close_save(staged: StagedSave, *, path: str | None, coordinator: bool, error
             bytes=total_bytes if total_bytes is not None else staged.nbytes(),
             stall_s=staged.stall_s, staged_s=staged.staged_s,
             durable_s=time.monotonic() - staged.requested if committed else None,
-            coordinator=coordinator, local_s=staged.local_s,
+            coordinator=coordinator, local_s=local_s,
             error=None if error is None else str(error).splitlines()[0][:500],
         ))
     except Exception as exc:  # noqa: BLE001 - figures must never fail a save

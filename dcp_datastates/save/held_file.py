@@ -20,14 +20,21 @@ The held bytes stay in the cache until the plan arrives, so the writer holds onl
 half of it (the rest would stall other copies); a held file whose plan never comes (the save
 failed on another rank before writing) gives its slots back after ``timeout`` seconds, or at once
 when ``abort`` is called.
+
+A save in flight holds two kinds of data-file jobs: ``request.FileJob`` (a file the engine writes
+as planned at the request) and ``HeldFile``. Both follow one protocol, ``DataFileWork`` (below),
+so the save's steps (``StagedSave``, ``write.py``, ``discard.py``) never ask which kind a job is.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
+from typing import Any, Protocol, runtime_checkable
 
+from ..channel import channel_for
 from ..errors import CheckpointWriteError
 from ..format.layout import plan_file
 from ..format.locations import ItemLocation
@@ -39,7 +46,62 @@ from .plan import item_location
 
 _engine = engine_module()  # hash64_segments: the incremental save's content hash
 
-__all__ = ["HeldFile"]
+__all__ = ["DataFileWork", "HeldFile"]
+
+
+@runtime_checkable
+class DataFileWork(Protocol):
+    """One data file of a save in flight: its items copied into the host cache (staging), then
+    written (durable). ``request.FileJob`` and ``HeldFile`` both follow it, with the same meaning
+    for every member; a held file that writes none of its items creates no file.
+
+    ``result`` and ``wait_ended`` are the two ends of a job: the first is what a save that
+    commits waits for, the second what a save that is discarded waits for (bounded, never
+    raising) before removing the job's file."""
+
+    keys: Sequence[ItemKey]  # its items, in its (staged) layout's order
+    name: str | None  # its file's name in the folder; None until known
+    job: Any  # the engine job copying its items (progress: ``bytes_done``, ``nbytes``)
+    mirrors: bool  # peer_copies: the keeper stages this same file (save/ownership.py)
+    mirror_of: int | None  # peer_copies: the same file as that rank's mirrored one
+    written: Mapping[ItemKey, ItemLocation] | None  # once durable (set from ``result()``)
+
+    @property
+    def device(self) -> int:
+        """The CUDA device its items are copied from; -1 for host memory."""
+        ...
+
+    def wait_staged(self, timeout: float | None = None) -> bool:
+        """Wait (None: without bound) until every byte is in the host cache or the job failed;
+        False when ``timeout`` passed first."""
+        ...
+
+    def is_staged(self) -> bool:
+        """Every byte is in the host cache (or the job failed)."""
+        ...
+
+    def device_wait(self, stream_of: Callable[[int], int | None]) -> bool:
+        """True when no host wait is needed for its copies: staged, or (copies from a GPU)
+        the stream ``stream_of(device)`` now waits for all of them."""
+        ...
+
+    def is_done(self) -> bool:
+        """It ended: written and durable, failed, or aborted (``result()`` returns at once)."""
+        ...
+
+    def result(self) -> dict[ItemKey, ItemLocation]:
+        """Wait until the file is durable: the final locations (checksums included) of the
+        items it wrote. Raises ``CheckpointWriteError`` when it failed or was aborted."""
+        ...
+
+    def wait_ended(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` seconds until it writes nothing any more (done, failed or
+        aborted; an upload ended): True once so. Never raises (what a discard waits for)."""
+        ...
+
+    def abort(self, reason: str) -> None:
+        """Fail it: nothing more of it is written, its cache slots come back (no-op once done)."""
+        ...
 
 
 class _Destination:
@@ -48,7 +110,8 @@ class _Destination:
 
 
 class HeldFile:
-    """One held data file: ``items`` are copied into the host cache by an engine streaming job."""
+    """One held data file: ``items`` are copied into the host cache by an engine streaming job
+    (a ``DataFileWork``)."""
 
     mirrors = False  # peer_copies: the keeper stages this same file (save/ownership.py)
     mirror_of: int | None = None  # peer_copies: the same file as that rank's mirrored one
@@ -73,7 +136,7 @@ class HeldFile:
         self._selection_known = selection_known
         self._aborted: str | None = None
         self._planner: threading.Thread | None = None  # DCP's thread planning this save
-        self.result: Future = Future()  # {key: ItemLocation} of the items written
+        self._outcome: Future = Future()  # {key: ItemLocation} of the items written (``result()``)
         self.name: str | None = None
         threading.Thread(target=self._run, name="dcp-datastates-held", daemon=True).start()
 
@@ -109,19 +172,28 @@ class HeldFile:
             self._ready.notify_all()
         self.job.fail(reason)
 
-    # ------------------------------------------------------------------------- job interface
+    # ------------------------------------------------------------------ DataFileWork (above)
     def wait_staged(self, timeout: float | None = None) -> bool:
         return self.job.wait_staged(timeout)
 
     def is_staged(self) -> bool:
         return self.job.is_staged()
 
-    def is_done(self) -> bool:
-        return self.result.done()
+    def device_wait(self, stream_of: Callable[[int], int | None]) -> bool:
+        return self.is_staged()  # (no stream waits for a held file's copies: the host waits)
 
-    def selected_keys(self) -> list[ItemKey]:
-        sel = self._selection
-        return [k for k in self.keys if sel is None or k in sel]
+    def is_done(self) -> bool:
+        return self._outcome.done()
+
+    def result(self) -> dict[ItemKey, ItemLocation]:
+        return self._outcome.result()
+
+    def wait_ended(self, timeout: float) -> bool:
+        try:
+            self._outcome.exception(timeout=timeout)
+            return True
+        except Exception:  # noqa: BLE001 - still running (TimeoutError): it ends on its own
+            return False
 
     # -------------------------------------------------------------------------------- consumer
     def _wait_for_plan(self) -> tuple[_Destination | None, frozenset | None]:
@@ -150,12 +222,12 @@ class HeldFile:
             kept = [(it, off) for it, off in zip(self.items, self.layout.offsets) if keep is None or it.key in keep]
             if not kept:
                 self._drain()
-                self.result.set_result({})
+                self._outcome.set_result({})
                 return
-            self.result.set_result(self._write(dest, kept))
+            self._outcome.set_result(self._write(dest, kept))
         except BaseException as exc:  # noqa: BLE001 - surfaces from result
-            if not self.result.done():
-                self.result.set_exception(exc if isinstance(exc, CheckpointWriteError) else CheckpointWriteError(str(exc)))
+            if not self._outcome.done():
+                self._outcome.set_exception(exc if isinstance(exc, CheckpointWriteError) else CheckpointWriteError(str(exc)))
 
     def _drain(self) -> None:
         while True:
@@ -224,8 +296,8 @@ class HeldFile:
 
     def _submit(self, dest: _Destination, final, items: list):
         """(engine job, upload future or None) writing the final file at its destination."""
-        return dest.storage.write_data_file(self.engine, dest.name, final.header, final.file_size, items,
-                                            sync=dest.sync, device=-1, stream=0, direct_writes=dest.direct_writes)
+        return channel_for(dest.storage).write_data_file(self.engine, dest.name, final.header, final.file_size,
+                                                         items, sync=dest.sync, device=-1, stream=0, direct_writes=dest.direct_writes)
 
 
 def _segments(taken: list[tuple[int, int, int]], offset: int, nbytes: int) -> list[tuple[int, int]]:

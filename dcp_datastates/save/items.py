@@ -53,6 +53,11 @@ def item_key(index) -> ItemKey:
     return (index.fqn, None if index.offset is None else tuple(index.offset))
 
 
+def item_keys(items) -> list[ItemKey]:
+    """``item_key`` of each DCP ``WriteItem`` of ``items``, in one call (a save's items pass here once)."""
+    return [(i.index.fqn, None if i.index.offset is None else tuple(i.index.offset)) for i in items]
+
+
 def _tensor_source(key: ItemKey, name: str, tensor: torch.Tensor, kind: str = PLAIN) -> SourceItem:
     t = tensor.detach()
     device = -1

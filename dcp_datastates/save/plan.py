@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..format.layout import FileEntry, FileLayout, plan_file
-from ..format.locations import ItemLocation, moved
+from ..format.locations import ItemLocation
 from .copy_at_request import request_copy_limit
 from .items import ItemKey, SourceItem
 from .ownership import DecisionKey, Mirroring
@@ -26,7 +26,7 @@ from .scan import Scan
 from .version_guard import VersionGuard
 
 __all__ = ["PlanContext", "HeldGroup", "RankPlan", "PlannedFile", "planned_file", "FilePlan", "StagePlan",
-           "item_location", "with_piece", "written"]
+           "item_location", "with_piece"]
 
 
 @dataclass(frozen=True)
@@ -135,11 +135,6 @@ def item_location(file: str, entry: FileEntry, offset: int, data_start: int, pie
 def with_piece(loc: ItemLocation, piece: int) -> ItemLocation:
     """The same location on a checksum grid of step ``piece``."""
     return loc._replace(piece_size=piece)
-
-
-def written(loc: ItemLocation, file: str, crc32c: tuple[int, ...], file_size: int) -> ItemLocation:
-    """The final location once the file is durable: its real name, checksums and size."""
-    return moved(loc, file, crc32c=crc32c, file_size=file_size)
 
 
 # ------------------------------------------------------------------ cached plans

@@ -35,12 +35,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..channel import channel_for
 from ..commit import prepare_folder
 from ..compat import unflatten_state_dict
 from ..errors import CheckpointWriteError
 from ..forking import ThreadPool, new_locks_in_child
 from ..format.layout import data_file_name, new_tag
-from ..format.locations import ItemLocation
+from ..format.locations import ItemLocation, all_written
 from ..runtime import gc_pause, get_engine, inflight
 from ..storage import Storage
 from .copy_at_request import CopyAtRequest
@@ -49,7 +50,7 @@ from .held_file import HeldFile
 from .incremental import Incremental, hint_key
 from .items import ItemKey, SourceItem
 from .ownership import DecisionKey
-from .plan import PlanContext, PlannedFile, planned_file, written
+from .plan import PlanContext, PlannedFile, planned_file
 from .planning import plan_stage
 from .scan import flatten
 from .version_guard import VersionGuard, freed_message, torn_message
@@ -63,7 +64,8 @@ log = logging.getLogger("dcp_datastates")
 # ------------------------------------------------------------------------ a save in flight
 @dataclass(eq=False)
 class FileJob:
-    """One data file written by the engine (a local file, or streamed to an object store)."""
+    """One data file written by the engine (a local file, or streamed to an object store): a
+    ``held_file.DataFileWork``, like the save's held files."""
 
     index: int  # k in __<rank>_<k>
     name: str | None  # None until the save's folder is prepared (request.prepare_destination)
@@ -105,6 +107,19 @@ class FileJob:
         except Exception:  # noqa: BLE001 - a job that cannot be failed finishes on its own
             pass
 
+    def wait_ended(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        try:
+            ended = bool(self.job.wait_done(timeout))
+        except Exception:  # noqa: BLE001 - never raises: a discard removes the file all the same
+            ended = False
+        if self.upload is not None:
+            try:
+                self.upload.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:  # noqa: BLE001 - still uploading: its object goes once it ends
+                ended = False
+        return ended
+
     def result(self) -> dict[ItemKey, ItemLocation]:
         """Wait until the file is durable; its items' final locations (checksums included)."""
         error = None
@@ -117,9 +132,7 @@ class FileJob:
         error = error or self.job.error()
         if error:
             raise CheckpointWriteError(error)
-        crcs = self.job.checksums()
-        size = self.file_size
-        return {k: written(self.locations[k], self.name, tuple(c), size) for k, c in zip(self.keys, crcs)}
+        return all_written(self.locations, self.keys, self.name, self.job.checksums(), self.file_size)
 
 
 @dataclass(eq=False)
@@ -146,10 +159,6 @@ class StagedSave:
     requested: float = field(default_factory=time.monotonic)
     stall_s: float = 0.0  # the training thread's time in stage()
     staged_s: float | None = None  # request -> every byte in the host cache
-    local_s: float | None = None  # local_tier: request -> the local copy committed
-    tier_plan: Any = None  # what the tier's global-plan hook told this rank (None: nothing)
-    tier_state: Any = None  # what the tier keeps for this save (tiers/: copies of files still being written)
-    tier_early: Future | None = None  # what the tier started at the request, before DCP's plan (tiers/hooks.py)
     _sealed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     finished: threading.Event = field(default_factory=threading.Event)
@@ -230,7 +239,7 @@ class StagedSave:
         files = self.jobs()
         if not any(f.device >= 0 for f in files):
             return False
-        return all(f.device_wait(stream_of) if isinstance(f, FileJob) else f.is_staged() for f in files)
+        return all(f.device_wait(stream_of) for f in files)
 
     def seal(self) -> None:
         """From now on the caller may change the sources: check none changed before (once)."""
@@ -381,7 +390,7 @@ def prepare_destination(staged: StagedSave, config, tier, need) -> None:
 def _files_per_group(storage, config) -> int:
     """One file per flush thread where the engine writes host tensors straight to the folder
     (each thread then has a file of its own: see ``split_for_writers``), else one."""
-    if storage is not None and storage.writes_direct(config.direct_writes):
+    if storage is not None and channel_for(storage).writes_direct(config.direct_writes):
         return config.flush_threads
     return 1
 
@@ -491,7 +500,7 @@ def start_file(engine, staged: StagedSave, pf: PlannedFile, side_buffer, config)
     training thread; later files are named at once (``submit_file``)."""
     stream = current_stream(pf.device) if pf.device >= 0 else 0
     untagged = pf.untagged or data_file_name(staged.rank, pf.index)
-    job, upload, name_it = staged.storage.start_data_file(
+    job, upload, name_it = channel_for(staged.storage).start_data_file(
         engine, untagged, pf.layout.header, pf.layout.file_size, pf.spans, sync=config.sync_files, device=pf.device,
         stream=stream, direct_writes=config.direct_writes)
     locations = pf.locations(untagged, job.piece_size())

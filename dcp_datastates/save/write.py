@@ -27,11 +27,10 @@ from ..format.layout import data_file_name, name_to_dtype
 from ..format.locations import ItemLocation, moved
 from ..runtime import get_engine
 from ..storage import Storage
-from .held_file import HeldFile
-from .items import ItemKey, item_key, source_for_resolved
+from .items import ItemKey, item_key, item_keys, source_for_resolved
 from .ownership import decisions
 from .planner_hooks import items_to_rewrite, overridden_data_hooks
-from .request import FileJob, StagedSave, hold, hold_limit, planned, submit_file
+from .request import StagedSave, hold, hold_limit, planned, submit_file
 from .version_guard import torn_message
 
 __all__ = ["write_rank", "check_rank_local", "skip_replicas"]
@@ -54,7 +53,8 @@ def skip_replicas(staged: StagedSave, plan: SavePlan) -> SavePlan:
     (DCP's default included) has exactly one candidate."""
     if not (plan.usable and staged.skipped):
         return plan
-    return dataclasses.replace(plan, items=[i for i in plan.items if item_key(i.index) not in staged.skipped])
+    skipped = staged.skipped
+    return dataclasses.replace(plan, items=[i for i, key in zip(plan.items, item_keys(plan.items)) if key not in skipped])
 
 
 def write_rank(staged: StagedSave, plan: SavePlan, planner: SavePlanner, config, tier) -> list[WriteResult]:
@@ -63,16 +63,16 @@ def write_rank(staged: StagedSave, plan: SavePlan, planner: SavePlanner, config,
         raise staged.error
     if staged.abandoned is not None:
         raise CheckpointWriteError(f"checkpoint {staged.path} abandoned: {staged.abandoned}")
-    keys = [item_key(i.index) for i in plan.items]  # once per item: every step below reuses them
+    keys = item_keys(plan.items)  # once: every step below reuses them
     given = set(keys)
     for h in staged.held:
         if not h.selection_known():
             h.set_selection(frozenset(k for k in h.keys if k in given))
     staged_keys = {k for f in staged.files for k in f.keys} | {k for h in staged.held for k in h.keys}
-    late = [item for item, key in zip(plan.items, keys) if key not in staged_keys]
+    late_keys = [(item, key) for item, key in zip(plan.items, keys) if key not in staged_keys]
+    late = [item for item, _ in late_keys]
     if late:
-        job = _write_late(staged, late, planner, config, tier)
-        (staged.held if isinstance(job, HeldFile) else staged.files).append(job)
+        _write_late(staged, late, planner, config, tier)
     locations = _wait_durable(staged)
     if staged.incremental is not None:
         staged.incremental.learn()  # what changed: the next save's hint
@@ -85,7 +85,7 @@ def write_rank(staged: StagedSave, plan: SavePlan, planner: SavePlanner, config,
     if staged.decision_key is not None:
         if staged.learn:
             decisions().learn(staged.decision_key, frozenset(k for k in given if k in staged.plain_keys))
-        elif any(item_key(i.index) in staged.elsewhere for i in late):
+        elif any(key in staged.elsewhere for _, key in late_keys):
             decisions().forget(staged.decision_key)  # the plan changed: hold and relearn next time
     out = []
     for item, key in zip(plan.items, keys):
@@ -100,7 +100,7 @@ def _wait_durable(staged: StagedSave) -> dict[ItemKey, ItemLocation]:
     errors = []
     for f in staged.jobs():
         try:
-            f.written = f.result() if isinstance(f, FileJob) else f.result.result()
+            f.written = f.result()
             locations.update(f.written)
         except CheckpointWriteError as exc:
             errors.append(str(exc))
@@ -111,11 +111,12 @@ def _wait_durable(staged: StagedSave) -> dict[ItemKey, ItemLocation]:
     return locations
 
 
-def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, tier) -> FileJob | HeldFile:
+def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, tier) -> None:
     """Items the plan gives this rank that it did not stage: written now from live memory,
     which for a lazy save is right only if the tensor did not change. In an incremental save
     (``dcp.save`` stages nothing) they are copied into the host cache first and written only
-    where their hashes changed, when they fit in half the cache."""
+    where their hashes changed, when they fit in half the cache. The file joins the save's
+    (``staged.held`` or ``staged.files``)."""
     guard = staged.late_guard
     for item in late:
         changed = guard.changed(item.index.fqn) if guard is not None else None
@@ -137,8 +138,9 @@ def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, ti
                     copy_limit=config.copy_at_request_max_bytes)
         held.set_destination(staged.storage, data_file_name(staged.rank, index, staged.tag), sync=config.sync_files,
                              direct_writes=config.direct_writes)
-        return held
-    return submit_file(engine, staged, planned(engine, index, sources), config, tier)
+        staged.held.append(held)
+        return
+    staged.files.append(submit_file(engine, staged, planned(engine, index, sources), config, tier))
 
 
 def _relocate(staged: StagedSave, locations: dict[ItemKey, ItemLocation]) -> dict[ItemKey, ItemLocation]:

@@ -1,7 +1,9 @@
-"""The one storage interface: everything the save, the load, the commit protocol and the tiers
-do to a checkpoint folder. Two implementations: ``LocalStorage`` (a folder of this machine:
-the engine's ``pwrite``/``pread``, fsync and atomic rename) and ``ObjectStorage`` (any fsspec
-file system: streamed multipart uploads, one-PUT markers, parallel ranged reads).
+"""The folder interface: names, small files, listing, moves and removals of a checkpoint folder.
+
+What the save, the load, the commit protocol and the tiers do to a folder. Two implementations:
+``LocalStorage`` (a folder of this machine: fsync and atomic rename) and ``ObjectStorage``
+(any fsspec file system: one-PUT small files). The engine's bulk bytes take the data channel
+(``dcp_datastates.channel``), which is built on a ``Storage`` and which this layer never imports.
 
 Where the two truly differ, the method says what each does; callers never ask which one they
 hold.
@@ -10,21 +12,13 @@ hold.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from collections.abc import Iterable
 from contextlib import AbstractContextManager
-from typing import IO, Any
+from typing import IO
 
 from ..errors import CheckpointWriteError
 
-__all__ = ["Storage", "DataFileJob", "StartedDataFile"]
-
-#: (engine job, upload Future or None): what ``write_data_file`` returns. The Future, for object
-#: stores, resolves when the object is complete in the store (or raises CheckpointWriteError).
-DataFileJob = tuple[Any, "Future | None"]
-#: What ``start_data_file`` returns: a ``DataFileJob`` and the call that names its file later,
-#: ``name_it(name, defer)``.
-StartedDataFile = tuple[Any, "Future | None", Callable[..., None]]
+__all__ = ["Storage"]
 
 
 class Storage(ABC):
@@ -152,39 +146,3 @@ class Storage(ABC):
             while block := fin.read(16 << 20):
                 fout.write(block)
         self.remove(name)
-
-    # ------------------------------------------------------------------------------ data files
-    def writes_direct(self, direct_writes: bool | None) -> bool:
-        """Whether host memory goes to this storage's files without the host cache, given the
-        ``direct_writes`` option (None: the storage's choice). Object stores: never."""
-        return False
-
-    @abstractmethod
-    def start_data_file(self, engine, label: str, header: bytes, file_size: int, spans: list, *, sync: bool,
-                        device: int, stream: int, direct_writes: bool | None = None) -> StartedDataFile:
-        """Hand one data file to the engine before its name is known (the folder is prepared off
-        the training thread): the copies into the host cache start now, nothing is written until
-        ``name_it(name, defer)`` names it; failing the job (``job.fail``) instead frees what it
-        holds. ``label`` names the file in messages until then. (``write_data_file`` is this,
-        named at once.) ``direct_writes`` is the option of that name: local files of host
-        memory may skip the host cache (None: where the folder is memory-backed); object
-        stores ignore it."""
-
-    def write_data_file(self, engine, name: str, header: bytes, file_size: int, spans: list, *, sync: bool,
-                        device: int, stream: int, defer=None, direct_writes: bool | None = None) -> DataFileJob:
-        """Hand one data file to the engine, named at once. Local: an engine file job writing a
-        new inode (an old file there is moved aside and freed through ``defer(fn, *args)``, which
-        runs cleanup off the caller's thread; default: at once). Object stores: an engine
-        streaming job whose bytes an uploader thread appends to one object."""
-        job, upload, name_it = self.start_data_file(engine, name, header, file_size, spans, sync=sync, device=device,
-                                                    stream=stream, direct_writes=direct_writes)
-        name_it(name, defer)
-        return job, upload
-
-    @abstractmethod
-    def read_into(self, engine, name: str, ranges: list, checks: list | None, threads: int) -> tuple | None:
-        """Fill every (dst_ptr, file_offset, nbytes) range from ``name``; with ``checks``
-        ((range index, file offset, length, crc32c) pieces), verify each piece and return the
-        first bad one as (range index, offset, length, expected, got); None when all match.
-        Local: the engine's parallel preads, checking each piece while it is hot. Object
-        stores: parallel ranged GETs, then the same check on the bytes in memory."""

@@ -1,5 +1,7 @@
-"""A checkpoint folder on this machine: the engine's ``pwrite``/``pread`` on data files, and the
-commit protocol's atomic small files (temporary name, fsync, rename, folder fsync).
+"""A checkpoint folder on this machine: safe opens, atomic small files, moves and removals.
+
+The commit protocol's small files are written atomically (temporary name, fsync, rename, folder
+fsync). The data files go through ``channel.local``.
 
 Every read opens a regular file inside the folder only: never through a symlink, never blocking
 on a FIFO (``open_for_reading``); a data file is always written on a new inode, so a hard link
@@ -9,7 +11,6 @@ or symlink shared with another checkpoint is never truncated in place.
 from __future__ import annotations
 
 import errno
-import functools
 import os
 import shutil
 import stat
@@ -19,8 +20,7 @@ from contextlib import contextmanager
 
 from ..errors import CheckpointFormatError, CheckpointWriteError
 from ..forking import ThreadPool
-from ..native import engine_module
-from .base import StartedDataFile, Storage
+from .base import Storage
 
 __all__ = ["LocalStorage", "open_for_reading", "file_kind", "not_regular_error", "wait_for_discards"]
 
@@ -141,14 +141,6 @@ class LocalStorage(Storage):
 
     def parent(self) -> "LocalStorage":
         return LocalStorage(os.path.dirname(os.path.abspath(self.location)))
-
-    @functools.cached_property
-    def memory_backed(self) -> bool:
-        """Whether the folder (or the existing folder it will be made in) is on tmpfs or ramfs."""
-        return engine_module().memory_backed(self.location)
-
-    def writes_direct(self, direct_writes: bool | None) -> bool:
-        return self.memory_backed if direct_writes is None else direct_writes
 
     def subfolders(self) -> list[str]:
         try:
@@ -285,7 +277,7 @@ class LocalStorage(Storage):
     def create(self, name: str, *, sync: bool):
         full = self.where(name)
         with open(full, "wb") as f:
-            yield _WritebackFile(f) if sync else f
+            yield f
             if sync:
                 f.flush()
                 os.fsync(f.fileno())
@@ -301,60 +293,17 @@ class LocalStorage(Storage):
             return
         super().move(name, dst, new_name)
 
-    # ------------------------------------------------------------------------------ data files
-    def start_data_file(self, engine, label: str, header: bytes, file_size: int, spans: list, *, sync: bool,
-                        device: int, stream: int, direct_writes: bool | None = None) -> StartedDataFile:
-        # Host memory to a memory-backed folder: the write is a memory copy, so the cache's copy
-        # in front of it would only double the work (the engine writes from the sources).
-        direct = device < 0 and self.writes_direct(direct_writes)
-        job = engine.submit_write(self.where(label), header, file_size, spans, sync, device, stream, named=False,
-                                  direct=direct)
-
-        def name_it(name: str, defer=None) -> None:
-            path = self.where(name)
-            _retire(path, defer)  # never write into a shared inode
-            job.set_destination(path)  # the engine's flush workers start writing it now
-
-        return job, None, name_it
-
-    def read_into(self, engine, name: str, ranges: list, checks: list | None, threads: int) -> tuple | None:
-        return engine.read_into(self.where(name), ranges, checks, threads)
-
-
-class _WritebackFile:
-    """A file written front to back (the drain's copies) whose bytes start their way to the disk
-    every ``WRITEBACK_BYTES``, as the engine does for its own files: without it the whole file
-    sits dirty until the final fsync, which then takes a large share of the copy's time."""
-
-    WRITEBACK_BYTES = 8 << 20
-
-    def __init__(self, f) -> None:
-        self._f = f
-        self._written = 0  # bytes written so far
-        self._started = 0  # bytes whose writeback was started
-
-    def write(self, data) -> int:
-        n = self._f.write(data)
-        self._written += n
-        if self._written - self._started >= self.WRITEBACK_BYTES:
-            self._f.flush()
-            engine_module().start_writeback(self._f.fileno(), self._started, self._written - self._started)
-            self._started = self._written
-        return n
-
-    def __getattr__(self, name: str):
-        return getattr(self._f, name)
-
-
-def _retire(path: str, defer) -> None:
-    """Move an existing file at ``path`` out of the way so the next create makes a new inode;
-    it is freed through ``defer`` (the writer's background thread) or at once."""
-    aside = f"{path}.old-{uuid.uuid4().hex}"
-    try:
-        os.rename(path, aside)
-    except OSError:
-        return  # no old file (or nothing we may move): the create reports real errors
-    if defer is None:
-        _unlink_quietly(aside)
-    else:
-        defer(_unlink_quietly, aside)
+    def move_aside(self, name: str, defer=None) -> None:
+        """Move an existing file ``name`` out of the way so that the next write of that name makes
+        a new inode (a hard link shared with another checkpoint is never written into); the old
+        file is unlinked through ``defer(fn, *args)`` (a background thread) or at once."""
+        path = self.where(name)
+        aside = f"{path}.old-{uuid.uuid4().hex}"
+        try:
+            os.rename(path, aside)
+        except OSError:
+            return  # no old file (or nothing we may move): the create reports real errors
+        if defer is None:
+            _unlink_quietly(aside)
+        else:
+            defer(_unlink_quietly, aside)

@@ -18,7 +18,7 @@ file is written is the durable marker written. The copies start earlier, when ``
 begins (``LocalTier.writing``: the durable folder and its file names were decided in
 ``prepare_global_plan``): each file is copied as far as the engine's ``written_prefix`` says it
 is final, computing each piece's CRC32C; the drain then takes such a copy only if every piece
-matches the local marker's, else it copies the file again, verified (``drain.Follower``).
+matches the local marker's, else it copies the file again, verified (``file_copy.Follower``).
 
 Futures. DCP resolves ``upload_completion`` (``dcp.async_save``) when the writer's ``finish``
 returns: ``finish`` commits locally, resolves ``local_commit``, then drains in DCP's thread (not
@@ -45,15 +45,15 @@ started in ``write_data`` once its files are durable on the local tier (``local_
 that rank), after recording in ``.tier-<rank>.json`` of the local copy (``record_rank_files``:
 checkpoint id, durable name -> local name) the names the coordinator chose in
 ``prepare_global_plan`` (``RankDrain``); the drain reports in the durable folder
-(``report_drained``). The coordinator's ``finish`` writes the metadata there as ``PENDING_NAME``
+(``pending.py``). The coordinator's ``finish`` writes the metadata there as ``PENDING_NAME``
 (the checkpoint is then committed on the local tiers, restorable from them), waits for every
-writing rank's report (``wait_drained``, bounded by ``drain_timeout``), commits and clears them.
+writing rank's report (``pending.wait_drained``, bounded by ``drain_timeout``), commits and clears them.
 A failure anywhere fails the save on every rank (DCP broadcasts the coordinator's error). The
 reader takes each data file from the local copy when this node holds it for the same checkpoint
-id and its pieces verify, else from the durable folder (``local_files``), and logs the count per
-tier; a folder with no commit and a pending checkpoint is read that way (``read_pending``). The
-next save under the same root drains each rank's share of a pending checkpoint
-(``drain.drain_pending_ranks``).
+id and its pieces verify, else from the durable folder (``local_files``, ``node_copies.py``), and
+logs the count per tier; a folder with no commit and a pending checkpoint is read that way
+(``pending.read_pending``). The next save under the same root drains each rank's share of a
+pending checkpoint (``drain.drain_pending_ranks``).
 """
 
 from __future__ import annotations
@@ -64,16 +64,15 @@ import logging
 import os
 import re
 import shutil
-import time
 
 from ..commit import checkpoint_id, read_commit
 from ..commit import latest_checkpoint as latest_committed
 from ..errors import CheckpointWriteError, DataStatesError
-from ..format.layout import METADATA_NAME, PENDING_NAME, STEP_NUMBER, data_file_parts
-from ..format.metadata import encode_metadata
+from ..format.layout import METADATA_NAME, STEP_NUMBER
 from ..load.verify import verify_checkpoint
 from ..runtime import get_engine
-from ..storage import Storage, normalize, open_storage
+from ..storage import normalize, open_storage
+from .pending import newest_pending, read_pending
 
 log = logging.getLogger("dcp_datastates")
 
@@ -346,144 +345,6 @@ def newest_local(root: str, local_tier: str, step_of) -> tuple[tuple, str] | Non
         key = step_of(os.path.basename(durable.rstrip("/")))
         if key is not None and checkpoint_id(local, references=False) is not None:
             found.append((key, durable))
-    return max(found) if found else None
-
-
-# ------------------------------------------------------------------ several ranks: the commit
-# Each rank reports its drain in the durable folder (``.drain-<rank>.json``: the checkpoint id and
-# an error or none); the coordinator writes the checkpoint's metadata there as ``PENDING_NAME``
-# first (from then on the checkpoint is restorable from the nodes' local copies), waits for every
-# rank that wrote files, then commits and removes both.
-
-def file_ranks(locations) -> set[int]:
-    """The ranks that wrote the data files of ``locations`` ({index: ItemLocation})."""
-    return {parts[0] for loc in locations.values() if (parts := data_file_parts(loc.file)) is not None}
-
-
-def _read_small(durable: Storage, name: str) -> bytes | None:
-    try:
-        return durable.read_small(name, limit=1 << 20, what="a drain record")
-    except Exception:  # noqa: BLE001 - absent, unreadable or the store is down: not reported
-        return None
-
-
-def write_pending(durable: Storage, md, locations, *, sync: bool) -> bytes:
-    """The coordinator: the checkpoint is committed on every node's local tier (DCP gathered every
-    rank's results); record its metadata in the durable folder before the drains end. Returns
-    the encoded metadata."""
-    data = encode_metadata(md, locations)
-    durable.put(PENDING_NAME, data, sync=sync)
-    return data
-
-
-def read_pending(durable: "str | Storage", storage_options: dict | None = None, *, uncommitted_only: bool = False):
-    """(Metadata, files) of the checkpoint pending in ``durable`` when it is not the committed
-    one (a save interrupted or failed between the local commits and the durable one); else None.
-    ``uncommitted_only``: only when ``durable`` holds no commit at all (what a load may read: a
-    folder that holds a commit is that checkpoint until a new one is committed there)."""
-    durable = open_storage(durable, storage_options)
-    try:
-        md, files = read_commit(durable, name=PENDING_NAME)
-    except Exception:  # noqa: BLE001 - none, damaged, or the store is down: nothing pending known
-        return None
-    pending_id = md.storage_meta.save_id if md.storage_meta is not None else None
-    committed_id = checkpoint_id(durable)
-    if pending_id is None or pending_id == committed_id or (uncommitted_only and committed_id is not None):
-        return None
-    return md, files
-
-
-def drain_report_name(rank: int) -> str:
-    return f".drain-{rank}.json"
-
-
-def report_drained(durable: Storage, rank: int, save_id: str, error: str | None) -> None:
-    data = json.dumps({"save_id": save_id, "error": error}).encode()
-    durable.put(drain_report_name(rank), data, sync=False)
-
-
-def report_draining(durable: Storage, rank: int, save_id: str, beat: int) -> None:
-    """This rank's drain of ``save_id`` is alive (``beat`` counts its reports): what the
-    coordinator tells a slow drain from a node that stopped by (``wait_drained``)."""
-    data = json.dumps({"save_id": save_id, "error": None, "draining": beat}).encode()
-    durable.put(drain_report_name(rank), data, sync=False)
-
-
-def _drain_report(durable: Storage, rank: int, save_id: str) -> dict | None:
-    raw = _read_small(durable, drain_report_name(rank))
-    try:
-        record = json.loads(raw) if raw else None
-    except ValueError:
-        return None
-    return record if isinstance(record, dict) and record.get("save_id") == save_id else None
-
-
-def drained_ok(durable: Storage, rank: int, save_id: str) -> bool:
-    """True when ``rank`` reported its drain of ``save_id`` without error."""
-    report = _drain_report(durable, rank, save_id)
-    return report is not None and not report.get("error") and "draining" not in report
-
-
-def all_drained(durable: Storage, save_id: str, ranks: set[int]) -> bool:
-    """True when every rank of ``ranks`` reported its drain of ``save_id`` without error."""
-    return all(drained_ok(durable, r, save_id) for r in ranks)
-
-
-def wait_drained(durable: Storage, save_id: str, ranks: set[int], timeout: float, stall: float) -> None:
-    """The coordinator: wait until every rank of ``ranks`` reported its drain of ``save_id``;
-    raise CheckpointWriteError at the first error, naming the ranks whose drain showed no
-    progress for ``stall`` seconds (a node frozen or cut off: ``stall_timeout``), or those
-    not done after ``timeout`` seconds (``drain_timeout``)."""
-    left, delay = set(ranks), 0.02
-    start = time.monotonic()
-    seen = {r: (None, start) for r in left}  # rank -> (its last report's beat, when it changed)
-    while left:
-        now = time.monotonic()
-        for r in sorted(left):
-            report = _drain_report(durable, r, save_id)
-            if report is not None and report.get("error"):
-                raise CheckpointWriteError(f"rank {r}: {report['error']}")
-            if report is not None and "draining" not in report:
-                left.discard(r)
-                continue
-            beat = None if report is None else report["draining"]
-            if beat != seen[r][0]:
-                seen[r] = (beat, now)
-        if not left:
-            return
-        stalled = sorted(r for r in left if now - seen[r][1] > stall)
-        if stalled:
-            raise CheckpointWriteError(
-                f"draining to the durable tier {durable.location}: rank(s) {stalled} showed no progress for "
-                f"{stall:g} s (stall_timeout): their node may be frozen or cut off; nothing was committed there, "
-                f"the checkpoint stays on the local tiers"
-            )
-        if now - start > timeout:
-            raise CheckpointWriteError(
-                f"draining to the durable tier {durable.location}: rank(s) {sorted(left)} did not report within "
-                f"{timeout:g} s (drain_timeout); nothing was committed there, the checkpoint stays on the local tiers"
-            )
-        time.sleep(delay)
-        delay = min(0.5, delay * 2, stall / 4)
-
-
-def clear_pending(durable: Storage, ranks: set[int]) -> None:
-    """After the durable commit: the pending metadata and the ranks' reports go (best effort)."""
-    for name in [PENDING_NAME] + [drain_report_name(r) for r in sorted(ranks)]:
-        durable.remove_quietly(name)
-
-
-def newest_pending(root: Storage, step_of) -> tuple[tuple, str] | None:
-    """(step key, location) of the newest folder directly under ``root`` holding a checkpoint
-    committed on the local tiers and not yet durably (several ranks); None when there is none."""
-    found = []
-    for name in root.subfolders():
-        key = step_of(name)
-        if key is None:
-            continue
-        folder = root.child(name)
-        if folder.has(PENDING_NAME) and read_pending(folder, uncommitted_only=True) is not None:
-            found.append((key, folder.location))
     return max(found) if found else None
 
 

@@ -16,11 +16,11 @@ everywhere), with ``peer_timeout`` as its timeout. Nothing travels inside DCP's 
 on the training thread: one thread per process runs the exchanges, one per save, in save order
 (``exchange``); every rank takes part in each, with or without files to send.
 
-The wire, per exchange and per sender: a length-prefixed JSON manifest (checkpoint id, durable
-path, sender rank and node, per file: local and durable name, size, and every checksum piece as
-the save recorded it), then per file its bytes in blocks (each prefixed with its length; -1: the
-sender could not read its own file, which it verifies piece by piece while reading as the drain
-does), then the CRC32C of the whole file as sent. Memory in flight: the sender's read-ahead
+The wire (``peer_wire.py``), per exchange and per sender: a length-prefixed JSON manifest
+(checkpoint id, durable path, sender rank and node, per file: local and durable name, size, and
+every checksum piece as the save recorded it), then per file its bytes in blocks (each prefixed
+with its length; -1: the sender could not read its own file, which it verifies piece by piece
+while reading as the drain does), then the CRC32C of the whole file as sent. Memory in flight: the sender's read-ahead
 blocks and one block on the receiver (16 MiB each).
 
 Mirrored files (DTensor replicas, save/ownership.py): when the receiver is itself a replica of
@@ -52,12 +52,10 @@ import os
 import socket
 import threading
 import time
-import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from ..forking import ThreadPool, new_locks_in_child
@@ -65,18 +63,15 @@ from ..runtime import get_engine
 from ..save.ownership import Mirroring
 from ..storage import open_storage
 from . import local_tier as tiers
-from .drain import copy_verified
+from .peer_wire import OutOfStep, between_pieces_crc, receive_file, recv_json, send_file, send_json
 
 log = logging.getLogger("dcp_datastates")
 
 __all__ = ["NODE_ENV", "node_name", "PeerMap", "join", "exchange", "current", "wait_peer_copies", "both_ways",
-           "send_file", "receive_file", "mirroring"]
+           "mirroring"]
 
 NODE_ENV = "DCPDS_NODE"
-_TAG = 0x5EE  # every message of an exchange: per (sender, receiver) pair they arrive in order
 _REPLY = 0x5EF  # the receiver's answer to a manifest (the names it wants), receiver -> sender
-_ABORT = -1  # a block length: the sender could not read the rest of this file
-_MAX_MANIFEST = 64 << 20
 
 
 def node_name() -> str:
@@ -216,13 +211,13 @@ def _run(local: str, durable: str, save_id: str, files: dict, config, coordinato
         result = _exchange(peers, local, durable, save_id, files, config, kept)
         try:
             result["metadata"] = _share_metadata(peers, local, coordinator, metadata, config)
-        except _OutOfStep as exc:  # the files stand; later exchanges do not
+        except OutOfStep as exc:  # the files stand; later exchanges do not
             _stop(peers, exc)
             result["metadata"] = False
         result["ended"] = time.monotonic()  # (time.monotonic() of this process: benchmarks compare it)
         done.set_result(result)
     except Exception as exc:  # noqa: BLE001 - reported on the Future and logged; training goes on
-        if isinstance(exc, _OutOfStep):
+        if isinstance(exc, OutOfStep):
             _stop(peers, exc)
         done.set_exception(exc)
 
@@ -234,11 +229,6 @@ def _stop(peers: _Peers | None, exc: BaseException) -> None:
         peers.broken = str(exc)
         log.warning("dcp_datastates: peer copies stop in this process (checkpoints are still saved and drained): %s",
                     exc)
-
-
-class _OutOfStep(RuntimeError):
-    """The peer group can no longer be trusted to carry the next exchange (a peer timed out or
-    sent something other than this exchange)."""
 
 
 def _exchange(peers: _Peers, local: str, durable: str, save_id: str, files: dict, config, kept: dict) -> dict:
@@ -291,57 +281,12 @@ def _share_metadata(peers: _Peers, local: str, coordinator: int, metadata: Futur
     try:
         dist.broadcast_object_list(box, src=coordinator, group=peers.group)
     except Exception as exc:  # noqa: BLE001 - gloo's own errors (timeout, connection closed)
-        raise _OutOfStep(f"receiving the checkpoint's metadata from rank {coordinator}: {exc}") from exc
+        raise OutOfStep(f"receiving the checkpoint's metadata from rank {coordinator}: {exc}") from exc
     if box[0] is None:
         return False
     if min(peers.map.ranks_on(peers.map.nodes[peers.rank])) == peers.rank:
         open_storage(local).put(tiers.PEER_METADATA, box[0], sync=config.sync_files)
     return True
-
-
-# ------------------------------------------------------------------------------- the wire
-def _send_tensor(peers: _Peers, dst: int, t: torch.Tensor, what: str, tag: int = _TAG) -> None:
-    try:
-        dist.send(t, dst, group=peers.group, tag=tag)
-    except Exception as exc:  # noqa: BLE001 - gloo's own errors (timeout, connection closed)
-        raise _OutOfStep(f"sending {what} to rank {dst}: {exc}") from exc
-
-
-def _recv_tensor(peers: _Peers, src: int, t: torch.Tensor, what: str, tag: int = _TAG) -> torch.Tensor:
-    try:
-        dist.recv(t, src, group=peers.group, tag=tag)
-    except Exception as exc:  # noqa: BLE001 - gloo's own errors (timeout, connection closed)
-        raise _OutOfStep(f"receiving {what} from rank {src}: {exc}") from exc
-    return t
-
-
-def _send_int(peers: _Peers, dst: int, value: int, what: str, tag: int = _TAG) -> None:
-    _send_tensor(peers, dst, torch.tensor([value], dtype=torch.int64), what, tag=tag)
-
-
-def _recv_int(peers: _Peers, src: int, what: str, tag: int = _TAG) -> int:
-    return int(_recv_tensor(peers, src, torch.zeros(1, dtype=torch.int64), what, tag=tag)[0])
-
-
-class _Wire:
-    """A binary file object (for ``drain.copy_verified``) that sends each block it is given to
-    ``dst``, length first, and chains the CRC32C of everything sent."""
-
-    def __init__(self, peers: _Peers, dst: int, name: str, engine) -> None:
-        self._peers, self._dst, self._name, self._engine = peers, dst, name, engine
-        self.crc = 0
-        self.out_of_step: BaseException | None = None
-
-    def write(self, block) -> int:
-        data = torch.frombuffer(block, dtype=torch.uint8) if len(block) else torch.empty(0, dtype=torch.uint8)
-        self.crc = self._engine.crc32c(data.data_ptr(), data.numel(), self.crc)
-        try:
-            _send_int(self._peers, self._dst, data.numel(), f"a block of {self._name}")
-            _send_tensor(self._peers, self._dst, data, f"a block of {self._name}")
-        except _OutOfStep as exc:
-            self.out_of_step = exc
-            raise
-        return data.numel()
 
 
 def _send(peers: _Peers, dst: int, local: str, durable: str, save_id: str, files: dict,
@@ -355,93 +300,40 @@ def _send(peers: _Peers, dst: int, local: str, durable: str, save_id: str, files
         entry = {"name": n, "durable": durable_name, "size": size, "pieces": [[p[0], p[1], p[2], p[3]] for p in pieces]}
         if mirrored:
             try:
-                entry["mirror"] = _between_pieces_crc(os.path.join(local, n), size, pieces, engine)
+                entry["mirror"] = between_pieces_crc(os.path.join(local, n), size, pieces, engine)
             except OSError:  # unreadable here: offered as a plain copy, which send_file then aborts
                 pass
         entries.append(entry)
     manifest = json.dumps({"save_id": save_id, "durable": durable, "rank": peers.rank,
                            "node": peers.map.nodes[peers.rank], "files": entries}).encode()
-    _send_json(peers, dst, manifest, "the manifest")
-    wanted = set(_recv_json(peers, dst, "the names it wants", tag=_REPLY))
+    send_json(peers, dst, manifest, "the manifest")
+    wanted = set(recv_json(peers, dst, "the names it wants", tag=_REPLY))
     store = open_storage(local)
     sent = [name for name in order
             if name in wanted and send_file(peers, dst, store, name, files[name][1], files[name][2], engine)]
     return sent, [name for name in order if name not in wanted]
 
 
-def _send_json(peers: _Peers, dst: int, raw: bytes, what: str, tag: int = _TAG) -> None:
-    _send_int(peers, dst, len(raw), what, tag=tag)
-    _send_tensor(peers, dst, torch.frombuffer(bytearray(raw), dtype=torch.uint8), what, tag=tag)
-
-
-def _recv_json(peers: _Peers, src: int, what: str, tag: int = _TAG):
-    size = _recv_int(peers, src, f"{what} (its length)", tag=tag)
-    if not 0 < size <= _MAX_MANIFEST:
-        raise _OutOfStep(f"rank {src} sent a length of {size} bytes for {what}")
-    raw = _recv_tensor(peers, src, torch.empty(size, dtype=torch.uint8), what, tag=tag)
-    try:
-        return json.loads(bytes(raw.numpy()))
-    except ValueError as exc:
-        raise _OutOfStep(f"rank {src} sent {what} that does not read: {exc}") from exc
-
-
-def _between_pieces_crc(path: str, size: int, pieces: list, engine) -> int:
-    """The CRC32C of the bytes of the file at ``path`` that no checksum piece covers (its header
-    and padding), in file order: with the pieces' own checksums, every byte of a file is
-    compared when a mirror is checked."""
-    crc, at = 0, 0
-    with open(path, "rb") as f:
-        for off, length, *_ in [*pieces, (size, 0)]:
-            if off > at:
-                f.seek(at)
-                gap = bytearray(f.read(off - at))
-                if gap:
-                    t = torch.frombuffer(gap, dtype=torch.uint8)
-                    crc = engine.crc32c(t.data_ptr(), t.numel(), crc)
-            at = max(at, off + length)
-    return crc
-
-
-def send_file(peers: _Peers, dst: int, store, name: str, size: int, pieces: list, engine) -> bool:
-    """Send the file ``name`` of ``store`` to ``dst`` (``receive_file`` there): its blocks (cut
-    so that no checksum piece spans two), then the CRC32C of all of it; False when it could not
-    be read (the receiver is told and drops it). The pieces' checksums are checked by the
-    receiver, against those the save recorded, not here as well: one pass less on this node,
-    which is draining the same files meanwhile."""
-    wire = _Wire(peers, dst, name, engine)
-    unchecked = [(p[0], p[1], None, p[3]) for p in pieces]  # the block cuts only
-    try:
-        copy_verified(store, name, wire, size, unchecked, engine)
-    except Exception as exc:  # noqa: BLE001 - a damaged or vanished local file: the peer drops it
-        if wire.out_of_step is not None:
-            raise wire.out_of_step from None
-        log.warning("dcp_datastates: peer copy of %s to rank %d not made: %s", store.where(name), dst, exc)
-        _send_int(peers, dst, _ABORT, f"the end of {name}")
-        return False
-    _send_int(peers, dst, wire.crc, f"the checksum of {name}")
-    return True
-
-
 def _receive(peers: _Peers, src: int, save_id: str, config, mirror: tuple | None) -> list[str]:
     """Keep the copies rank ``src`` sends in this exchange; the names of the files accepted.
     ``mirror``: (local name, size, pieces) of the file this rank staged as the mirror of
     ``src``'s mirrored file, or None."""
-    manifest = _recv_json(peers, src, "a manifest")
+    manifest = recv_json(peers, src, "a manifest")
     try:
         files, durable, sender = manifest["files"], manifest["durable"], int(manifest["rank"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise _OutOfStep(f"rank {src} sent a manifest that does not read: {exc}") from exc
+        raise OutOfStep(f"rank {src} sent a manifest that does not read: {exc}") from exc
     if manifest.get("save_id") != save_id or sender != src:
-        raise _OutOfStep(f"rank {src} sent the copies of checkpoint {manifest.get('save_id')} (rank {sender}) "
+        raise OutOfStep(f"rank {src} sent the copies of checkpoint {manifest.get('save_id')} (rank {sender}) "
                          f"while this rank is at checkpoint {save_id}")
     folder = tiers.local_copy(config.local_tier, durable)
     for f in files:
         name = f["name"]
         if not isinstance(name, str) or os.path.basename(name) != name or name.startswith("."):
-            raise _OutOfStep(f"rank {src} sent a copy named {name!r}")
+            raise OutOfStep(f"rank {src} sent a copy named {name!r}")
     engine = get_engine(config)
     mirrored = _matching_mirror(folder, files, mirror, engine)
-    _send_json(peers, src, json.dumps([f["name"] for f in files if f["name"] != mirrored]).encode(),
+    send_json(peers, src, json.dumps([f["name"] for f in files if f["name"] != mirrored]).encode(),
                "the names this rank wants", tag=_REPLY)
     tiers.ensure_copy(folder, durable)
     tiers.forget_rank_files(folder, sender)  # its record never names a file being replaced
@@ -479,7 +371,7 @@ def _matching_mirror(folder: str, files: list, mirror: tuple | None, engine) -> 
                      "checksums): its bytes are copied", f["name"])
             return None
         try:
-            same = _between_pieces_crc(os.path.join(folder, local_name), size, pieces, engine) == f["mirror"]
+            same = between_pieces_crc(os.path.join(folder, local_name), size, pieces, engine) == f["mirror"]
         except OSError:
             same = False
         if not same:
@@ -487,64 +379,3 @@ def _matching_mirror(folder: str, files: list, mirror: tuple | None, engine) -> 
                      "copied", f["name"])
         return f["name"] if same else None
     return None
-
-
-def receive_file(peers: _Peers, src: int, folder: str, name: str, size: int, pieces: list, engine, config) -> bool:
-    """One file's blocks from ``src`` (``send_file`` there), checked and written under a temporary name, renamed into
-    ``folder`` when every check holds. Every block is read off the wire even after a check
-    failed (the next file follows it)."""
-    pending = sorted((int(p[0]), int(p[1]), int(p[2]), str(p[3])) for p in pieces)
-    problem: str | None = None
-    crc, got = 0, 0
-    tmp = f".{name}.peer-{uuid.uuid4().hex[:8]}.tmp"
-    store = open_storage(folder)
-    try:
-        with store.create(tmp, sync=config.sync_files) as out:
-            while got < size:
-                n = _recv_int(peers, src, f"a block of {name}")
-                if n == _ABORT:
-                    return _dropped(folder, name, src, "the sender could not read its own file", store, tmp)
-                if not 0 < n <= size - got:
-                    raise _OutOfStep(f"rank {src} sent a block of {n} bytes at offset {got} of {name} ({size} bytes)")
-                block = _recv_tensor(peers, src, torch.empty(n, dtype=torch.uint8), f"a block of {name}")
-                crc = engine.crc32c(block.data_ptr(), n, crc)
-                if problem is None:
-                    problem = _check_pieces(block, got, pending, engine, name)
-                if problem is None:
-                    out.write(memoryview(block.numpy()))
-                got += n
-            sent_crc = _recv_int(peers, src, f"the checksum of {name}")
-        if problem is None and pending:
-            problem = f"piece of item {pending[0][3]!r} at offset {pending[0][0]} did not arrive whole in one block"
-        if problem is None and sent_crc != crc:
-            problem = f"the file's crc32c as sent is {sent_crc:#010x}, as received {crc:#010x}"
-        if problem is not None:
-            return _dropped(folder, name, src, problem, store, tmp)
-        store.move(tmp, store, name)
-        return True
-    except BaseException:
-        store.remove_quietly(tmp)
-        raise
-
-
-def _check_pieces(block: torch.Tensor, start: int, pending: list, engine, name: str) -> str | None:
-    """Check the pieces that lie wholly in ``block`` (file bytes [start, start + len)), taking
-    them off ``pending``; the first mismatch, described, or None."""
-    end = start + block.numel()
-    inside = [p for p in pending if p[0] >= start and p[0] + p[1] <= end]
-    if not inside:
-        return None
-    crcs = engine.crc32c_ranges(block.data_ptr(), [(off - start, length) for off, length, _, _ in inside])
-    for (off, length, want, item), got in zip(inside, crcs):
-        if got != want:
-            return (f"item {item!r}, bytes [{off}, {off + length}) of {name}: recorded crc32c {want:#010x}, "
-                    f"received {got:#010x}")
-    done = set(inside)
-    pending[:] = [p for p in pending if p not in done]
-    return None
-
-
-def _dropped(folder: str, name: str, src: int, why: str, store, tmp: str) -> bool:
-    store.remove_quietly(tmp)
-    log.warning("dcp_datastates: the peer copy of %s from rank %d was not kept in %s: %s", name, src, folder, why)
-    return False

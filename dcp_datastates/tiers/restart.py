@@ -43,8 +43,8 @@ from ..format.metadata import decode_metadata
 from ..runtime import get_engine
 from ..storage import normalize, open_storage
 from . import local_tier as tiers
-from . import peers
-from .drain import copy_verified, pieces_by_file
+from . import peer_wire, peers
+from .file_copy import copy_verified, pieces_by_file
 
 log = logging.getLogger("dcp_datastates")
 
@@ -283,7 +283,7 @@ def _transfer(group, path: str, md, files: dict, pulls: list, config) -> None:
     def send_mine() -> None:
         for name, src, dst in pulls:
             if src == group.rank:
-                peers.send_file(group, dst, store, os.path.basename(held[name]), files[name].size,
+                peer_wire.send_file(group, dst, store, os.path.basename(held[name]), files[name].size,
                                 pieces.get(name, []), engine)
 
     def receive_mine() -> None:
@@ -292,7 +292,7 @@ def _transfer(group, path: str, md, files: dict, pulls: list, config) -> None:
             tiers.ensure_copy(local, path)
         kept: dict[int, dict[str, str]] = {}
         for name, src in mine:
-            if peers.receive_file(group, src, local, name, files[name].size, pieces.get(name, []), engine, config):
+            if peer_wire.receive_file(group, src, local, name, files[name].size, pieces.get(name, []), engine, config):
                 parts = data_file_parts(name)
                 kept.setdefault(parts[0] if parts is not None else -1, {})[name] = name
         for writer, names in kept.items():

@@ -1,0 +1,442 @@
+"""LocalTier: each save committed on the node-local tier first, then drained to the durable path.
+
+The hooks ``NoTier`` defines (``hooks.py``), filled for ``local_tier=DIR``: each rank writes and
+commits into its node's local copy of the checkpoint (``local_tier.py``), whose files are copied
+to the durable path while they are written and drained after the local commit (``drain.py``),
+to a peer's node as well with ``peer_copies`` (``peers.py``); a load reads the nearest good copy.
+The tier keeps what it needs of each save in flight itself (a ``_SaveCopies`` per save).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+import weakref
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from torch.distributed.checkpoint.metadata import MetadataIndex
+
+from ..commit import prepare_folder, write_commit
+from ..errors import CheckpointWriteError
+from ..forking import ThreadPool
+from ..format.layout import new_tag
+from ..format.locations import moved, split_reference
+from ..machine import usable_cpus
+from ..save import global_rank_world
+from ..storage import Storage, open_storage, root_of
+from . import drain, file_copy, peers
+from . import local_tier as tiers
+from . import pending as pending_ckpt
+from .hooks import NoTier, RankDrain, ReadPlan, SoloDrain
+from .node_copies import NodeCopies
+
+log = logging.getLogger("dcp_datastates")
+
+__all__ = ["LocalTier"]
+
+# Several ranks: each rank's drain of its files (drain.drain_rank), off DCP's thread so the
+# coordinator can gather while ranks drain.
+_drainers = ThreadPool(max_workers=2, thread_name_prefix="dcp-datastates-drain")
+# One rank: the durable folder prepared at the request and its copies started (files_started),
+# off the request's own threads, whose end staging waits for (the durable store may be slow).
+_early = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-drain-early")
+# A failed save's discard waits this long for its drain to end before removing its copies.
+_DRAIN_END_WAIT_S = 30.0
+# One rank: the local copies evicted (keep_local) while the save's own drain runs.
+_evictors = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-evict")
+
+@dataclass
+class _SaveCopies:
+    """What ``LocalTier`` keeps of one save in flight: the plan the coordinator handed on, the
+    durable copies started while its files are written, and when its local copy was committed."""
+
+    plan: object = None  # RankDrain, SoloDrain or None (global_plan's word to this rank)
+    followed: dict = field(default_factory=dict)  # local file name -> its copy to the durable tier (file_copy.follow)
+    early: Future | None = None  # the copies started at the request, before DCP planned (files_started)
+    local_s: float | None = None  # request -> the local copy committed or recorded
+
+
+class LocalTier(NoTier):
+    """``local_tier=DIR``: each rank writes and commits into its node's local copy of the
+    checkpoint, which is then drained to the durable path (local_tier.py)."""
+
+    # The local copy's folder is made after reserve() made room for it (off the training thread).
+    folder_at_request = False
+
+    def __init__(self, config, *, saving: bool = False) -> None:
+        super().__init__(config, saving=saving)
+        # save id -> this rank's drain of it and its heartbeat (several ranks)
+        self._drains: dict[str, tuple[Future, drain.Heartbeat]] = {}
+        # What this tier keeps of each save in flight, for as long as the save exists.
+        self._saves: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        if saving and config.peer_copies:
+            peers.join(config)  # a writer: every rank makes one, on its training thread
+            self.mirroring = peers.mirroring()
+
+    def folder(self, path: str | None) -> str | None:
+        if path is None:
+            return None
+        self.durable_path = path
+        return tiers.local_copy(self.config.local_tier, path)
+
+    def reported(self, path: str | None) -> str | None:
+        return self.durable_path or path
+
+    def _of(self, staged) -> "_SaveCopies":
+        """This tier's record of ``staged`` (made at its first event)."""
+        record = self._saves.get(staged)
+        if record is None:
+            record = self._saves[staged] = _SaveCopies()
+        return record
+
+    def planned(self, staged, plan) -> None:
+        self._of(staged).plan = plan
+
+    def local_seconds(self, staged) -> float | None:
+        record = self._saves.get(staged)
+        return None if record is None else record.local_s
+
+    def references_beside(self) -> Storage | None:
+        """The durable checkpoint: an incremental save builds on the durable checkpoints beside
+        it, and its references name their (durable) files, so a local copy holds only its own
+        files, the drain copies only those, and evicting local copies never removes bytes a
+        kept checkpoint refers to."""
+        return open_storage(self.durable_path, self.config.storage_options) if self.durable_path else None
+
+    def reserve(self, folder: str, need) -> None:
+        tiers.make_room(self.config.local_tier, need(), folder, self.config.storage_options)
+
+    def files_changing(self, folder: str, rank: int) -> None:
+        tiers.forget_rank_files(folder, rank)  # a record must never name files being rewritten
+
+    def check_local_plan(self, folder: str, use_collectives: bool) -> None:
+        """Raised inside DCP's planning, so every rank gets it."""
+        if not use_collectives:
+            raise CheckpointWriteError(
+                f"local_tier: rank-local saves (use_collectives=False) are not supported (saving "
+                f"{self.durable_path}); save without local_tier, or with collectives"
+            )
+        tiers.record_durable(folder, self.durable_path)
+        tiers.forget_restart(folder)  # this save replaces what a restart agreed on here
+
+    def files_started(self, staged) -> None:
+        """One process saving alone: its files are copied to the durable tier before DCP plans
+        (DCP plans only once staging ended, then takes its time over every item, a cost that
+        grows with the item count, while the store would sit idle). The durable folder is
+        prepared here (a new file-name tag when it holds a commit); the coordinator's
+        ``global_plan`` hands that plan on. Where the machine has cores to spare beside the
+        engine's threads and the trainer (``_cores_to_spare``), the copies stream from the first
+        chunk on, as a single-tier save's upload does; else from the end of staging, so that they
+        never slow what the training waits for (on 2 cores, following from the first chunk made
+        staging measurably longer). Several ranks must wait for the coordinator's plan (the
+        names' tag, the folder's checks): their copies start in ``writing``."""
+        if self.durable_path is None or global_rank_world()[1] != 1 or not staged.files:
+            return
+        try:
+            self._of(staged).early = _early.submit(self._copy_early, staged, self.durable_path)
+        except RuntimeError as exc:  # the interpreter is shutting down: copied after the local commit
+            log.info("dcp_datastates: %s: copies not started at the request (%s)", self.durable_path, exc)
+
+    def _copy_early(self, staged, durable: str) -> tuple | None:
+        """(SoloDrain, {local name: Follower}), or None when the durable folder could not be
+        prepared (then as without: prepared at planning, or drained after the local commit)."""
+        try:
+            plan = SoloDrain(drain.prepare_durable(durable, self.config), durable)
+            followed = file_copy.follow(staged.storage, staged.files, durable, plan.tag, self.config,
+                                    from_staged=not _cores_to_spare(self.config))
+        except Exception as exc:  # noqa: BLE001 - the local save never fails for the durable tier
+            log.info("dcp_datastates: %s not prepared at the request (%s); prepared at planning", durable, exc)
+            return None
+        return plan, followed
+
+    def _early_copies(self, staged) -> tuple | None:
+        """What ``_copy_early`` started for ``staged`` (waited for: it only prepares and submits)."""
+        record = self._saves.get(staged) if staged is not None else None
+        early = record.early if record is not None else None
+        return early.result() if early is not None else None
+
+    def global_plan(self, plans: list, save_id: str, staged=None) -> list:
+        """Several ranks: each rank drains its own files; the coordinator names them. One rank:
+        the durable folder is prepared now unless the request prepared it (``files_started``),
+        so that its files can be copied while they are written; if it cannot be, the drain after
+        the local commit tries again (the local commit never waits for the durable tier)."""
+        if len(plans) <= 1:
+            early = self._early_copies(staged)
+            if early is not None and early[0].durable == self.durable_path and staged.moved_from is None:
+                return [dataclasses.replace(p, storage_data=early[0]) for p in plans]
+            try:
+                return [dataclasses.replace(p, storage_data=SoloDrain(
+                    drain.prepare_durable(self.durable_path, self.config), self.durable_path)) for p in plans]
+            except Exception as exc:  # noqa: BLE001 - the store's own errors too
+                log.info("dcp_datastates: %s not prepared before the local commit (%s); drained after it",
+                         self.durable_path, exc)
+                return plans
+        durable = open_storage(self.durable_path, self.config.storage_options)
+        committed = prepare_folder(durable, overwrite=self.config.overwrite)
+        # New names next to a commit, or next to a pending checkpoint whose drained files a
+        # restart may still read.
+        pending = pending_ckpt.read_pending(durable) is not None
+        plan = RankDrain(save_id, new_tag() if committed or pending else None, global_rank_world()[0])
+        return [dataclasses.replace(p, storage_data=plan) for p in plans]
+
+    def writing(self, staged) -> None:
+        """Each file the engine writes now is copied to the durable tier as it is written
+        (``file_copy.follow``), unless the request started its copy already under the plan DCP
+        agreed on; the drain takes a copy only if its checksums match the save's."""
+        early = self._early_copies(staged)
+        if early is not None:
+            plan, followed = early
+            record = self._of(staged)
+            if record.plan == plan:  # (global_plan handed it on: same folder, not moved)
+                record.followed.update(followed)
+            else:  # DCP named another folder (reset), or planned without the request's plan
+                _cancel(followed, "the save's durable files are named otherwise")
+        self._follow(staged, staged.files)
+
+    def file_named(self, staged, f) -> None:
+        """A file started during ``write_data`` (late items, a planner's rewrite): copied as it is
+        written too."""
+        self._follow(staged, [f])
+
+    def _follow(self, staged, files: list) -> None:
+        record = self._of(staged)
+        plan = record.plan
+        # (Files staged into another folder are moved at the end of write_data: drained after.)
+        if isinstance(plan, (RankDrain, SoloDrain)) and staged.storage is not None and staged.moved_from is None:
+            files = [f for f in files if f.name not in record.followed]  # (followed since the request)
+            try:
+                started = file_copy.follow(staged.storage, files, self.durable_path, plan.tag, self.config)
+            except Exception as exc:  # noqa: BLE001 - the local save never fails for the durable tier
+                log.info("dcp_datastates: %s: files not copied while written (%s); drained after the local commit",
+                         self.durable_path, exc)
+                return
+            record.followed.update(started)
+
+    def rank_written(self, staged, results: list) -> list:
+        """Several ranks: this rank's files are durable on the local tier. Record them in the
+        local copy, then drain them on a drain thread (it reports to the coordinator, which
+        commits once every rank did); the results name the durable files."""
+        record = self._of(staged)
+        plan = record.plan
+        if not isinstance(plan, RankDrain):
+            return results
+        # The rank in the data file names (global: the coordinator waits for the writers of the
+        # files it commits, local_tier.file_ranks), not the rank in DCP's process group.
+        # (An incremental save's references name durable files already: not this rank's to drain.)
+        locations = {r.index: r.storage_data for r in results if split_reference(r.storage_data.file) is None}
+        renamed = {loc.file: file_copy.durable_name(loc.file, plan.tag) for loc in locations.values()}
+        tiers.record_rank_files(staged.path, staged.rank, self.durable_path, plan.save_id, renamed)
+        record.local_s = time.monotonic() - staged.requested
+        if not self.local_commit.done():
+            self.local_commit.set_result(staged.path)
+        self._drains = {k: d for k, d in self._drains.items() if not d[0].done()}
+        beat = drain.Heartbeat(open_storage(self.durable_path, self.config.storage_options), staged.rank, plan.save_id,
+                               self.config.stall_timeout / 4)
+        try:
+            queued = _drainers.submit(drain.drain_rank, staged.path, self.durable_path, locations, renamed, plan.save_id,
+                                      staged.rank, self.config, record.followed, beat)
+        except BaseException:
+            beat.stop()
+            raise
+        self._drains[plan.save_id] = (queued, beat)
+        if self.config.peer_copies:
+            self._copy_to_peer(staged.path, plan, locations, renamed, staged.rank, staged.jobs())
+        return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed.get(r.storage_data.file,
+                                                                                        r.storage_data.file)))
+                for r in results]
+
+    def rank_failed(self, staged) -> None:
+        """The copies started at the request stop. peer_copies: this rank still takes its part
+        in the save's exchange, with nothing to send, so that every rank's exchanges stay in
+        step (the next save's copies are made)."""
+        early = self._early_copies(staged)
+        if early is not None:
+            _cancel(early[1], "the save failed")
+        plan = self._of(staged).plan
+        if self.config.peer_copies and isinstance(plan, RankDrain) and self._exchanged != plan.save_id \
+                and staged.path is not None:
+            try:
+                self._copy_to_peer(staged.path, plan, {}, {}, staged.rank)
+            except Exception as exc:  # noqa: BLE001 - the save's own error is the one raised
+                log.warning("dcp_datastates: peer_copies: could not take part in the failed save's exchange: %s", exc)
+        self._hand_metadata(None)  # a coordinator that failed has no metadata to hand on
+
+    def discard(self, staged, remove_files) -> None:
+        """What the failed save wrote goes: the copies to the durable tier started while its files
+        were written, then its files in the local copy. Kept: a checkpoint committed on the local
+        tier (one rank: the local commit stands, the drain that failed removed its own copies;
+        several ranks: the coordinator recorded it as pending, restorable from the local copies,
+        and the next save drains it). Several ranks whose drain had started: that drain's
+        durable copies and report go with the local files and this rank's record."""
+        record = self._of(staged)
+        plan = record.plan
+        if record.local_s is None:  # nothing committed or recorded on the local tier yet
+            self._stop_copies(staged)
+            remove_files()
+            return
+        if not isinstance(plan, RankDrain):
+            return  # one rank: committed locally
+        durable = open_storage(self.durable_path, self.config.storage_options)
+        pending = pending_ckpt.read_pending(durable)
+        if pending is not None and pending[0].storage_meta.save_id == plan.save_id:
+            return  # its drained copies are the pending checkpoint's: kept too
+        self._stop_copies(staged)
+        drained = self._drains.pop(plan.save_id, None)
+        if drained is not None:
+            queued, beat = drained
+            if queued.cancel():  # never started: nothing to wait for, no report to come
+                beat.stop()
+            try:
+                queued.exception(timeout=_DRAIN_END_WAIT_S)
+            except Exception:  # noqa: BLE001 - still copying: its files go all the same
+                pass
+        record = tiers.rank_record(staged.path, staged.rank)
+        tiers.forget_rank_files(staged.path, staged.rank)
+        if record is not None and record.get("save_id") == plan.save_id:
+            for name in record.get("files", {}):
+                durable.remove_quietly(name)
+        durable.remove_quietly(pending_ckpt.drain_report_name(staged.rank))
+        remove_files()
+
+    def _stop_copies(self, staged) -> None:
+        """The copies to the durable tier started while the save's files were written stop, and
+        what they wrote goes."""
+        early = self._early_copies(staged)
+        followers = [*(early[1].values() if early is not None else ()), *self._of(staged).followed.values()]
+        for follower in followers:
+            follower.cancel("the save failed")
+        deadline = time.monotonic() + _DRAIN_END_WAIT_S
+        for follower in followers:
+            follower.wait_ended(max(0.0, deadline - time.monotonic()))
+
+    _exchanged: str | None = None  # the save whose exchange this tier started last
+
+    def _copy_to_peer(self, local: str, plan: RankDrain, locations: dict, renamed: dict[str, str], rank: int,
+                      jobs=()) -> None:
+        """This rank's files, durable in the local copy, go to its peer (peers.py), and every node
+        gets the checkpoint's metadata from the coordinator once it has it; ``peer_copy`` says
+        how that went. The save never waits for it. ``jobs``: the save's files, for the mirrored
+        ones (sent only if the keeper's own copy differs) and those kept here for other ranks."""
+        pieces = file_copy.pieces_by_file(locations)
+        mirrored = {f.name for f in jobs if f.mirrors}
+        files = {name: (renamed[name], os.stat(os.path.join(local, name)).st_size, pieces.get(name, []),
+                        name in mirrored) for name in renamed}
+        kept = {}
+        for f in jobs:
+            if f.mirror_of is not None:  # (its locations are keyed by item key: DCP's index for pieces_by_file)
+                written = {MetadataIndex(key[0], key[1]): loc for key, loc in (f.written or {}).items()}
+                kept[f.mirror_of] = (f.name, os.stat(os.path.join(local, f.name)).st_size,
+                                     file_copy.pieces_by_file(written).get(f.name, []))
+        self._exchanged = plan.save_id
+        self._metadata_for_peers = Future() if rank == plan.coordinator else None
+        done = peers.exchange(local, self.durable_path, plan.save_id, files, self.config,
+                              coordinator=plan.coordinator, metadata=self._metadata_for_peers, kept=kept)
+        target = self.peer_copy
+
+        def settle(f: Future) -> None:  # into the save's own Future, which callers may hold already
+            if not target.done():
+                if f.exception() is not None:
+                    target.set_exception(f.exception())
+                else:
+                    target.set_result(f.result())
+
+        done.add_done_callback(settle)
+
+    def commit(self, storage: Storage, metadata, locations, staged, *, rank_local: int | None,
+               in_use: frozenset) -> dict:
+        config = self.config
+        record = self._of(staged) if staged is not None else _SaveCopies()
+        if isinstance(record.plan, RankDrain):
+            return self._commit_drained(metadata, locations, record.plan)
+        files = super().commit(storage, metadata, locations, staged, rank_local=rank_local, in_use=in_use)
+        if staged is not None:
+            record.local_s = time.monotonic() - staged.requested
+        self.local_commit.set_result(storage.location)
+        if config.peer_copies and not self.peer_copy.done():
+            self.peer_copy.set_exception(RuntimeError(
+                f"peer_copies: {self.durable_path} was saved by one process: there is no other node to copy to"))
+        plan = record.plan
+        prepared = isinstance(plan, SoloDrain)  # its files were copied while written (writing())
+        # Older copies beyond keep_local go while this one drains, not after: removing a copy
+        # frees its memory, which on tmpfs takes time in proportion to its size. Each goes only
+        # if its durable folder holds it, whatever this drain does; this copy, the newest, is kept.
+        evicting = _evictors.submit(tiers.evict_drained, config.local_tier, config.keep_local, config.storage_options)
+        try:
+            drain.drain(storage.location, self.durable_path, config, plan.tag if prepared else drain.UNPREPARED,
+                        record.followed if prepared else None, committed=(metadata, locations, files))
+            # left by a killed run, under the same root (so on the store these options are for)
+            drained = drain.drain_pending_quietly(config.local_tier, config, root=root_of(self.durable_path))
+        except BaseException:
+            evicting.exception()  # (waited for; the drain's error is the one raised)
+            raise
+        evicting.result()
+        if drained:  # durable only now: past keep_local, they go too
+            tiers.evict_drained(config.local_tier, config.keep_local, config.storage_options)
+        return files
+
+    def _commit_drained(self, metadata, locations: dict, plan: RankDrain) -> dict:
+        """Several ranks: every rank's files are on its node's local tier. Record the
+        checkpoint's metadata in the durable folder (restorable from the local copies from here
+        on), wait for every rank's drain report, then commit the durable folder."""
+        durable = open_storage(self.durable_path, self.config.storage_options)
+        encoded = pending_ckpt.write_pending(durable, metadata, locations, sync=self.config.sync_files)
+        self._hand_metadata(encoded)
+        ranks = pending_ckpt.file_ranks(locations)
+        pending_ckpt.wait_drained(durable, plan.save_id, ranks, self.config.drain_timeout, self.config.stall_timeout)
+        files = write_commit(durable, metadata, locations, sync=self.config.sync_files)
+        pending_ckpt.clear_pending(durable, ranks)
+        return files
+
+    def _hand_metadata(self, encoded: bytes | None) -> None:
+        """peer_copies, the coordinator: what its exchange hands every node (None: nothing)."""
+        waiting = getattr(self, "_metadata_for_peers", None)
+        if waiting is not None and not waiting.done():
+            waiting.set_result(encoded)
+
+    def failed(self, exc: BaseException) -> None:
+        if not self.local_commit.done():
+            self.local_commit.set_exception(exc)
+        self._hand_metadata(None)
+
+    # ---------------------------------------------------------------------------------- load
+    def choose(self, path: str) -> ReadPlan:
+        """The nearest good copy: this node's local copy when complete, verified and tied to
+        the durable commit; a checkpoint committed only on the local tiers (several ranks,
+        drain interrupted) through its pending metadata; else the durable folder, whose data
+        files this node may still hold (several ranks)."""
+        config = self.config
+        self.durable_path = path
+        agreed = tiers.agreed_at_restart(config.local_tier, path)
+        if agreed is not None:
+            md, files = agreed
+            log.info("dcp_datastates: reading checkpoint %s of %s as every rank agreed at the restart "
+                     "(prepare_restart): its metadata and files from the local copies", md.storage_meta.save_id, path)
+            return ReadPlan(path, agreed, md.storage_meta.save_id, tiers.local_copy(config.local_tier, path))
+        chosen = tiers.choose_copy(path, config)
+        local = tiers.local_copy(config.local_tier, path)
+        if chosen != path:
+            return ReadPlan(chosen)
+        pending = pending_ckpt.read_pending(path, config.storage_options, uncommitted_only=True)
+        if pending is not None:
+            md, _ = pending
+            log.info("dcp_datastates: %s is committed on the nodes' local tiers and not yet on the durable "
+                     "tier: reading checkpoint %s from the local copies", path, md.storage_meta.save_id)
+            return ReadPlan(path, pending, md.storage_meta.save_id, local)
+        return ReadPlan(path, local=local)
+
+    def node_copies(self, plan: ReadPlan, save_id: str | None, rank: int) -> NodeCopies:
+        return NodeCopies(tiers.local_files(plan.local, save_id) if plan.local is not None else {}, rank=rank)
+
+
+def _cores_to_spare(config) -> bool:
+    """True when the process may use more CPUs than the engine's copy and flush threads, the
+    training thread and a follower's reader and writer take."""
+    return usable_cpus() >= config.copy_threads + config.flush_threads + 3
+
+
+def _cancel(followed: dict, reason: str) -> None:
+    for follower in followed.values():
+        follower.cancel(reason)
