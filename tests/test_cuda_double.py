@@ -710,7 +710,7 @@ def test_small_tensors_are_copied_on_the_callers_stream_at_the_request(tmp_path,
 
 
 def test_a_reused_side_buffer_is_never_written_while_an_earlier_copy_reads_it(tmp_path, fake, monkeypatch):
-    """Side buffers of the request-time copies are reused between saves (request.copy_small_at_request). The
+    """Side buffers of the request-time copies are reused between saves (side_buffers.copy_small_at_request). The
     first save's lazy copy out of its side buffer is slowed down; a second save requested
     meanwhile copies other values at its request. Had the first buffer been handed to the second
     request before the first job was staged, the first checkpoint would hold the second values.
@@ -719,7 +719,7 @@ def test_a_reused_side_buffer_is_never_written_while_an_earlier_copy_reads_it(tm
     import torch.distributed.checkpoint as dcp
 
     from dcp_datastates import DataStatesReader, DataStatesWriter, runtime
-    from dcp_datastates.save import request as save_request
+    from dcp_datastates.save import side_buffers as save_request
 
     s = _float_tensors_on_fake_device(fake, monkeypatch, delay_us=30_000)
     stats = torch.zeros(2048)  # 8 KiB each: copied at the request

@@ -1,4 +1,4 @@
-"""One job protocol serves every kind of data file of a save (issue 50): ``request.FileJob`` (a
+"""One job protocol serves every kind of data file of a save (issue 50): ``in_flight.FileJob`` (a
 file the engine writes as planned at the request) and ``held_file.HeldFile`` (items held in the
 host cache until the plan says which this rank writes) both follow ``held_file.DataFileWork``,
 member for member, and the save's steps use only it. A save whose items are held (an incremental
@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 from dcp_datastates import DataStatesReader, DataStatesWriter
 from dcp_datastates.save import held_file, write
 from dcp_datastates.save.held_file import DataFileWork, HeldFile
-from dcp_datastates.save.request import FileJob
+from dcp_datastates.save.in_flight import FileJob
 from dcp_datastates.storage import LocalStorage
 
 from conftest import assert_state_equal, clone_state, raises_through_dcp, zeros_like_state

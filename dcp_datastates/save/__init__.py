@@ -8,7 +8,8 @@
    (``held_file``), register the save (``runtime.inflight``) (``incremental``: an incremental
    save's held files write only the items whose hashes changed since the base checkpoint); a
    watcher seals the version guard (``version_guard.VersionGuard``) and resolves DCP's Future; the
-   save in flight is ``request.StagedSave``, a ``request.FileJob`` per data file;
+   save in flight is ``in_flight.StagedSave``, a ``in_flight.FileJob`` per data file (the copy
+   at the request into ``side_buffers``);
 2. ``request.name_folder`` / ``request.sync_save``: DCP names the folder; on the coordinator,
    DCP's global plan (``global_plan``: its dedup and validation at a C-level cost per item, for
    ``planners.DataStatesSavePlanner``);
@@ -26,7 +27,8 @@ from ..runtime.inflight import names_in_use  # the files of saves still running:
 from .consolidate import consolidate_results
 from .discard import CommitNotice, discard, unwatch, wait_settled, watch
 from .finish import close_save
-from .request import StagedSave, global_rank_world, name_folder, request_save, sync_save
+from .in_flight import StagedSave
+from .request import global_rank_world, name_folder, request_save, sync_save
 from .write import check_rank_local, skip_replicas, write_rank
 
 __all__ = ["request_save", "name_folder", "sync_save", "write_rank", "check_rank_local", "skip_replicas",

@@ -32,7 +32,7 @@ from ..commit import read_commit
 from ..compat import on_save_failure_sent
 from ..forking import keep_forever
 from ..format.layout import METADATA_NAME
-from .request import StagedSave
+from .in_flight import StagedSave
 
 __all__ = ["discard", "watch", "unwatch", "wait_settled", "CommitNotice"]
 

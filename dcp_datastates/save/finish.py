@@ -8,7 +8,8 @@ import logging
 import time
 
 from . import checkpoint_stats
-from .request import StagedSave, global_rank_world
+from .in_flight import StagedSave
+from .request import global_rank_world
 
 __all__ = ["close_save"]
 

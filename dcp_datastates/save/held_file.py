@@ -21,7 +21,7 @@ half of it (the rest would stall other copies); a held file whose plan never com
 failed on another rank before writing) gives its slots back after ``timeout`` seconds, or at once
 when ``abort`` is called.
 
-A save in flight holds two kinds of data-file jobs: ``request.FileJob`` (a file the engine writes
+A save in flight holds two kinds of data-file jobs: ``in_flight.FileJob`` (a file the engine writes
 as planned at the request) and ``HeldFile``. Both follow one protocol, ``DataFileWork`` (below),
 so the save's steps (``StagedSave``, ``write.py``, ``discard.py``) never ask which kind a job is.
 """
@@ -52,7 +52,7 @@ __all__ = ["DataFileWork", "HeldFile"]
 @runtime_checkable
 class DataFileWork(Protocol):
     """One data file of a save in flight: its items copied into the host cache (staging), then
-    written (durable). ``request.FileJob`` and ``HeldFile`` both follow it, with the same meaning
+    written (durable). ``in_flight.FileJob`` and ``HeldFile`` both follow it, with the same meaning
     for every member; a held file that writes none of its items creates no file.
 
     ``result`` and ``wait_ended`` are the two ends of a job: the first is what a save that

@@ -27,10 +27,11 @@ from ..format.layout import data_file_name, name_to_dtype
 from ..format.locations import ItemLocation, moved
 from ..runtime import get_engine
 from ..storage import Storage
+from .in_flight import StagedSave
 from .items import ItemKey, item_key, item_keys, source_for_resolved
 from .ownership import decisions
 from .planner_hooks import items_to_rewrite, overridden_data_hooks
-from .request import StagedSave, hold, hold_limit, planned, submit_file
+from .request import hold, hold_limit, planned, submit_file
 from .version_guard import torn_message
 
 __all__ = ["write_rank", "check_rank_local", "skip_replicas"]

@@ -1,10 +1,11 @@
 """Storage: where a checkpoint's files live, behind one interface (``Storage``).
 
 ``open_storage(location, storage_options)`` is the one place that decides between a folder of
-this machine (``LocalStorage``: engine ``pwrite``/``pread``, fsync, atomic rename) and any
-fsspec file system (``ObjectStorage``: streamed multipart uploads, one-PUT markers, ranged
-reads). It is called once per checkpoint path; the save, the load, the commit protocol and the
-tiers receive the ``Storage`` and never ask which kind they hold.
+this machine (``LocalStorage``: fsync, atomic rename, safe opens) and any fsspec file system
+(``ObjectStorage``: one-PUT small files). It is called once per checkpoint path; the save, the
+load, the commit protocol and the tiers receive the ``Storage`` and never ask which kind they
+hold. A storage is folders only: the engine writes and reads its data files through the data
+channel (``dcp_datastates.channel``).
 """
 
 from __future__ import annotations
