@@ -39,6 +39,7 @@ background thread), ``torch-save`` (``torch.save`` + fsync / ``torch.load``),
 
     python -m dcp_datastates bench [--size 1GiB] [--dir /tmp/dcpds-bench] [--json out.json] [--png chart.png]
     python -m dcp_datastates bench --from-json out.json [--png chart.png]   # print a saved run again
+    python -m dcp_datastates bench --loop [--steps 12] [--runs 3] ...        # a training loop (bench_loop.py)
 """
 
 from __future__ import annotations
@@ -70,9 +71,12 @@ METHODS = ("datastates", "dcp-save", "dcp-async", "dcp-async-stager", "torch-sav
 # Asked for by name only (--methods): the plan-caching planners, ours and DCP's own, for states of
 # many tensors, where DCP's per-item planning is most of the time to durable.
 PLANNER_METHODS = ("datastates-planner", "dcp-async-cached")
-# DataStatesConfig engine options for the datastates method (end_to_end.py --engine sets them;
-# the engine is process-wide, so one set per process).
+# DataStatesConfig engine options for the datastates method (--engine of end_to_end.py and of
+# `bench --loop` sets them; the engine is process-wide, so one set per process).
 ENGINE_OPTIONS: dict[str, Any] = {}
+# Loaded by file path (`dcp-datastates bench`) or as __main__, this module is also the `bench` that
+# its siblings import (bench_loop.py, end_to_end.py): one copy, one ENGINE_OPTIONS.
+sys.modules.setdefault("bench", sys.modules[__name__])
 # Peer libraries: measured when importable, else reported as not available (with the reason).
 PEERS = ("torch-checkpointing", "torchsnapshot")
 # What each method is, for the table legend and the JSON.
@@ -115,6 +119,24 @@ def _human(nbytes: float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     return f"{nbytes} B"  # pragma: no cover
+
+
+def parse_engine_options(text: str) -> dict[str, Any]:
+    """``copy_threads=1,flush_threads=1,direct_writes=false`` -> DataStatesConfig options
+    (integers, true / false / null, else the string)."""
+    words = {"true": True, "false": False, "null": None}
+    out: dict[str, Any] = {}
+    for option in filter(None, text.split(",")):
+        key, _, value = option.partition("=")
+        value = value.strip()
+        out[key.strip()] = int(value) if value.isdigit() else words.get(value.lower(), value)
+    return out
+
+
+def default_host_cache(size: int) -> int:
+    """The datastates method's host cache for a state of ``size`` bytes: the state plus 64 MiB,
+    rounded up to 64 MiB (one checkpoint fits whole)."""
+    return (size + 2 * 64 * MiB - 1) // (64 * MiB) * (64 * MiB)
 
 
 def _median(values: list[float]) -> float | None:
@@ -407,9 +429,19 @@ def flatten(state: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _placeholder(v: Any) -> Any:
+    """What a load target holds in place of the non-tensor value ``v``: a value of the same type
+    (0, "", ...; lists and tuples element by element, as DCP walks them), else None."""
+    if isinstance(v, (list, tuple)):
+        return type(v)(_placeholder(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _placeholder(x) for k, x in v.items()}
+    return type(v)() if isinstance(v, (int, float, str)) else None
+
+
 def empty_like_state(state: dict) -> dict:
     """Preallocated load targets: the same structure, fresh tensors (contents garbage), and the
-    non-tensor values replaced by placeholders of the same type."""
+    non-tensor values replaced by placeholders of the same type (``_placeholder``)."""
     import torch
 
     out: dict = {}
@@ -422,7 +454,7 @@ def empty_like_state(state: dict) -> dict:
                 t.view(-1).view(torch.uint8).fill_(0)  # fault the pages in: loads must not pay for it
             out[k] = t
         else:
-            out[k] = type(v)() if isinstance(v, (int, float, str)) else None
+            out[k] = _placeholder(v)
     return out
 
 
@@ -438,7 +470,7 @@ def scrub_state(state: dict) -> None:
             if v.numel():
                 v.view(-1).view(torch.uint8).fill_(0xA5)
         else:
-            state[k] = type(v)() if isinstance(v, (int, float, str)) else None
+            state[k] = _placeholder(v)
 
 
 def states_equal(a: dict, b: dict, skip: tuple[str, ...] = ("extra.step",)) -> bool:
@@ -577,16 +609,18 @@ def fsync_tree(path: str) -> float:
     return time.perf_counter() - t0
 
 
-def _durable_after(complete: Callable[[], Any], path: str, fsync_times: list[float]) -> Future:
+def _durable_after(complete: Callable[[], Any], path: str | None, fsync_times: list[float]) -> Future:
     """A future that resolves once ``complete()`` (the peer's own wait) has returned and the
     files under ``path`` have been fsync'ed (``fsync_tree``), in a thread of its own: the peer says
-    when it is done, the bench makes it durable. The fsync pass's seconds go to ``fsync_times``."""
+    when it is done, the bench makes it durable. The fsync pass's seconds go to ``fsync_times``.
+    ``path`` None: no fsync pass (the page-cache group of ``bench --loop``: nobody fsyncs)."""
     fut: Future = Future()
 
     def run() -> None:
         try:
             complete()
-            fsync_times.append(fsync_tree(path))
+            if path is not None:
+                fsync_times.append(fsync_tree(path))
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
             fut.set_exception(exc)
         else:
@@ -605,6 +639,9 @@ class Method:
     # The method whose files this one writes too, read by the same reader: its loads are shared
     # (one load of this method's files still checks them).
     loads_like: str | None = None
+    # True: every checkpoint fsync'ed before it counts as done (by the method, or by the bench for
+    # a peer that never fsyncs). False (`bench --loop`'s page-cache group): nobody fsyncs.
+    durable = True
 
     def planner(self):
         """The save planner passed to DCP (None: DCP's DefaultSavePlanner())."""
@@ -639,7 +676,7 @@ class DataStatesMethod(Method):
         from dcp_datastates.config import DataStatesConfig
         from dcp_datastates.runtime import engine_stats, get_engine
 
-        self.config = DataStatesConfig(host_cache_size=self._cache_request, **ENGINE_OPTIONS)
+        self.config = DataStatesConfig(**{"host_cache_size": self._cache_request, "sync_files": self.durable, **ENGINE_OPTIONS})
         get_engine(self.config)  # first use creates the process-wide engine with this cache
         self.host_cache = int(engine_stats().get("cache_bytes", 0))
         self._stats0 = engine_stats()
@@ -691,7 +728,7 @@ class DcpSaveMethod(Method):
         from torch.distributed.checkpoint import FileSystemWriter
 
         t0 = time.perf_counter()
-        dcp.save(state, storage_writer=FileSystemWriter(path))
+        dcp.save(state, storage_writer=FileSystemWriter(path, sync_files=self.durable))
         return _Pending(t0, None)
 
     def load(self, targets, path):
@@ -711,7 +748,7 @@ class DcpAsyncMethod(DcpSaveMethod):
         from torch.distributed.checkpoint import FileSystemWriter
 
         t0 = time.perf_counter()
-        out = dcp.async_save(state, storage_writer=FileSystemWriter(path), planner=self.planner())
+        out = dcp.async_save(state, storage_writer=FileSystemWriter(path, sync_files=self.durable), planner=self.planner())
         upload = getattr(out, "upload_completion", out)
         staged = getattr(out, "staging_completion", None)
         return _Pending(t0, upload, (lambda: staged.result()) if staged is not None else None)
@@ -758,7 +795,7 @@ class DcpAsyncStagerMethod(DcpSaveMethod):
         if not default_stager_reusable():  # torch 2.11-2.12 close a DefaultStager after one stage
             self.stager = DefaultStager(self.options)
         t0 = time.perf_counter()
-        resp = dcp.async_save(state, storage_writer=FileSystemWriter(path), async_stager=self.stager)
+        resp = dcp.async_save(state, storage_writer=FileSystemWriter(path, sync_files=self.durable), async_stager=self.stager)
         return _Pending(t0, resp.upload_completion, lambda: resp.staging_completion.result())
 
     def close(self):
@@ -777,7 +814,8 @@ class TorchSaveMethod(Method):
         with open(os.path.join(path, "state.pt"), "wb") as f:
             torch.save(state, f)
             f.flush()
-            os.fsync(f.fileno())
+            if self.durable:
+                os.fsync(f.fileno())
         return _Pending(t0, None)
 
     def load(self, targets, path):
@@ -834,7 +872,7 @@ class TorchCheckpointingMethod(Method):
                 pass
 
         # It never fsyncs: durable = its future resolved + the bench's fsync pass over its files.
-        return _Pending(t0, _durable_after(fut.result, path, self.fsync_times), staged)
+        return _Pending(t0, _durable_after(fut.result, path if self.durable else None, self.fsync_times), staged)
 
     def load(self, targets, path):
         flat = flatten(targets)
@@ -911,7 +949,7 @@ class TorchSnapshotMethod(Method):
 
         t0 = time.perf_counter()
         pending = Snapshot.async_take(path, app_state={"state": StateDict(state)})
-        return _Pending(t0, _durable_after(pending.wait, path, self.fsync_times), pending.wait if self.live else None)
+        return _Pending(t0, _durable_after(pending.wait, path if self.durable else None, self.fsync_times), pending.wait if self.live else None)
 
     def load(self, targets, path):
         from torchsnapshot import Snapshot, StateDict
@@ -956,8 +994,9 @@ def _peer_unavailable(name: str) -> str | None:
     return None
 
 
-def make_method(name: str, host_cache: int) -> Method:
-    return {
+def make_method(name: str, host_cache: int, durable: bool = True) -> Method:
+    """The method ``name``; ``durable`` False: one that fsyncs nothing (``Method.durable``)."""
+    method = {
         "datastates": lambda: DataStatesMethod(host_cache),
         "dcp-save": DcpSaveMethod,
         "dcp-async": DcpAsyncMethod,
@@ -968,6 +1007,8 @@ def make_method(name: str, host_cache: int) -> Method:
         "torch-checkpointing": TorchCheckpointingMethod,
         "torchsnapshot": TorchSnapshotMethod,
     }[name]()
+    method.durable = durable
+    return method
 
 
 # ------------------------------------------------------------------------------- measurements
@@ -1609,6 +1650,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--png", default=None, help="write a chart (needs matplotlib)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--from-json", default=None, metavar="FILE", help="measure nothing: print the table (and --png) of an earlier --json")
+    p.add_argument("--loop", action="store_true", help="a real training loop instead (benchmarks/bench_loop.py): every other "
+                   "argument goes to it; its options follow")
+    p.epilog = _load_sibling("bench_loop")._parser().format_help()
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     return p
 
 
@@ -1619,9 +1664,12 @@ def _write_json(path: str, report: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status (0 ok, 1 failure, 2 usage error)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--loop" in argv:
+        return int(_load_sibling("bench_loop").main([a for a in argv if a != "--loop"]) or 0)
     parser = _parser()
     try:
-        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        args = parser.parse_args(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if args.from_json:
@@ -1651,7 +1699,7 @@ def main(argv: list[str] | None = None) -> int:
         tiny = args.tiny if args.tiny is not None else args.tensors - min(256, max(1, args.tensors // 2))
         if not 0 <= tiny <= args.tensors:
             raise ValueError(f"--tiny must be between 0 and --tensors ({args.tensors}), got {tiny}")
-        host_cache = parse_size(args.host_cache, name="--host-cache") if args.host_cache else ((size + 64 * MiB) + 64 * MiB - 1) // (64 * MiB) * (64 * MiB)
+        host_cache = parse_size(args.host_cache, name="--host-cache") if args.host_cache else default_host_cache(size)
     except ValueError as exc:
         print(f"dcp-datastates bench: error: {exc}", file=sys.stderr)
         return 2
@@ -1678,7 +1726,7 @@ def main(argv: list[str] | None = None) -> int:
     drop_note = _drop_caches() if args.cold == "drop_caches" else None
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "argv": list(sys.argv[1:] if argv is None else argv),
+        "argv": argv,
         "machine": _machine_info(dirs),
         "config": {
             "size": size,

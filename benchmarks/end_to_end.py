@@ -11,6 +11,9 @@ durable; the overhead is the loop's wall time against the no-checkpoint loop. Th
 checkpoint is then loaded and compared bitwise with the final state (it was requested after the
 last update).
 
+The loop itself is bench_loop.py's ``run_loop``; ``dcp-datastates bench --loop`` runs it with a
+real model and optimizer (Linear layers + AdamW), durable and page-cache groups side by side.
+
     python benchmarks/end_to_end.py [--size 256MiB] [--tensors 1612] [--steps 20] [--every 1,10]
         [--step-ms 200] [--methods datastates,dcp-async-stager,...] [--runs 3] [--json out.json]
 """
@@ -23,7 +26,6 @@ import os
 import shutil
 import statistics
 import sys
-import time
 import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -32,7 +34,7 @@ from dcp_datastates.config import parse_size  # noqa: E402
 
 import bench  # noqa: E402 - the bench's methods, state and compute
 
-_names = [0]  # checkpoint names are never reused in a process (a peer may refuse a name it wrote)
+bench_loop = bench._load_sibling("bench_loop")  # the loop (bench.py's sibling, as bench --loop loads it)
 
 
 def run_loop(method: bench.Method | None, state: dict, compute: bench.Compute, mm_per_step: int, steps: int,
@@ -40,33 +42,20 @@ def run_loop(method: bench.Method | None, state: dict, compute: bench.Compute, m
     """Seconds of the loop (last checkpoint durable included; deleting older checkpoints, which
     keeps the disk from filling, is not counted) and the last checkpoint's path."""
     tensors = [t for t in bench.flatten(state).values() if hasattr(t, "add_")]
-    pending, last, previous, housekeeping = None, None, None, 0.0
-    t0 = time.perf_counter()
-    for step in range(1, steps + 1):
+
+    def train_step(step: int, before_update) -> None:
         for _ in range(mm_per_step):
             compute._mm()
-        if pending is not None:
-            pending.wait_staged()
+        before_update()
         for t in tensors:  # the optimizer step: every tensor changes in place
             if t.is_floating_point():
                 t.add_(1.0)
             else:
                 t.add_(1)
         state["extra"]["step"] = step
-        if method is not None and step % every == 0:
-            if pending is not None:
-                pending.wait_durable()
-                if previous is not None:  # keep the last two (housekeeping: not counted)
-                    t_rm = time.perf_counter()
-                    shutil.rmtree(previous, ignore_errors=True)
-                    housekeeping += time.perf_counter() - t_rm
-                previous = last
-            _names[0] += 1
-            last = os.path.join(root, f"ckpt-{_names[0]:04d}")
-            pending = method.save(state, last)
-    if pending is not None:
-        pending.wait_durable()
-    return time.perf_counter() - t0 - housekeeping, last
+
+    out = bench_loop.run_loop(method, train_step, lambda: state, steps, every, root)
+    return out["seconds"], out["last"]
 
 
 def main(argv=None) -> dict:
@@ -84,11 +73,7 @@ def main(argv=None) -> dict:
                    "copy_threads=1,flush_threads=1 or direct_writes=false (one set per process: the engine is "
                    "process-wide)")
     args = p.parse_args(argv)
-    for option in filter(None, args.engine.split(",")):
-        key, _, value = option.partition("=")
-        value = value.strip()
-        words = {"true": True, "false": False, "null": None}
-        bench.ENGINE_OPTIONS[key.strip()] = int(value) if value.isdigit() else words.get(value.lower(), value)
+    bench.ENGINE_OPTIONS.update(bench.parse_engine_options(args.engine))
     warnings.filterwarnings("ignore")
     size = parse_size(args.size, name="--size")
     everies = [int(x) for x in args.every.split(",")]
@@ -100,7 +85,7 @@ def main(argv=None) -> dict:
                                                                 dtypes=["float32"], device="cpu"))
     compute = bench.Compute(50, "cpu")
     mm_per_step = max(1, int(compute.idle_rate * args.step_ms / 1e3))
-    host_cache = ((size + 64 * bench.MiB) + 64 * bench.MiB - 1) // (64 * bench.MiB) * (64 * bench.MiB)
+    host_cache = bench.default_host_cache(size)
     report: dict = {"argv": sys.argv[1:] if argv is None else argv, "engine": dict(bench.ENGINE_OPTIONS),
                     "bytes": nbytes, "tensors": ntensors,
                     "steps": args.steps, "mm_per_step": mm_per_step, "machine": bench._machine_info([args.dir]),

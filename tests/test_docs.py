@@ -100,7 +100,7 @@ ELSEWHERE = {
                                      "def test_torchtitan_main_at_the_pinned_commit"]),
 }
 # Long benchmark runs: each --flag must be one the command accepts.
-ARGS_ONLY = ("python -m dcp_datastates bench --dir", "python benchmarks/bench_remote.py", "python benchmarks/bench_planning.py",
+ARGS_ONLY = ("python -m dcp_datastates bench --dir", "python -m dcp_datastates bench --loop", "python benchmarks/bench_remote.py", "python benchmarks/bench_planning.py",
              "python benchmarks/bench_tiers.py", "python benchmarks/save_load_ab.py", "python benchmarks/bench_incremental.py",
              "python benchmarks/bench_peers.py", "python benchmarks/end_to_end.py",
              "python3 scripts/torch_matrix.py",  # hours of downloads and runs: arguments checked only
