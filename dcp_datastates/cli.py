@@ -119,7 +119,8 @@ def _cmd_inspect(args) -> int:
     on_disk: dict[str, int | str | None] = {}
     for name in files:
         try:
-            st = os.lstat(os.path.join(path, name))  # never follows a link out of the folder
+            # lstat: never follows a link out of the folder.
+            st = os.lstat(os.path.join(path, name))
         except FileNotFoundError:
             on_disk[name] = None
             continue
@@ -225,7 +226,8 @@ def _cmd_verify(args) -> int:
         print(f"{PROG} verify: {path} is damaged: {len(report.problems)} problem(s) found", file=sys.stderr)
         return 1
     extra = f"; {report.unchecked_items} item(s) carry no checksum" if report.unchecked_items else ""
-    if report.referenced:  # an incremental save: files of earlier checkpoints, read and checked too
+    # An incremental save: files of earlier checkpoints, read and checked too.
+    if report.referenced:
         extra += (f"; {len(report.referenced)} of the files are earlier checkpoints' "
                   f"({', '.join(_safe(c) for c in sorted(set(report.referenced)))}), checked too")
     print(
@@ -262,7 +264,8 @@ def _cmd_convert(args) -> int:
         raise ValueError("--prefix applies to --to hf only")
     if args.hf_config:
         raise ValueError("--hf-config applies to --to hf only")
-    if args.to == "deepspeed":  # the conversion lives with the DeepSpeed integration
+    # The conversion lives with the DeepSpeed integration.
+    if args.to == "deepspeed":
         from .integrations.deepspeed import to_deepspeed
 
         done = to_deepspeed(path, args.out, force=args.force, trusted=args.trust)
@@ -292,7 +295,8 @@ def _cmd_bench(argv: list[str]) -> int:
         return 2
     spec = importlib.util.spec_from_file_location("dcp_datastates_bench", script)
     bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench  # dataclasses resolve their module by name
+    # Dataclasses resolve their module by name.
+    sys.modules[spec.name] = bench
     spec.loader.exec_module(bench)
     return int(bench.main(argv) or 0)
 
@@ -376,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # --help, --version, usage errors
+    except SystemExit as exc:
+        # --help, --version, usage errors.
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)
@@ -390,10 +395,12 @@ def main(argv: list[str] | None = None) -> int:
             # DCP warns on every single-process load/save; the command line is single-process.
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             return int(args.func(args))
-    except BrokenPipeError:  # output piped into `head` and the like: not an error
+    except BrokenPipeError:
+        # Output piped into `head` and the like: not an error.
         try:
             devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's final flush stays quiet
+            # So the interpreter's final flush stays quiet.
+            os.dup2(devnull, sys.stdout.fileno())
         except (OSError, ValueError):
             pass
         return 0

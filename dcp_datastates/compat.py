@@ -98,7 +98,8 @@ def dcp_compat_mode() -> str | None:
 # paths that take ``type(obj) is torch.Tensor`` for a whole tensor must ask this first.
 try:
     from torch.distributed.checkpoint import CheckpointableTensor as _CheckpointableTensor
-except ImportError:  # torch < 2.14: no such protocol, every plain tensor is a whole tensor
+except ImportError:
+    # torch < 2.14: no such protocol, every plain tensor is a whole tensor.
     _CheckpointableTensor = None
 
 HAS_CHECKPOINTABLE_TENSOR = _CheckpointableTensor is not None
@@ -239,7 +240,8 @@ def versions_of(tensors: list) -> list:
     """``tensor_version`` of each tensor (None entries stay None), in one pass."""
     try:
         return [None if t is None else t._version for t in tensors]
-    except RuntimeError:  # an inference tensor among them: one by one
+    except RuntimeError:
+        # An inference tensor among them: one by one.
         return [None if t is None else tensor_version(t) for t in tensors]
 
 

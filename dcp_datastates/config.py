@@ -18,8 +18,10 @@ from typing import Any, Mapping
 
 from .config_file import read_config_file
 from .machine import CachePlan, check_cache_fits, default_cache_plan, default_copy_threads, default_read_threads, memory_limit
-from .machine import local_ranks as local_ranks  # re-exported: importable from here as before
-from .machine import usable_cpus as usable_cpus  # re-exported: importable from here as before
+
+# Re-exported: importable from here as before.
+from .machine import local_ranks as local_ranks
+from .machine import usable_cpus as usable_cpus
 from .sizes import GIB_BELOW, cache_size, parse_size
 
 __all__ = ["DataStatesConfig", "parse_size", "cache_size", "default_cache_plan", "CachePlan", "ENGINE_OPTIONS", "check_cache_fits", "memory_limit"]

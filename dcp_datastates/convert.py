@@ -42,27 +42,31 @@ Progress = Callable[[int, str], ContextManager[Any]]
 
 @dataclass
 class CheckpointItem:
-    """One entry of a checkpoint's metadata, as tools show it."""
+    """One entry of a checkpoint's metadata, as tools show it. ``kind`` is "tensor" or "bytes";
+    ``chunks`` holds one dict per stored chunk (for tensors: offsets, sizes, file, offset, length,
+    pieces)."""
 
     fqn: str
-    kind: str  # "tensor" or "bytes"
+    kind: str
     dtype: str
     shape: tuple[int, ...]
     nbytes: int
     requires_grad: bool
-    chunks: list[dict]  # tensors: offsets, sizes, file, offset, length, pieces
+    chunks: list[dict]
 
 
 @dataclass
 class Converted:
-    """What a conversion wrote."""
+    """What a conversion wrote. For ``hf`` only: ``files`` are the safetensors files written,
+    ``skipped`` the items a safetensors file cannot hold, ``config_files`` the config.json
+    (+ generation_config.json) written."""
 
     out: str
     items: int
     nbytes: int
-    files: list[str] = field(default_factory=list)  # hf: the safetensors files written
-    skipped: list[str] = field(default_factory=list)  # hf: items a safetensors file cannot hold
-    config_files: list[str] = field(default_factory=list)  # hf: config.json (+ generation_config.json) written
+    files: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    config_files: list[str] = field(default_factory=list)
 
 
 def _itemsize(dtype) -> int:
@@ -179,7 +183,8 @@ def to_hf(path: str, out: str, *, max_shard_size: int = 5 * 10**9, prefix: str |
     configs = read_hf_config(hf_config) if hf_config is not None else {}
     path, md = _open_checkpoint(path, out)
     progress = progress or no_progress
-    chosen: list[tuple[str, str, int]] = []  # (fqn, output name, bytes)
+    # (fqn, output name, bytes) of each item chosen.
+    chosen: list[tuple[str, str, int]] = []
     skipped: list[str] = []
     for item in checkpoint_items(md):
         if prefix and not item.fqn.startswith(prefix):
@@ -209,14 +214,16 @@ def to_hf(path: str, out: str, *, max_shard_size: int = 5 * 10**9, prefix: str |
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
 
     _prepare_output(out, force, is_dir=True)
-    for old in os.listdir(out):  # with force: no stale shards of an earlier conversion
+    # With force: no stale shards of an earlier conversion.
+    for old in os.listdir(out):
         if _HF_NAME.match(old):
             os.unlink(os.path.join(out, old))
     weight_map: dict[str, str] = {}
     total = sum(e[2] for e in chosen)
     with progress(total, "convert") as bar:
         for fname, shard in zip(names, shards):
-            flat = _load_flat(path, md, [e[0] for e in shard], bar)  # tensors only: nothing unpickled
+            # Tensors only: nothing unpickled.
+            flat = _load_flat(path, md, [e[0] for e in shard], bar)
             tensors = {name: flat[fqn] for fqn, name, _ in shard}
             # A new, unpredictable name created here: a link planted in OUT cannot redirect it.
             fd, tmp = tempfile.mkstemp(prefix=f".{fname}.", suffix=".tmp", dir=out)
@@ -232,7 +239,8 @@ def to_hf(path: str, out: str, *, max_shard_size: int = 5 * 10**9, prefix: str |
     with _create_new(index_tmp, "w") as f:
         json.dump(index, f, indent=2)
         f.write("\n")
-    os.replace(index_tmp, os.path.join(out, "model.safetensors.index.json"))  # replaces a link, never follows it
+    # Replaces a link, never follows it.
+    os.replace(index_tmp, os.path.join(out, "model.safetensors.index.json"))
     for name, data in configs.items():
         _write_new_file(out, name, data)
     return Converted(out, len(chosen), total, files=names, skipped=skipped, config_files=list(configs))
@@ -289,7 +297,8 @@ def _load_state(path: str, md, out: str, force: bool, trusted: bool, *, is_dir: 
                 progress: Progress | None, raw_values: bool = False) -> tuple[dict, int]:
     """The whole nested state and its bytes; the output is created only once loading worked.
     ``raw_values``: non-tensor values come back as ``_StoredBytes`` (their stored bytes)."""
-    _prepare_output(out, force, is_dir=is_dir, create=False)  # fail fast
+    # Fail fast: before loading anything.
+    _prepare_output(out, force, is_dir=is_dir, create=False)
     keys = list(md.state_dict_metadata)
     total = sum(_sizes(md, keys).values())
     with (progress or no_progress)(total, "load") as bar:
@@ -390,7 +399,8 @@ def _load_flat(path: str, md, keys: list[str], bar, trusted: bool = False, raw_v
             else DefaultLoadPlanner(allow_partial_load=False),
             no_dist=True,
         )
-        flat.update(part)  # non-tensor values were set in ``part``; tensors were filled in place
+        # Non-tensor values were set in ``part``; tensors were filled in place.
+        flat.update(part)
         bar.update(sum(sizes[k] for k in group))
     return flat
 

@@ -63,7 +63,8 @@ class ThreadPool:
         return self._executor.submit(fn, *args, **kwargs)
 
     def _forget_in_child(self) -> None:
-        self._executor = self._new()  # the parent's stays behind, with its threads' bookkeeping
+        # The parent's stays behind, with its threads' bookkeeping.
+        self._executor = self._new()
 
 
 _pools: weakref.WeakSet[ThreadPool] = weakref.WeakSet()

@@ -77,7 +77,8 @@ class DataStatesSavePlanner(SavePlannerSteps):
         key = self._cached_plans_key
         self._pending_dtypes = _dtype_signature(self.state_dict)
         if self._enable_plan_caching and _LOCAL_DTYPES.get(key) != self._pending_dtypes:
-            cached_save_plans().pop(key, None)  # forces a usable (re-sent) plan
+            # Forces a usable (re-sent) plan.
+            cached_save_plans().pop(key, None)
         return super().create_local_plan()
 
     def dedup_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
@@ -191,7 +192,7 @@ class DataStatesLoadPlanner(DefaultLoadPlanner):
                 )
             if not isinstance(md, TensorStorageMetadata):
                 continue
-            shape = checkpointable_global_shape(value)  # a CheckpointableTensor's global shape
+            shape = checkpointable_global_shape(value)
             if shape != tuple(md.size):
                 raise CheckpointMismatchError(
                     f"Size mismatch between saved {md.size} and current: {value.size()} for {fqn}. "

@@ -32,8 +32,10 @@ class LocalChannel(DataChannel):
                                   named=False, direct=direct)
 
         def name_it(name: str, defer=None) -> None:
-            self.storage.move_aside(name, defer)  # never write into a shared inode
-            job.set_destination(self.storage.where(name))  # the engine's flush workers start writing it now
+            # Never write into a shared inode.
+            self.storage.move_aside(name, defer)
+            # The engine's flush workers start writing it now.
+            job.set_destination(self.storage.where(name))
 
         return job, None, name_it
 
@@ -56,7 +58,8 @@ class _WritebackFile:
     def __init__(self, f) -> None:
         self._f = f
         self._written = 0
-        self._started = 0  # bytes whose writeback was started
+        # Bytes whose writeback was started.
+        self._started = 0
 
     def write(self, data) -> int:
         n = self._f.write(data)

@@ -65,7 +65,8 @@ class ObjectChannel(DataChannel):
     def start_data_file(self, engine, label: str, header: bytes, file_size: int, spans: list, *, sync: bool,
                         device: int, stream: int, direct_writes: bool | None = None) -> StartedDataFile:
         named: Future = Future()
-        with _submit_lock:  # uploads start in the order the engine grants their jobs cache slots; each waits for its name
+        # Uploads start in the order the engine grants their jobs cache slots; each waits for its name.
+        with _submit_lock:
             job = engine.submit_stream(self.storage.where(label), header, file_size, spans, device, stream)
             fut = _upload_pool.submit(_upload_when_named, self.storage, named, job)
 
@@ -106,7 +107,8 @@ def _upload(store: ObjectStorage, name: str, url: str, job) -> None:
     f = None
     try:
         f = store.fs.open(path, "wb", block_size=UPLOAD_BLOCK_SIZE)
-        while True:  # the engine hands out every byte in order: header, data, zeros
+        # The engine hands out every byte in order: header, data, zeros.
+        while True:
             chunk = job.next_chunk()
             if chunk is None:
                 break
@@ -114,11 +116,13 @@ def _upload(store: ObjectStorage, name: str, url: str, job) -> None:
             try:
                 f.write(_buffer(ptr, nbytes))
             finally:
-                job.release(off)  # the bytes are in the file object's buffer (or the write failed)
+                # The bytes are in the file object's buffer (or the write failed).
+                job.release(off)
         error = job.error()
         if error:
             raise _EngineFailed(error)
-        f.close()  # completes the multipart upload: the object appears now
+        # Completes the multipart upload: the object appears now.
+        f.close()
         f = None
     except _EngineFailed as exc:
         if f is not None:
@@ -152,7 +156,8 @@ def _requests(ranges: list[tuple[int, int, int]], request: int, gap: int) -> lis
                 out[-1] = (start, off + n, parts)
                 parts.append((dst, off, n))
                 continue
-            if off < end:  # overlapping ranges (two targets of the same bytes)
+            # Overlapping ranges (two targets of the same bytes).
+            if off < end:
                 if off + n <= end:
                     parts.append((dst, off, n))
                     continue
@@ -168,7 +173,8 @@ def read_ranges(store: ObjectStorage, name: str, ranges: list[tuple[int, int, in
     path, url = store.fs_path(name), store.where(name)
     concurrency = concurrency or READ_CONCURRENCY
     ranges = [r for r in ranges if r[2] > 0]
-    if request_bytes is None:  # about one request per thread, within [min, max]
+    # About one request per thread, within [min, max].
+    if request_bytes is None:
         share = -(-sum(r[2] for r in ranges) // max(1, concurrency))
         request_bytes = min(READ_REQUEST_BYTES, max(READ_MIN_REQUEST_BYTES, -(-share // (1 << 20)) << 20))
     reqs = _requests(ranges, request_bytes, READ_GAP_BYTES if gap_bytes is None else gap_bytes)

@@ -88,7 +88,8 @@ def _read_marker(storage: Storage, name: str) -> bytes:
     try:
         raw = storage.read_small(name, limit=MAX_METADATA_BYTES, what="the commit marker")
     except (FileNotFoundError, NotADirectoryError):
-        storage.check_folder()  # no folder at all: says so
+        # Says so when there is no folder at all.
+        storage.check_folder()
         raise _missing_marker_error(storage, name) from None
     if _looks_like_stock_dcp(raw):
         raise _stock_dcp_error(storage.location, storage.where(name))
@@ -251,7 +252,8 @@ def referenced_by(location: Location, *, storage_options: Mapping[str, Any] | No
     referring, so nothing is deleted on a guess)."""
     storage = open_storage(location, storage_options)
     own = storage.name
-    needle = json.dumps(f"../{own}/")[:-1].encode()  # the JSON string's opening quote and text
+    # The JSON string's opening quote and text.
+    needle = json.dumps(f"../{own}/")[:-1].encode()
     parent = storage.parent()
     found = []
     for name in sorted(parent.subfolders()):
@@ -261,7 +263,8 @@ def referenced_by(location: Location, *, storage_options: Mapping[str, Any] | No
         try:
             raw = folder.read_small(METADATA_NAME, limit=MAX_METADATA_BYTES, what="the commit marker")
         except (FileNotFoundError, NotADirectoryError):
-            continue  # not a committed checkpoint
+            # Not a committed checkpoint.
+            continue
         except (DataStatesError, OSError) as exc:
             log.warning("dcp_datastates: cannot read %s (%s): keeping %s in case it refers to it",
                         folder.where(METADATA_NAME), exc, storage.location)

@@ -88,7 +88,8 @@ def write_commit(
             f"committing checkpoint {path} failed: {exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
         ) from exc
     remember_commit(data, md.storage_meta.save_id if md.storage_meta is not None else None, files)
-    if rank_local is None:  # rank-local commits run at once on every rank: their temporaries are live
+    # Rank-local commits run at once on every rank: their temporaries are live.
+    if rank_local is None:
         storage.remove_stale_temporaries(_TMP_PREFIX)
     try:
         names = storage.names()

@@ -122,7 +122,8 @@ class _DuplicateKey(Exception):
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
-    out = dict(pairs)  # in C; a duplicate shows as a shorter dict
+    # dict() runs in C; a duplicate key shows as a shorter dict.
+    out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
         for k, _ in pairs:

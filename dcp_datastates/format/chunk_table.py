@@ -24,7 +24,8 @@ from ..native import engine_module
 from .checks import _Check
 from .locations import FileInfo, ItemLocation
 
-_engine = engine_module()  # the table checks (csrc/chunk_table.cpp)
+# The engine runs the table checks (csrc/chunk_table.cpp).
+_engine = engine_module()
 
 # Integer types a column is narrowed to, smallest first.
 _INT_TYPES = (("i1", torch.int8), ("i2", torch.int16), ("i4", torch.int32), ("i8", torch.int64))
@@ -73,7 +74,8 @@ def _unpack(c: _Check, columns: Any, key: str, count: int | None = None) -> torc
     try:
         packed = base64.b64decode(c.get(rec, "data", str, where), validate=True)
         inflate = zlib.decompressobj()
-        raw = inflate.decompress(packed, size + 1)  # never more than the column's size
+        # Never more than the column's size (the one byte more shows a column that is too long).
+        raw = inflate.decompress(packed, size + 1)
     except (binascii.Error, ValueError, zlib.error) as exc:
         raise c.fail(f"{where} is damaged ({exc})") from None
     if len(raw) != size or not inflate.eof:
@@ -104,7 +106,8 @@ class _Table:
         self.dtypes: list[torch.dtype] = dtypes
         self.requires_grad: list[bool] = requires_grad
         self.sizes: list[tuple[int, ...]] = sizes
-        self.counts, self.offsets, self.chunk_sizes = counts, offsets, chunk_sizes  # tensors (int64)
+        # counts, offsets and chunk_sizes are tensors (int64).
+        self.counts, self.offsets, self.chunk_sizes = counts, offsets, chunk_sizes
         self.file, self.offset, self.length, self.crc_count, self.crcs = file, offset, length, crc_count, crcs
         self.hash64, self.has_hash64 = hash64, has_hash64
         self.file_names: list[str] = file_names
@@ -147,7 +150,8 @@ def _view(t: torch.Tensor):
 # A read-only memoryview of memory that something else owns (the C API's; a tensor's here).
 _memory_at = ctypes.pythonapi.PyMemoryView_FromMemory
 _memory_at.restype, _memory_at.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int)
-_READ_ONLY = 0x100  # PyBUF_READ
+#: The C API's PyBUF_READ flag.
+_READ_ONLY = 0x100
 
 
 def _int64(t: torch.Tensor) -> torch.Tensor:

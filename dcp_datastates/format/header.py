@@ -48,10 +48,11 @@ _DTYPE_BITS = {
 
 @dataclass(frozen=True)
 class DataFileItem:
-    """One tensor of a data file as its header describes it; offsets are absolute in the file."""
+    """One tensor of a data file as its header describes it; offsets are absolute in the file.
+    ``dtype`` is the safetensors spelling ("F32", "BF16", "U8" ...)."""
 
     name: str
-    dtype: str  # the safetensors spelling ("F32", "BF16", "U8" ...)
+    dtype: str
     shape: tuple[int, ...]
     offset: int
     length: int
@@ -59,11 +60,15 @@ class DataFileItem:
 
 @dataclass(frozen=True)
 class DataFileHeader:
-    header_length: int  # N, the JSON length
-    data_start: int  # 8 + N
+    """A data file's header: ``header_length`` is N, the JSON length, and the data starts at
+    ``data_start`` (8 + N). ``items`` are in file order; ``metadata`` is the "__metadata__"
+    mapping (str -> str), {} when absent."""
+
+    header_length: int
+    data_start: int
     file_size: int
-    items: tuple[DataFileItem, ...]  # in file order
-    metadata: dict  # the "__metadata__" mapping (str -> str), {} when absent
+    items: tuple[DataFileItem, ...]
+    metadata: dict
 
 
 def _bytes_text(bits: int) -> str:
@@ -113,7 +118,8 @@ def parse_header(data: bytes, file_size: int | None = None, source: str = "<data
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
     except _DuplicateKey as exc:
         raise fail(f"duplicate key {exc.args[0]!r} in the header") from None
-    except (ValueError, RecursionError, MemoryError) as exc:  # UnicodeDecodeError and JSONDecodeError too
+    except (ValueError, RecursionError, MemoryError) as exc:
+        # ValueError covers UnicodeDecodeError and JSONDecodeError too.
         text = str(exc)
         raise fail(f"the header is not valid UTF-8 JSON ({text[:200]})") from None
     if not isinstance(doc, dict):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import re
-from json.encoder import encode_basestring_ascii as _json_str  # json.dumps's own string encoder (C)
+from json.encoder import encode_basestring_ascii as _json_str
 from typing import Any
 
 import torch
@@ -29,7 +29,8 @@ from .document import FORMAT_VERSION, REFERENCES_VERSION, decode_planner_data, d
 from .layout import DTYPE_NAMES, dtype_to_name, name_to_dtype
 from .locations import FileInfo, ItemLocation
 
-_engine = engine_module()  # the checksum grid is the engine's (_check_crcs counts its pieces)
+# The checksum grid is the engine's (_check_crcs counts its pieces).
+_engine = engine_module()
 
 __all__ = ["encode_items", "decode_items", "bytes_location"]
 
@@ -51,14 +52,18 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
     The items are written as JSON text directly (several times faster than building dicts for
     ``json.dumps``): names through the json module's own string encoder, numbers from
     ``torch.Size`` and ``int`` (whose ``str`` is JSON), nothing else."""
-    files: dict[str, list[int]] = {}  # name -> [size, data_start, piece_size]
-    file_json: dict[str, str] = {}  # name -> the name as a JSON string
-    spans: dict[str, list[tuple[int, int]]] = {}  # name -> (start, end) of each item's bytes
+    # File name -> [size, data_start, piece_size].
+    files: dict[str, list[int]] = {}
+    # File name -> the name as a JSON string.
+    file_json: dict[str, str] = {}
+    # File name -> (start, end) of each item's bytes.
+    spans: dict[str, list[tuple[int, int]]] = {}
     items: list[str] = []
     # Looked up by (fqn, offset), MetadataIndex's own equality (its ``index`` hint is not
     # compared): a MetadataIndex built per item only to look it up costs more than the lookup.
     find = {(index.fqn, index.offset): loc for index, loc in locations.items()}.get
-    dims_json: dict = {}  # the JSON text of each distinct shape and offset (a model repeats a few)
+    # The JSON text of each distinct shape and offset (a model repeats a few).
+    dims_json: dict = {}
 
     def ints(dims) -> str:
         try:
@@ -66,7 +71,8 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
         except KeyError:
             text = dims_json[dims] = _int_list(dims)
             return text
-        except TypeError:  # not hashable (a list)
+        except TypeError:
+            # Not hashable (a list).
             return _int_list(dims)
 
     def where(fqn: str, offsets) -> tuple[str, int]:
@@ -108,7 +114,8 @@ def _encode(md: Metadata, locations: dict[MetadataIndex, ItemLocation],
             items.append(f'{_json_str(fqn)}:{{"type":"bytes",{where(fqn, None)[0]}}}')
             continue
         props, size = smd.properties, smd.size
-        name = DTYPE_NAMES.get(props.dtype) or dtype_to_name(props.dtype)  # (the second names a dtype without one)
+        # dtype_to_name raises, naming the dtype, for a dtype that has no name.
+        name = DTYPE_NAMES.get(props.dtype) or dtype_to_name(props.dtype)
         chunks: list[str] = []
         covered = 0
         for i, chunk in enumerate(smd.chunks):
@@ -283,7 +290,8 @@ def _check_no_shared_bytes(c: _Check, storage: dict[MetadataIndex, ItemLocation]
 def _check_spans(c: _Check, by_file: dict[str, list[tuple[int, int]]], on_shared) -> None:
     """``on_shared(file, start, end)`` raises for the first range two items' bytes share."""
     for fname, spans in by_file.items():
-        spans.sort()  # plain tuples: the fast path of a large checkpoint's decode
+        # Plain tuples: the fast path of a large checkpoint's decode.
+        spans.sort()
         prev_end = 0
         for start, end in spans:
             if start < prev_end:
@@ -303,7 +311,8 @@ def _raise_shared(c: _Check, placed, fname: str, start: int, prev_end: int) -> N
 def _check_chunk_bounds(c: _Check, where: str, offsets, sizes, size) -> None:
     if len(offsets) != len(size) or len(sizes) != len(size):
         raise c.fail(f"{where}: rank of offsets/sizes does not match the tensor's {len(size)} dims")
-    for o, s, d in zip(offsets, sizes, size):  # a plain loop: no generator per chunk
+    # A plain loop: no generator per chunk.
+    for o, s, d in zip(offsets, sizes, size):
         if o + s > d:
             break
     else:
@@ -351,7 +360,8 @@ def _check_crcs(c: _Check, where, where_args: tuple, offset: int, length: int, c
     if crcs:
         try:
             count = _engine.piece_count(offset, length, data_start, piece_size)
-        except (TypeError, ValueError, OverflowError) as exc:  # beyond 64-bit offsets, a bad grid
+        except (TypeError, ValueError, OverflowError) as exc:
+            # Offsets beyond 64 bits, or a bad grid.
             raise c.fail(f"{where(*where_args)}: byte range [{offset}, {offset + length}) cannot be checksummed: "
                          f"{exc}") from None
         if len(crcs) != count:

@@ -99,19 +99,24 @@ def data_file_parts(name: str) -> tuple[int, int] | None:
 
 @dataclass(frozen=True)
 class FileEntry:
-    """One item to place in a data file. ``kind`` is "tensor" or "bytes"."""
+    """One item to place in a data file. ``kind`` is "tensor" or "bytes"; ``dtype`` is our dtype
+    name ("uint8" for bytes items)."""
 
     name: str
     kind: str
-    dtype: str  # our dtype name; "uint8" for bytes items
+    dtype: str
     shape: tuple[int, ...]
     nbytes: int
 
 
 @dataclass(frozen=True)
 class FileLayout:
-    header: bytes  # 8-byte length + JSON + padding; the data region starts at len(header)
-    offsets: tuple[int, ...]  # absolute file offset of each entry, in entry order
+    """Where ``plan_file`` puts a data file's entries. ``header`` is the 8-byte length + JSON +
+    padding: the data region starts at ``len(header)``. ``offsets`` holds the absolute file
+    offset of each entry, in entry order."""
+
+    header: bytes
+    offsets: tuple[int, ...]
     file_size: int
 
     @property
@@ -130,7 +135,8 @@ def plan_file(entries: list[FileEntry], file_metadata: dict[str, str] | None = N
     for e in entries:
         st = safetensors_dtype(e.dtype) if e.kind == "tensor" else "U8"
         shape = list(e.shape)
-        if st is None:  # e.g. complex128: raw bytes in the file, real dtype in our metadata
+        if st is None:
+            # E.g. complex128: raw bytes in the file, the real dtype in our metadata.
             st, shape = "U8", [e.nbytes]
             raw_dtypes[e.name] = [e.dtype, list(e.shape)]
         if e.kind == "bytes":

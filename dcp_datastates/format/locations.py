@@ -25,14 +25,21 @@ class ItemLocation(NamedTuple):
     ``object.__setattr__``)."""
 
     file: str
-    offset: int  # absolute byte offset in the file
+    #: Absolute byte offset in the file.
+    offset: int
     length: int
-    dtype: str  # our dtype name ("uint8" for bytes items)
-    shape: tuple[int, ...]  # the stored chunk's shape
-    crc32c: tuple[int, ...]  # one per piece of the file's checksum grid; () when not computed
-    data_start: int  # first data byte of the file (the grid origin)
-    piece_size: int  # grid step of the checksums
-    file_size: int = 0  # size of the whole data file (written, or as the metadata records it; 0: not known)
+    #: Our dtype name ("uint8" for bytes items).
+    dtype: str
+    #: The stored chunk's shape.
+    shape: tuple[int, ...]
+    #: One per piece of the file's checksum grid; () when not computed.
+    crc32c: tuple[int, ...]
+    #: First data byte of the file (the grid origin).
+    data_start: int
+    #: Grid step of the checksums.
+    piece_size: int
+    #: Size of the whole data file (written, or as the metadata records it; 0: not known).
+    file_size: int = 0
     # XXH64 (seed 0) of the item's bytes, recorded by incremental saves (save/incremental.py)
     # to find unchanged items next time; None when not computed.
     hash64: int | None = None

@@ -129,7 +129,8 @@ def unpack_items(tensors: list, values: list, columns: dict) -> "PackedItems":
     table = _Table(fqns, [name_to_dtype(t[1]) for t in tensors], [t[2] for t in tensors], sizes, counts,
                    _unpack(c, columns, "offsets", n_values), _unpack(c, columns, "sizes", n_values),
                    none, none, none, none, none, None, None, [], [])
-    unsorted = torch.zeros(len(fqns), dtype=torch.bool)  # no bisection: every chunk is a candidate
+    # No bisection: every chunk is a candidate.
+    unsorted = torch.zeros(len(fqns), dtype=torch.bool)
     return PackedItems(_Columns(table, torch.zeros(1, dtype=torch.int64), unsorted, torch.zeros(len(fqns), dtype=torch.int64)),
                        dict.fromkeys(values))
 
@@ -148,7 +149,8 @@ class _Columns:
         self.counts = table.counts.tolist()
         self.chunk_start = table.chunk_starts().tolist()
         self.element_start = table.element_starts().tolist()
-        self._memory: list[torch.Tensor] = []  # what the views read
+        # The memory the views read.
+        self._memory: list[torch.Tensor] = []
         self.offsets, self.chunk_sizes = self._flat(table.offsets), self._flat(table.chunk_sizes)
         self.file, self.offset, self.length = self._flat(table.file), self._flat(table.offset), self._flat(table.length)
         self.crc_start, self.crcs = self._flat(crc_starts), self._flat(table.crcs)
@@ -190,7 +192,8 @@ class _Columns:
         """DCP's chunk objects of tensor ``t`` (all, or those at ``positions``)."""
         k, base, nd = self.counts[t], self.element_start[t], len(self.sizes[t])
         make, size_of = ChunkStorageMetadata, torch.Size
-        if positions is not None:  # a few: read where they are
+        if positions is not None:
+            # A few chunks: read where they are.
             offs, sizes, dims = self.offsets, self.chunk_sizes, range(base, base + nd * k, k)
             return [make(offsets=size_of([offs[i + p] for i in dims]), sizes=size_of([sizes[i + p] for i in dims]))
                     for p in positions]

@@ -26,7 +26,8 @@ from .layout import dtype_to_name
 from .locations import FileInfo, ItemLocation
 from .results import CommitLocations, PackedResults, name_key
 
-_engine = engine_module()  # placing results (csrc/chunk_table.cpp)
+# The engine places results (csrc/chunk_table.cpp).
+_engine = engine_module()
 
 # ------------------------------------------------------------------------------- encode
 class _Layout:
@@ -60,7 +61,8 @@ class _Layout:
                 chunk_sizes.extend([ch.sizes[d] for ch in chunks])
         self.counts, self.offsets, self.chunk_sizes = _ints(counts), _ints(offsets), _ints(chunk_sizes)
         self.starts = list(itertools.accumulate(counts, initial=0))
-        self.fingerprint: list = []  # each item's object and chunk count (_layout_of)
+        # Each item's object and chunk count (compared by _layout_of).
+        self.fingerprint: list = []
         self._keys: torch.Tensor | None = None
         self._by_offsets: dict[int, dict[tuple, int]] = {}
 
@@ -87,7 +89,8 @@ class _Layout:
         return self._keys
 
 
-_last_layout: tuple[Any, _Layout] | None = None  # (the metadata's item dict it was made from, layout)
+# (the metadata's item dict it was made from, layout) of the last layout made.
+_last_layout: tuple[Any, _Layout] | None = None
 
 
 def _layout_of(items: Mapping) -> _Layout:
@@ -223,7 +226,8 @@ def _place_each(layout: _Layout, locations: Mapping[MetadataIndex, ItemLocation]
     for index, loc in locations.items():
         t = tensor_index.get(index.fqn)
         if t is None or index.offset is None:
-            continue  # a value, or an item the metadata does not list
+            # A value, or an item the metadata does not list.
+            continue
         chunks, p = chunk_lists[t], index.index
         if p is None or not 0 <= p < len(chunks) or chunks[p].offsets != index.offset:
             p = layout.by_offsets(t).get(tuple(index.offset))
@@ -231,7 +235,8 @@ def _place_each(layout: _Layout, locations: Mapping[MetadataIndex, ItemLocation]
                 continue
         put(starts[t] + p, index.fqn, index.offset, loc)
     slot = fcol.index(None) if None in fcol else -1
-    while slot >= 0:  # chunks sharing their offsets (empty ones) share one result: looked up
+    # Chunks sharing their offsets (empty ones) share one result: looked up.
+    while slot >= 0:
         t = bisect.bisect_right(starts, slot) - 1
         chunk_offsets = chunk_lists[t][slot - starts[t]].offsets
         loc = locations.get(MetadataIndex(layout.fqns[t], chunk_offsets))
@@ -286,7 +291,8 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
     missing: dict[int, list[int]] = {}
     for slot in torch.nonzero(src < 0).flatten().tolist():
         missing.setdefault(bisect.bisect_right(layout.starts, slot) - 1, []).append(slot)
-    for tt, slots in missing.items():  # chunks sharing their offsets (empty ones) share one result
+    # Chunks sharing their offsets (empty ones) share one result.
+    for tt, slots in missing.items():
         base, chunks = layout.starts[tt], layout.chunk_lists[tt]
         latest: dict[tuple, int] = {}
         for q, found in enumerate(src[base:base + len(chunks)].tolist()):

@@ -15,7 +15,8 @@ from __future__ import annotations
 from ..native import engine_module
 from .locations import ItemLocation
 
-_engine = engine_module()  # the checksum grid is the engine's, computed once (piece_ranges)
+# The checksum grid is the engine's, computed once (piece_ranges).
+_engine = engine_module()
 
 __all__ = ["piece_ranges", "bad_pieces"]
 

@@ -185,7 +185,8 @@ class CommitLocations(Mapping):
 
     def __getitem__(self, index: MetadataIndex) -> ItemLocation:
         if self._all is None and index.offset is None and self.chunks_packed:
-            return self.plain[index]  # a value: never packed
+            # A value: never packed.
+            return self.plain[index]
         return self._expanded()[index]
 
     def __iter__(self) -> Iterator[MetadataIndex]:

@@ -48,7 +48,8 @@ def _extra_safe_globals() -> dict[bytes, list]:
     # folder, a sampler's generator): none of them touches files, imports or calls anything else.
     groups[b"datetime"] = [datetime.datetime, datetime.date, datetime.time, datetime.timedelta, datetime.timezone]
     groups[b"pathlib"] = [pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath]
-    groups[b"Generator"] = [torch.Generator]  # its state is a uint8 tensor, checked by set_state
+    # A generator's state is a uint8 tensor, checked by set_state.
+    groups[b"Generator"] = [torch.Generator]
     try:
         import numpy as np  # noqa: PLC0415
     except ImportError:
@@ -96,7 +97,8 @@ def _restricted_load_quiet(data: bytes) -> Any:
     with _allow_lock:
         present = set(torch.serialization.get_safe_globals())
         ours = [g for g in wanted if g not in present]
-        with torch.serialization.safe_globals(ours):  # removes exactly ``ours`` on exit
+        # safe_globals removes exactly ``ours`` on exit.
+        with torch.serialization.safe_globals(ours):
             return torch.load(io.BytesIO(data), weights_only=True)
 
 
@@ -163,14 +165,16 @@ _PLAIN_PICKLE_GLOBALS = {
     "builtins.bytearray": bytearray,
     "builtins.slice": slice,
     "builtins.range": range,
-    "_codecs.encode": __import__("codecs").encode,  # protocol 2 spells bytes this way
+    # Protocol 2 spells bytes this way.
+    "_codecs.encode": __import__("codecs").encode,
     "torch.storage._load_from_bytes": _tensor_from_bytes,
     "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
 }
 
 
 class _PlainRestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:  # every GLOBAL / STACK_GLOBAL / INST lands here
+    def find_class(self, module: str, name: str) -> Any:
+        # Every GLOBAL / STACK_GLOBAL / INST lands here.
         found = _PLAIN_PICKLE_GLOBALS.get(f"{module}.{name}")
         if found is None:
             raise pickle.UnpicklingError(f"GLOBAL {module}.{name} is not allowed")

@@ -67,10 +67,12 @@ __all__ = [
 
 log = logging.getLogger("dcp_datastates")
 
-BACKEND = "datastates"  # the sharded backend name Megatron records in metadata.json
+#: The sharded backend name Megatron records in metadata.json.
+BACKEND = "datastates"
 VERSION = 1
 
-try:  # Megatron-core is optional
+# Megatron-core is optional.
+try:
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import CheckpointingException, ShardedObject, ShardedTensor
     from megatron.core.dist_checkpointing.strategies import torch as _mcore_dcp
@@ -85,7 +87,8 @@ try:  # Megatron-core is optional
     _IMPORT_ERROR: BaseException | None = None
 except Exception as _exc:  # noqa: BLE001 - ImportError, or a megatron-core incompatible with this torch
     _IMPORT_ERROR = _exc
-    AsyncSaveShardedStrategy = LoadShardedStrategy = object  # placeholders: the classes refuse to be made
+    # Placeholders: the classes refuse to be made.
+    AsyncSaveShardedStrategy = LoadShardedStrategy = object
 
 MEGATRON_AVAILABLE = _IMPORT_ERROR is None
 
@@ -120,7 +123,8 @@ def _checkpoint_group(given):
 
 
 # ------------------------------------------------------------------------------ async requests
-_uploads: dict[str, concurrent.futures.Future] = {}  # token -> upload future, in the saving process
+# Token -> upload future, in the saving process.
+_uploads: dict[str, concurrent.futures.Future] = {}
 
 
 def _flag_path(token: str) -> str:
@@ -131,7 +135,8 @@ def _touch(path: str) -> None:
     try:
         with open(path, "wb"):
             pass
-    except OSError as exc:  # the helper process then waits until the owner is gone
+    except OSError as exc:
+        # The helper process then waits until the owner is gone.
         log.warning("dcp_datastates: cannot write the upload flag %s: %s", path, exc)
 
 
@@ -173,7 +178,8 @@ def wait_for_upload(token: str, owner_pid: int, poll_s: float = 0.05) -> None:
 def _tracked_request(response, *, rank: int, wait_in_async_fn: bool) -> AsyncRequest:
     """An ``AsyncRequest`` for the upload of ``response`` (``dcp.async_save``'s result)."""
     upload = getattr(response, "upload_completion", response)
-    if not wait_in_async_fn:  # no helper process: the finalize function waits for the upload
+    # No helper process: the finalize function waits for the upload.
+    if not wait_in_async_fn:
         return AsyncRequest(None, (), [upload.result])
     token = f"{os.getpid()}-{rank}-{uuid.uuid4().hex}"
     flag = _flag_path(token)
@@ -188,7 +194,8 @@ def _tracked_request(response, *, rank: int, wait_in_async_fn: bool) -> AsyncReq
 
     def finalize() -> None:
         try:
-            upload.result()  # raises the save's CheckpointException, on every rank
+            # Raises the save's CheckpointException, on every rank.
+            upload.result()
         finally:
             # the future wakes its waiters before it runs its callbacks: let on_done write the
             # flag before it is removed
@@ -227,7 +234,8 @@ class DataStatesSaveShardedStrategy(AsyncSaveShardedStrategy):
 
     @property
     def can_handle_sharded_objects(self) -> bool:
-        return True  # ShardedObjects travel as DCP byte items, one per rank
+        # ShardedObjects travel as DCP byte items, one per rank.
+        return True
 
     def _prepare(self, sharded_state_dict, checkpoint_dir):
         group = _checkpoint_group(self.process_group)

@@ -75,7 +75,8 @@ def _import_torchtitan() -> tuple[str | None, tuple[Any, ...] | None, list[str]]
     one line per module tried that failed (its error), so a failure says what was tried."""
     tried: list[str] = []
     for name in _CHECKPOINT_MODULES:
-        try:  # any error, not only ImportError: a TorchTitan incompatible with this torch raises others
+        # Any error, not only ImportError: a TorchTitan incompatible with this torch raises others.
+        try:
             module = importlib.import_module(name)
             found = tuple(getattr(module, n) for n in _NAMES)
             from torchtitan.tools.utils import GarbageCollection
@@ -90,7 +91,8 @@ def _torchtitan_location() -> str | None:
     """Where the ``torchtitan`` package would be imported from; None when it is not installed."""
     try:
         spec = importlib.util.find_spec("torchtitan")
-    except (ImportError, ValueError):  # a broken or stubbed sys.modules entry
+    except (ImportError, ValueError):
+        # A broken or stubbed sys.modules entry.
         return None
     if spec is None:
         return None
@@ -125,7 +127,8 @@ def is_datastates_checkpoint(path: str | os.PathLike) -> bool:
     """True when ``path`` holds (or is meant to hold) a DataStates checkpoint rather than a stock
     DCP one: its ``.metadata`` is JSON (stock DCP pickles it). A folder without ``.metadata`` also
     counts, so loading it reports an incomplete checkpoint clearly."""
-    try:  # never through a symlink, never blocking on a FIFO planted as the marker
+    # Never through a symlink, never blocking on a FIFO planted as the marker.
+    try:
         with open_storage(os.fspath(path)).open_read(METADATA_NAME) as f:
             head = f.read(64)
     except FileNotFoundError:
@@ -234,7 +237,8 @@ if TORCHTITAN_AVAILABLE:
             def __post_init__(self) -> None:
                 # Explicit base call: zero-argument super() does not work in slots dataclasses.
                 CheckpointManager.Config.__post_init__(self)
-                self.to_datastates_config()  # reject bad options when the config is built
+                # Reject bad options when the config is built.
+                self.to_datastates_config()
 
             def to_datastates_config(self) -> DataStatesConfig:
                 """The ``DataStatesConfig`` these options describe."""
@@ -292,7 +296,8 @@ if TORCHTITAN_AVAILABLE:
                     "pinned DataStates host cache (same as async_mode=async)"
                 )
                 self.async_mode = AsyncMode.ASYNC
-            if self.pg is not None:  # TorchTitan's gloo group for async saves: bounded like ours
+            # TorchTitan's gloo group for async saves: bounded like ours.
+            if self.pg is not None:
                 self.pg = checkpoint_process_group(self.datastates_config)
 
         @torch.no_grad()
@@ -306,7 +311,8 @@ if TORCHTITAN_AVAILABLE:
         ):
             """Save with DataStatesWriter. Returns None (synchronous) or the upload Future
             (asynchronous, what TorchTitan's ``_save`` keeps as ``save_future``)."""
-            if to_hf:  # Hugging Face export: TorchTitan's own writer
+            # Hugging Face export: TorchTitan's own writer.
+            if to_hf:
                 return CheckpointManager.dcp_save(self, state_dict, checkpoint_id, async_mode, enable_garbage_collection, to_hf)
             # The checkpoint's own group: write results are consolidated rank -> node leader ->
             # coordinator on it, never on the training group.
@@ -381,7 +387,8 @@ if TORCHTITAN_AVAILABLE:
                     "closing anyway (the previous checkpoint stays the newest)", timeout,
                 )
                 return
-            except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
+            except (Exception, CheckpointException) as exc:
+                # DCP's error is a BaseException.
                 log.error("dcp_datastates: the checkpoint in flight failed; the previous checkpoint stays the newest: %s", exc)
                 self.save_future = None
                 return

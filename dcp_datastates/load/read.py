@@ -44,19 +44,34 @@ log = logging.getLogger("dcp_datastates")
 
 @dataclass
 class ReadTarget:
+    """Where one requested item of a data file lands.
+
+    Attributes:
+        ptr: where the stored bytes land (the destination's own memory on the direct path).
+        nbytes: how many are read there.
+        dst: the tensor destination (None for bytes items).
+        read_start: the file offset of the byte at ``ptr``.
+        src: the requested sub-box, a view into ``buf`` (non-direct tensors).
+        buf: owns the memory at ``ptr`` when it is not the destination's.
+        staged: a CUDA destination read through the pinned slots (``DeviceStaging``).
+        view: (pad, begin, strides): how ``src`` sits in its buffer (``_bind``).
+        dst_offset: a part of a whole item: copied bytewise to this offset in ``dst``.
+        last_part: the planner commits ``dst`` after this part.
+    """
+
     req: ReadItem
     loc: ItemLocation
-    ptr: int  # where the stored bytes land (the destination's own memory on the direct path)
-    nbytes: int  # how many are read there
-    dst: torch.Tensor | None  # tensor destination (None for bytes items)
+    ptr: int
+    nbytes: int
+    dst: torch.Tensor | None
     direct: bool
-    read_start: int = 0  # file offset of the byte at ptr
-    src: torch.Tensor | None = None  # the requested sub-box, a view into buf (non-direct tensors)
-    buf: torch.Tensor | None = None  # owns the memory at ptr when it is not the destination's
-    staged: bool = False  # a CUDA destination read through the pinned slots (DeviceStaging)
-    view: tuple | None = None  # (pad, begin, strides): how src sits in its buffer (_bind)
-    dst_offset: int | None = None  # a part of a whole item: copied bytewise to this offset in dst
-    last_part: bool = True  # the planner commits dst after this part
+    read_start: int = 0
+    src: torch.Tensor | None = None
+    buf: torch.Tensor | None = None
+    staged: bool = False
+    view: tuple | None = None
+    dst_offset: int | None = None
+    last_part: bool = True
 
     @property
     def read_end(self) -> int:
@@ -73,24 +88,28 @@ def _target(req: ReadItem, loc: ItemLocation, planner: LoadPlanner, verify: bool
         buf = torch.empty(loc.length, dtype=torch.uint8)
         return ReadTarget(req, loc, buf.data_ptr(), loc.length, None, False, loc.offset, buf=buf)
     dst = planner.resolve_tensor(req)
-    whole = (  # the destination is the stored chunk, byte for byte
+    # Whether the destination is the stored chunk, byte for byte.
+    whole = (
         not any(req.storage_offsets)
         and tuple(req.lengths) == loc.shape
         and dst.is_contiguous()
-        and not dst.is_conj()  # a conjugate or negative view: copy_ applies its bit, bytes would not
+        # A conjugate or negative view: copy_ applies its bit, bytes would not.
+        and not dst.is_conj()
         and not dst.is_neg()
         and dst.dtype == name_to_dtype(loc.dtype)
         and dst.nbytes == loc.length
     )
     staged = _through_staging(dst)
-    if whole and not staged:  # read straight into the destination's memory
+    if whole and not staged:
+        # Read straight into the destination's memory.
         return ReadTarget(req, loc, dst.data_ptr() if loc.length else 0, loc.length, dst, True, loc.offset)
     if any(n == 0 for n in req.lengths):
         return ReadTarget(req, loc, 0, 0, dst, False, loc.offset, torch.empty(tuple(req.lengths), dtype=dst.dtype))
     p = _span_target(req, loc, dst, verify)
     if staged:
         p.staged = True
-        p.dst_offset = 0 if whole else None  # whole items may be read and copied in parts
+        # Whole items may be read and copied in parts.
+        p.dst_offset = 0 if whole else None
     else:
         _bind(p)
     return p
@@ -110,7 +129,8 @@ def _span_target(req: ReadItem, loc: ItemLocation, dst: torch.Tensor, verify: bo
         pieces = [(a, a + n) for a, n in piece_ranges(loc) if a + n > lo and a < hi]
         lo, hi = pieces[0][0], pieces[-1][1]
     begin = loc.offset + first * esize - lo
-    pad = -begin % 16  # so that the sub-box's first element is aligned for its dtype
+    # Padded so that the sub-box's first element is aligned for its dtype.
+    pad = -begin % 16
     return ReadTarget(req, loc, 0, hi - lo, dst, False, lo, view=(pad, begin, tuple(strides)))
 
 
@@ -127,7 +147,8 @@ def _bind(p: ReadTarget, raw: torch.Tensor | None = None) -> None:
         raw = torch.empty(pad + p.nbytes, dtype=torch.uint8)
     p.buf = raw[pad : pad + p.nbytes]
     p.ptr = p.buf.data_ptr()
-    if p.dst_offset is not None:  # copied bytewise (DeviceStaging.copy)
+    if p.dst_offset is not None:
+        # Copied bytewise (DeviceStaging.copy).
         return
     dtype = name_to_dtype(p.loc.dtype)
     count = 1 + sum((n - 1) * st for n, st in zip(p.req.lengths, strides))
@@ -168,7 +189,8 @@ def deliver(pending: list[ReadTarget], planner: LoadPlanner, *, trusted: bool, c
     """Hand every read item to the planner: tensors copied into their targets and committed,
     values decoded and loaded (CUDA destinations go through ``DeviceStaging`` instead)."""
     written = [p.dst for p in pending if p.direct and p.nbytes]
-    if written:  # the engine wrote into their memory: bump their versions as copy_ would have
+    if written:
+        # The engine wrote into their memory: bump their versions as copy_ would have.
         increment_version(written)
     for p in pending:
         if p.dst is None:
@@ -196,8 +218,10 @@ def _load_value(p: ReadTarget, planner: LoadPlanner, trusted: bool, checkpoint: 
 # The pinned slots of DeviceStaging: 32 MiB, a power of two, which PyTorch's pinned allocator
 # keeps for the next load (it rounds every size up to one).
 SLOT_BYTES = 32 << 20
-_ALIGN = 64  # every buffer in a slot starts on a cache line (aligned for every dtype)
-_OWN = 2  # stands for "a buffer of its own" where a slot index is expected
+#: Every buffer in a slot starts on a cache line (aligned for every dtype).
+_ALIGN = 64
+#: Stands for "a buffer of its own" where a slot index is expected.
+_OWN = 2
 
 
 class DeviceStaging:
@@ -215,9 +239,11 @@ class DeviceStaging:
     def __init__(self) -> None:
         self.slot_bytes = SLOT_BYTES
         self._slots: list[torch.Tensor] = []
-        self._events: list[list[Any]] = [[], [], []]  # per slot, and for the buffers of their own
+        # Events per slot, and for the buffers of their own.
+        self._events: list[list[Any]] = [[], [], []]
         self._turn = 0
-        self._slot_of_batch = 0  # the slot the batch last handed out is bound to, or _OWN
+        # The slot the batch last handed out is bound to, or _OWN.
+        self._slot_of_batch = 0
 
     def batches(self, staged: list[ReadTarget]) -> Iterator[list[ReadTarget]]:
         """``staged`` (one file's) in batches bound to buffers: read each, then ``copy`` it,
@@ -228,7 +254,8 @@ class DeviceStaging:
         used = 0
         for part in self._parts(staged, size):
             need = _rounded(part.view[0] + part.nbytes)
-            if need > size:  # a resharded read, or an item of pieces, larger than a slot
+            if need > size:
+                # A resharded read, or an item of pieces, larger than a slot.
                 _bind(part)
                 self._slot_of_batch = _OWN
                 yield [part]
@@ -254,7 +281,8 @@ class DeviceStaging:
             if p.last_part:
                 planner.commit_tensor(p.req, p.dst)
         self._events[self._slot_of_batch].extend(self._record(devices))
-        if self._slot_of_batch == _OWN:  # its buffer goes when the next batch is taken
+        if self._slot_of_batch == _OWN:
+            # Its buffer goes when the next batch is taken.
             self._wait_slot(_OWN)
 
     def finish(self) -> None:
@@ -266,7 +294,8 @@ class DeviceStaging:
     def _new_slot(self, size: int) -> torch.Tensor:
         try:
             return torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        except RuntimeError as exc:  # no pinned memory here (a locked-memory limit): slower, as correct
+        except RuntimeError as exc:
+            # No pinned memory here (a locked-memory limit): slower, as correct.
             log.warning("dcp_datastates: could not pin a %d-byte load buffer (%s); loading into CUDA tensors "
                         "through pageable memory", size, exc)
             return torch.empty(size, dtype=torch.uint8)
@@ -296,7 +325,8 @@ class DeviceStaging:
             loc = p.loc
             pieces = piece_ranges(loc) if loc.crc32c else [(a, min(size, loc.offset + loc.length - a))
                                                             for a in range(loc.offset, loc.offset + loc.length, size)]
-            if any(n > size for _, n in pieces):  # pieces larger than a slot: one pageable buffer
+            if any(n > size for _, n in pieces):
+                # Pieces larger than a slot: one pageable buffer.
                 yield p
                 continue
             start = end = pieces[0][0]

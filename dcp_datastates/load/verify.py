@@ -38,7 +38,8 @@ def read_header(path: str | os.PathLike) -> DataFileHeader:
                 return parse_header(prefix, max(size, len(prefix)), path)
             (n,) = struct.unpack("<Q", prefix)
             if n < 2 or n > MAX_HEADER_BYTES or 8 + n > size:
-                return parse_header(prefix, size, path)  # raises with the right message
+                # parse_header raises, with the right message.
+                return parse_header(prefix, size, path)
             body = f.read(n)
     except IsADirectoryError:
         raise CheckpointFormatError(f"{path}: is a folder, not a data file") from None
@@ -120,7 +121,8 @@ def _header_dtype_ok(loc: ItemLocation, item: DataFileItem, is_bytes: bool) -> b
     if is_bytes:
         return item.dtype == "U8" and item.shape == (loc.length,)
     st = safetensors_dtype(loc.dtype)
-    if st is None:  # stored as raw bytes (e.g. complex128)
+    if st is None:
+        # Stored as raw bytes (e.g. complex128).
         return item.dtype == "U8" and item.shape == (loc.length,)
     return item.dtype == st and item.shape == tuple(loc.shape)
 
@@ -194,16 +196,19 @@ _VERIFY_WINDOW_BYTES = 64 << 20
 
 @dataclass
 class VerifyReport:
-    """What ``verify_checkpoint`` found: ``problems`` is empty when the checkpoint is sound."""
+    """What ``verify_checkpoint`` found: ``problems`` is empty when the checkpoint is sound.
+    ``items`` counts the entries of the metadata; ``checked_items`` the stored chunks whose
+    checksums were compared, ``unchecked_items`` those without checksums. ``referenced`` names,
+    per file that is a reference, the earlier checkpoint holding it."""
 
     path: str
-    items: int  # entries of the metadata
+    items: int
     files: int
     problems: list[str]
-    checked_items: int  # stored chunks whose checksums were compared
-    unchecked_items: int  # stored chunks without checksums
+    checked_items: int
+    unchecked_items: int
     checked_bytes: int
-    referenced: tuple[str, ...] = ()  # per file that is a reference: the earlier checkpoint holding it
+    referenced: tuple[str, ...] = ()
 
 
 def _header_problems(full: str, name: str, info: FileInfo, locs: list) -> list[str]:
@@ -230,7 +235,8 @@ def _file_problem(path: str, name: str, info: FileInfo, locs: list) -> str | Non
     wrong size), or None."""
     full = os.path.join(path, name)
     try:
-        st = os.lstat(full)  # a link is reported, never followed out of the folder
+        # lstat: a link is reported, never followed out of the folder.
+        st = os.lstat(full)
     except FileNotFoundError:
         return f"{name}: data file is missing ({len(locs)} items cannot be read)"
     if not stat.S_ISREG(st.st_mode):
@@ -275,7 +281,8 @@ def verify_checkpoint(path: str | os.PathLike, *, engine, progress=None, referen
     checked_items = unchecked_items = checked_bytes = 0
     with (progress or no_progress)(total, "verify") as bar:
         for name in readable:
-            pieces = []  # (index, expected, offset, length)
+            # (index, expected, offset, length) of each piece.
+            pieces = []
             for index, _, loc in sorted(by_file.get(name, []), key=lambda x: x[2].offset):
                 if not loc.crc32c:
                     unchecked_items += 1 if loc.length else 0

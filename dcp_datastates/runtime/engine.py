@@ -26,9 +26,12 @@ _lock = threading.Lock()
 new_locks_in_child(globals(), "_lock")
 _engine = None
 _engine_config: DataStatesConfig | None = None
-_engine_settings: dict = {}  # the engine options in force, resolved (cache size in bytes)
-_engine_provisional = False  # started with defaults only (e.g. by a load): the next writer may restart it
-_warned: set = set()  # (option, asked, in force) already reported for this engine
+# The engine options in force, resolved (cache size in bytes).
+_engine_settings: dict = {}
+# Started with defaults only (e.g. by a load): the next writer may restart it.
+_engine_provisional = False
+# (option, asked, in force) already reported for this engine.
+_warned: set = set()
 
 
 def _load_extension():
@@ -52,7 +55,8 @@ def _asked(config: DataStatesConfig) -> dict:
     if _asked_memo[0] == key:
         return _asked_memo[1]
     asked = {n: getattr(config, n) for n in ENGINE_OPTIONS if n != "host_cache_size" and getattr(config, n) != _DEFAULTS[n]}
-    if config.cache_was_chosen():  # never the default plan here: get_engine runs at every stage()
+    # Never the default plan here: get_engine runs at every stage().
+    if config.cache_was_chosen():
         asked["host_cache_size"] = config.cache_bytes()
     _asked_memo = (key, asked)
     return asked
@@ -242,7 +246,8 @@ def _join_checkpoint_threads(timeout: float | None, prefixes: tuple[str, ...] = 
             return True
         if deadline is not None and time.monotonic() >= deadline:
             return False
-        threads[0].join(0.05)  # returns early if that thread ends; re-checked either way
+        # Returns early if that thread ends; re-checked either way.
+        threads[0].join(0.05)
 
 
 def _shutdown_at_exit() -> None:
@@ -259,10 +264,12 @@ def _shutdown_at_exit() -> None:
     try:
         # DCP's executor threads end after their one save (as Python's own exit join assumes).
         _join_checkpoint_threads(None, _CHECKPOINT_THREAD_PREFIXES[:1])
-    except KeyboardInterrupt:  # Ctrl-C again: stop waiting; the engine still drains below
+    except KeyboardInterrupt:
+        # Ctrl-C again: stop waiting; the engine still drains below.
         pass
     finally:
-        _exiting = True  # get_engine refuses from here on: no new engine threads at exit
+        # get_engine refuses from here on: no new engine threads at exit.
+        _exiting = True
         shutdown_engine()
         if _checkpoint_threads():
             try:
@@ -311,7 +318,8 @@ def _wait_for_inflight_before_exit() -> None:
     saves = _pending()
     if not saves:
         return
-    try:  # the next Ctrl-C may land anywhere in here, the log call included
+    # The next Ctrl-C may land anywhere in here, the log call included.
+    try:
         # A save that nothing has planned yet gets a moment to settle first: one staged by an
         # async_save that failed right after stage() will never commit, and must not be
         # announced as "waiting for it to commit".
@@ -362,7 +370,8 @@ def _abandon_all(time) -> None:
 
     try:
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    except ValueError:  # not the main thread: nothing to protect
+    except ValueError:
+        # Not the main thread: nothing to protect.
         previous = None
     try:
         saves = inflight.inflight()
@@ -375,7 +384,8 @@ def _abandon_all(time) -> None:
             "dcp_datastates: abandoned checkpoint %s: not committed; the last committed checkpoint is kept.",
             ", ".join(str(getattr(s, "path", s)) for s in saves),
         )
-        deadline = time.monotonic() + 1.0  # the checkpoint threads see the failure and end
+        # Time for the checkpoint threads to see the failure and end.
+        deadline = time.monotonic() + 1.0
         while _pending() and time.monotonic() < deadline:
             time.sleep(0.02)
     finally:

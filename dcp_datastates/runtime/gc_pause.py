@@ -37,15 +37,20 @@ __all__ = ["CollectorPause", "pause_collector", "gc_paused", "paused_count"]
 
 _gc_lock = threading.Condition()
 _gc_held: set[int] = set()
-_gc_restore = False  # whether the collector was enabled when the first pause of the current run began
-_gc_deadlines: list[tuple[float, int]] = []  # (monotonic deadline, pause id), a heap
+# Whether the collector was enabled when the first pause of the current run began.
+_gc_restore = False
+# (monotonic deadline, pause id), a heap.
+_gc_deadlines: list[tuple[float, int]] = []
 _gc_ids = itertools.count(1)
 _gc_watchdog: threading.Thread | None = None
-_gc_paused_since = 0.0  # when the collector was last paused or young-collected by the watchdog
+# When the collector was last paused or young-collected by the watchdog.
+_gc_paused_since = 0.0
 YOUNG_COLLECTION_EVERY_S = 1.0
-MIDDLE_COLLECTION_EVERY = 5  # of those young collections, every 5th also collects generation 1
+#: Of the young collections (one every YOUNG_COLLECTION_EVERY_S), every 5th also collects generation 1.
+MIDDLE_COLLECTION_EVERY = 5
 _gc_young_collections = 0
-_gc_exiting = False  # set at exit: the watchdog collects nothing more and ends (_stop_gc_at_exit)
+# Set at exit: the watchdog collects nothing more and ends (_stop_gc_at_exit).
+_gc_exiting = False
 
 
 class CollectorPause:
@@ -80,7 +85,8 @@ def pause_collector(max_s: float) -> CollectorPause:
         if not _gc_held:
             _gc_restore = gc.isenabled()
             _gc_paused_since = time.monotonic()
-        gc.disable()  # also when held already: something may have enabled it meanwhile
+        # Also when held already: something may have enabled it meanwhile.
+        gc.disable()
         _gc_held.add(pause_id)
         heapq.heappush(_gc_deadlines, (time.monotonic() + max_s, pause_id))
         _ensure_gc_watchdog()
@@ -139,7 +145,8 @@ def _expire_pauses() -> None:
             if _gc_exiting:
                 return
             while _gc_deadlines and _gc_deadlines[0][1] not in _gc_held:
-                heapq.heappop(_gc_deadlines)  # released already
+                # Released already.
+                heapq.heappop(_gc_deadlines)
             now = time.monotonic()
             if _gc_deadlines and now >= _gc_deadlines[0][0]:
                 _end_pause(heapq.heappop(_gc_deadlines)[1])
@@ -156,7 +163,8 @@ def _expire_pauses() -> None:
                 if _gc_held and _gc_restore:
                     wake.append(_gc_paused_since + YOUNG_COLLECTION_EVERY_S)
                 _gc_lock.wait(min(wake) - now if wake else None)
-        if collect is not None:  # outside the lock: a finalizer run by the collection may pause or release
+        # Outside the lock: a finalizer run by the collection may pause or release.
+        if collect is not None:
             gc.collect(collect)
 
 

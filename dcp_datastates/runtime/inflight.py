@@ -64,9 +64,12 @@ class FolderBusyError(Exception):
 
 _lock = threading.Lock()
 new_locks_in_child(globals(), "_lock")
-_saves: list[Any] = []  # every save in flight, oldest first
-_staging: list[Any] = []  # those whose bytes are not all in the host cache yet
-_claims: dict[str, Any] = {}  # folder -> the save writing it
+# Every save in flight, oldest first.
+_saves: list[Any] = []
+# The saves whose bytes are not all in the host cache yet.
+_staging: list[Any] = []
+# Folder -> the save writing it.
+_claims: dict[str, Any] = {}
 
 
 def register(save: SaveHandle) -> None:
@@ -128,7 +131,8 @@ def claim(path: str, save: SaveHandle) -> None:
         busy = not other.is_over() and not (other.all_written() and time.monotonic() - other.requested > _STALE_CLAIM_S)
         with _lock:
             if _claims.get(path) is not other:
-                continue  # claimed or released meanwhile: look again
+                # Claimed or released meanwhile: look again.
+                continue
             if busy:
                 raise FolderBusyError(path)
             _claims[path] = save
@@ -223,7 +227,8 @@ def _wait_all(timeout: float | None, device_side: bool) -> bool:
     for save in staging():
         if device_side and _ordered_on_device(save):
             save.seal()
-            continue  # stays listed: a wait from another stream must order that one too
+            # Stays listed: a wait from another stream must order that one too.
+            continue
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not save.wait_staged(left):
             return False

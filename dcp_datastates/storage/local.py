@@ -61,7 +61,8 @@ def open_for_reading(full: str, what: str | None = None) -> int:
     try:
         fd = os.open(full, _READ_FLAGS)
     except OSError as exc:
-        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+        # O_NOFOLLOW met a symlink.
+        if exc.errno == errno.ELOOP:
             raise not_regular_error(folder, what or name, full, os.lstat(full).st_mode) from None
         raise
     st = os.fstat(fd)
@@ -102,7 +103,8 @@ _discards = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-discard
 def _discard_in_background(folder: str, path: str) -> None:
     try:
         _discards.submit(_unlink_discarded, folder, path)
-    except RuntimeError:  # the interpreter is shutting down: no new background work
+    except RuntimeError:
+        # The interpreter is shutting down: no new background work.
         _unlink_discarded(folder, path)
 
 
@@ -166,7 +168,8 @@ class LocalStorage(Storage):
         for name in names:
             full = self.where(name)
             try:
-                st = os.lstat(full)  # lstat: a symlink is refused, not followed
+                # lstat: a symlink is refused, not followed.
+                st = os.lstat(full)
             except (FileNotFoundError, NotADirectoryError):
                 continue
             if not stat.S_ISREG(st.st_mode):
@@ -190,7 +193,8 @@ class LocalStorage(Storage):
                     f"{full}: {size} bytes, more than the {limit}-byte limit of a metadata file "
                     f"(not a dcp_datastates checkpoint, or damaged)"
                 )
-            chunks, left = [], size + 1  # one byte more: notices a file that grew meanwhile
+            # One byte more: notices a file that grew meanwhile.
+            chunks, left = [], size + 1
             while left > 0:
                 chunk = os.read(fd, min(left, 64 << 20))
                 if not chunk:
@@ -242,7 +246,8 @@ class LocalStorage(Storage):
             os.makedirs(path, exist_ok=True)
         except OSError as exc:
             raise CheckpointWriteError(f"cannot create checkpoint folder {path}: {exc.strerror or exc}") from exc
-        if not os.path.isdir(path):  # makedirs(exist_ok=True) accepts nothing else, but be explicit
+        # makedirs(exist_ok=True) accepts nothing else, but be explicit.
+        if not os.path.isdir(path):
             raise CheckpointWriteError(f"cannot create checkpoint folder {path}: a file is in the way")
 
     def prepare(self, *, overwrite: bool, marker: str) -> bool:
@@ -287,7 +292,8 @@ class LocalStorage(Storage):
             src, target = self.where(name), dst.where(new_name)
             try:
                 os.rename(src, target)
-            except OSError:  # another file system: copy, then drop the original
+            except OSError:
+                # Another file system: copy, then drop the original.
                 shutil.copyfile(src, target)
                 os.unlink(src)
             return
@@ -302,7 +308,8 @@ class LocalStorage(Storage):
         try:
             os.rename(path, aside)
         except OSError:
-            return  # no old file (or nothing we may move): the create reports real errors
+            # No old file (or nothing we may move): the create reports real errors.
+            return
         if defer is None:
             _unlink_quietly(aside)
         else:

@@ -116,7 +116,8 @@ class ObjectStorage(Storage):
         for name in names:
             size = out.get(name)
             if size is None:
-                size = self.size(name)  # listings can be partial on some stores: ask for the object itself
+                # Listings can be partial on some stores: ask for the object itself.
+                size = self.size(name)
             if size is not None:
                 wanted[name] = size
         return wanted
@@ -164,7 +165,8 @@ class ObjectStorage(Storage):
 
     # ------------------------------------------------------------------------------ files
     def make_folder(self) -> None:
-        pass  # a store's "folder" is a prefix, neither cheap to make nor listed: prepare() does it, off the training thread
+        # A store's "folder" is a prefix, neither cheap to make nor listed: prepare() does it, off the training thread.
+        pass
 
     def prepare(self, *, overwrite: bool, marker: str) -> bool:
         try:
@@ -172,7 +174,8 @@ class ObjectStorage(Storage):
         except FileExistsError:
             pass
         except (PermissionError, NotImplementedError):
-            pass  # object stores: a bucket we may not create but may write into
+            # Object stores: a bucket we may not create but may write into.
+            pass
         except Exception as exc:  # noqa: BLE001 - any store error (connection ...), with the URL
             raise CheckpointWriteError(f"cannot create checkpoint folder {self.location}: {describe_error(exc)}") from exc
         self._fresh(self.fs_path(marker))
@@ -222,7 +225,8 @@ def discard_upload(store: ObjectStorage, path: str, f) -> None:
     except Exception:  # noqa: BLE001 - best effort: the store may be unreachable
         pass
     if isinstance(f, AbstractBufferedFile):
-        f.closed = True  # never commit from __del__
+        # Never commit from __del__.
+        f.closed = True
         return
     try:
         f.close()

@@ -39,10 +39,12 @@ def normalize(path: str | os.PathLike | None) -> str | None:
     s = local_path(path)
     if is_remote(s):
         proto, _, rest = s.partition("://")
-        if not rest.strip("/"):  # "s3://": the store's error would not say what is missing
+        # "s3://": the store's error would not say what is missing.
+        if not rest.strip("/"):
             raise ValueError(f"checkpoint URL {os.fspath(path)!r} names no bucket or folder after {proto}://")
         return f"{proto}://{rest.rstrip('/')}"
-    if not s:  # "" or "file://": no folder to make or read ("." names the current one)
+    # "" or "file://": no folder to make or read ("." names the current one).
+    if not s:
         raise ValueError(f"checkpoint path {os.fspath(path)!r} is empty: name the checkpoint's folder")
     return s
 

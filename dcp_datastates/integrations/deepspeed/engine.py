@@ -47,13 +47,15 @@ log = logging.getLogger("dcp_datastates")
 
 ENGINE_NAME = "DataStatesCheckpointEngine"
 
-try:  # DeepSpeed is optional
+# DeepSpeed is optional.
+try:
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
     _IMPORT_ERROR: BaseException | None = None
 except Exception as _exc:  # noqa: BLE001 - ImportError, or a DeepSpeed that fails with this torch
     _IMPORT_ERROR = _exc
-    CheckpointEngine = object  # placeholder: the class refuses to be made
+    # A placeholder: the class refuses to be made.
+    CheckpointEngine = object
     CheckpointCommitInfo = None
 
 DEEPSPEED_AVAILABLE = _IMPORT_ERROR is None
@@ -90,7 +92,8 @@ class _Save:
 
     def __init__(self, info, folder: str, names: list[str], upload: concurrent.futures.Future) -> None:
         self.info, self.folder, self.names, self.upload = info, folder, names, upload
-        self.finished = threading.Event()  # set once `latest` is written (or the save failed)
+        # Set once `latest` is written (or the save failed).
+        self.finished = threading.Event()
         self.error: BaseException | None = None
 
 
@@ -124,10 +127,14 @@ class DataStatesCheckpointEngine(CheckpointEngine):
         self.group = process_group
         if self.group is None and dist.is_initialized():
             self.group = checkpoint_process_group(self.config)
-        self._info = None  # the CheckpointCommitInfo of the tag being saved
-        self._collecting = False  # inside save_checkpoint (set by the wrapper)
-        self._files: dict[str, tuple[dict, Any]] = {}  # file name -> (tensors, skeleton)
-        self._to_commit = None  # handed to DeepSpeed once per save, for the step's wait
+        # The CheckpointCommitInfo of the tag being saved.
+        self._info = None
+        # True inside save_checkpoint (set by the wrapper).
+        self._collecting = False
+        # File name -> (tensors, skeleton).
+        self._files: dict[str, tuple[dict, Any]] = {}
+        # Handed to DeepSpeed once per save, for the step's wait.
+        self._to_commit = None
         self._inflight: _Save | None = None
         self._last: _Save | None = None
         log.info("dcp_datastates: DeepSpeed checkpoints are saved lazily by the DataStates engine")
@@ -160,7 +167,8 @@ class DataStatesCheckpointEngine(CheckpointEngine):
         folder, name = os.path.dirname(os.path.abspath(path)), os.path.basename(path)
         inflight = self._inflight
         if inflight is not None and inflight.folder == folder:
-            self.wait()  # loading the tag being saved: once it is committed
+            # Loading the tag being saved: once it is committed.
+            self.wait()
         if files.read_pointer(path) is None:
             return _torch_load(path, map_location, self.trusted)
         return _move(load_file(folder, name, config=self.config, trusted=self.trusted), map_location)
@@ -229,7 +237,8 @@ class DataStatesCheckpointEngine(CheckpointEngine):
         state: dict[str, Any] = {}
         for name, (tensors, skeleton) in self._files.items():
             state.update(tensors)
-            state[name] = (skeleton,)  # a tuple is one DCP value: DCP does not walk into it
+            # A tuple is one DCP value: DCP does not walk into it.
+            state[name] = (skeleton,)
         names = sorted(self._files)
         self._files = {}
         names_everywhere = _gather_names(names, self.group)
@@ -247,7 +256,8 @@ class DataStatesCheckpointEngine(CheckpointEngine):
         try:
             try:
                 save.upload.result()
-            except (Exception, CheckpointException) as exc:  # DCP's error is a BaseException
+            except (Exception, CheckpointException) as exc:
+                # DCP's error is a BaseException.
                 save.error = exc
                 log.error("dcp_datastates: DeepSpeed checkpoint %s failed; `latest` keeps the previous tag: %s",
                           save.info.tag, exc)

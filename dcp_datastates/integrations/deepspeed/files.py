@@ -23,7 +23,8 @@ __all__ = ["POINTER_FORMAT", "LATEST", "write_pointer", "read_pointer", "sync_po
 POINTER_FORMAT = "dcp_datastates.deepspeed/pointer"
 POINTER_VERSION = 1
 LATEST = "latest"
-_POINTER_MAX = 4096  # a pointer is ~300 bytes; a larger file is DeepSpeed's own
+# A pointer is ~300 bytes; a larger file is DeepSpeed's own.
+_POINTER_MAX = 4096
 
 
 def _pointer_bytes(name: str) -> bytes:
@@ -46,7 +47,8 @@ def write_pointer(path: str) -> None:
     try:
         with open(path, "rb") as f:
             if f.read(len(data) + 1) == data:
-                return  # a re-save of the tag: the pointer is there already
+                # A re-save of the tag: the pointer is there already.
+                return
     except OSError:
         pass
     _replace(path, data, sync=False)

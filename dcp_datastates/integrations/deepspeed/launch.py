@@ -46,7 +46,8 @@ def initialize(*args: Any, trusted: bool = False, close_timeout: float = 600.0, 
             return DataStatesCheckpointEngine(config_params, trusted=trusted, close_timeout=close_timeout)
         return own(config_params, groups, zero_stage, has_moe_layers, optimize_dp_state)
 
-    with _factory_lock:  # DeepSpeed looks the factory up in its engine module while it builds one
+    # DeepSpeed looks the factory up in its engine module while it builds one.
+    with _factory_lock:
         ds_engine.create_checkpoint_engine = create_checkpoint_engine
         try:
             result = deepspeed.initialize(*args, **kwargs)
@@ -92,7 +93,8 @@ def _wrap(engine) -> None:
 
     @functools.wraps(load_checkpoint)
     def load_after_save(*args: Any, **kwargs: Any):
-        ckpt.wait()  # a save in flight first: `latest` then names it, as after DeepSpeed's own saves
+        # A save in flight first: `latest` then names it, as after DeepSpeed's own saves.
+        ckpt.wait()
         return load_checkpoint(*args, **kwargs)
 
     engine.save_checkpoint = save_lazily

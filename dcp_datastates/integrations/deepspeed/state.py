@@ -28,7 +28,8 @@ import torch
 
 __all__ = ["TensorSlot", "pack", "unpack", "skeleton_of", "deepspeed_safe_globals", "allow_deepspeed_types"]
 
-SEP = "/"  # between the file name and the keys of a tensor's item name
+#: The separator between the file name and the keys of a tensor's item name.
+SEP = "/"
 
 
 class TensorSlot:
@@ -40,7 +41,8 @@ class TensorSlot:
     def __init__(self, fqn: str, requires_grad: bool = False, parameter: bool = False) -> None:
         self.fqn, self.requires_grad, self.parameter = fqn, bool(requires_grad), bool(parameter)
 
-    def __reduce__(self):  # rebuilt by a call the restricted unpickler allows (see deepspeed_safe_globals)
+    def __reduce__(self):
+        # Rebuilt by a call the restricted unpickler allows (see deepspeed_safe_globals).
         return (TensorSlot, (self.fqn, self.requires_grad, self.parameter))
 
     def __repr__(self) -> str:
@@ -67,7 +69,8 @@ def pack(file: str, state: Mapping) -> tuple[dict[str, torch.Tensor], Any]:
     def name(path: tuple) -> str:
         base = SEP.join((file, *(str(p) for p in path)))
         fqn, n = base, 1
-        while fqn in tensors:  # keys 0 and "0" of one dict, or "/" inside keys: never two items one name
+        # Keys 0 and "0" of one dict, or "/" inside keys: never two items one name.
+        while fqn in tensors:
             n += 1
             fqn = f"{base}~{n}"
         return fqn
@@ -86,7 +89,8 @@ def pack(file: str, state: Mapping) -> tuple[dict[str, torch.Tensor], Any]:
             items = [(k, walk(v, (*path, k))) for k, v in value.items()]
             try:
                 out = type(value)()
-            except TypeError:  # a mapping type that needs arguments: a plain dict keeps the items
+            except TypeError:
+                # A mapping type that needs arguments: a plain dict keeps the items.
                 out = {}
             for k, v in items:
                 out[k] = v
@@ -94,7 +98,8 @@ def pack(file: str, state: Mapping) -> tuple[dict[str, torch.Tensor], Any]:
         items = [walk(v, (*path, i)) for i, v in enumerate(value)]
         if isinstance(value, list):
             return items
-        if hasattr(value, "_fields"):  # a namedtuple
+        if hasattr(value, "_fields"):
+            # A namedtuple.
             return type(value)(*items)
         return type(value)(items)
 
@@ -137,7 +142,8 @@ def unpack(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         if isinstance(value, TensorSlot):
             return tensor(value)
         if isinstance(value, Mapping):
-            for k in list(value.keys()):  # a decoded skeleton: its dicts are this call's own
+            # A decoded skeleton: its dicts are this call's own.
+            for k in list(value.keys()):
                 v = value[k]
                 w = walk(v)
                 if w is not v:
@@ -150,7 +156,8 @@ def unpack(skeleton: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         if isinstance(value, tuple):
             items = [walk(v) for v in value]
             if all(a is b for a, b in zip(items, value)):
-                return value  # no slot inside (torch.Size, betas): kept as decoded
+                # No slot inside (torch.Size, betas): kept as decoded.
+                return value
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
         return value
 
@@ -175,7 +182,8 @@ def deepspeed_safe_globals() -> list:
     for module, name in _DEEPSPEED_TYPES:
         try:
             found.append(getattr(importlib.import_module(module), name))
-        except (ImportError, AttributeError):  # another DeepSpeed release: refused if a value needs it
+        except (ImportError, AttributeError):
+            # Another DeepSpeed release: refused if a value needs it.
             continue
     return found
 
