@@ -84,16 +84,21 @@ class DataStatesReader(StorageReader):
         self.path = self.durable_path = normalize(path)
         self.storage_data: _StorageIndex | None = None
         self.rank = 0
-        self._load_pause = None  # Python's cyclic GC paused for the load in progress (runtime/inflight.py)
-        self.load_id = uuid.uuid4().hex  # as FileSystemReader: one per load, in storage_meta.load_id
+        # Python's cyclic GC paused for the load in progress (runtime/inflight.py).
+        self._load_pause = None
+        # As FileSystemReader: one per load, in storage_meta.load_id.
+        self.load_id = uuid.uuid4().hex
         self._reset_load()
 
     def _reset_load(self) -> None:
         self._plan = ReadPlan(self.path) if self.path is not None else None
         self._storage = None
-        self._beside = None  # where references resolve when not beside self.path (_read_metadata)
-        self._sizes: dict[str, int] = {}  # the durable data files' sizes, read once per read_data
-        self._copies = NodeCopies()  # this node's copies of the data files (the tier's: node_copies)
+        # Where references resolve when not beside self.path (_read_metadata).
+        self._beside = None
+        # The durable data files' sizes, read once per read_data.
+        self._sizes: dict[str, int] = {}
+        # This node's copies of the data files (the tier's: node_copies).
+        self._copies = NodeCopies()
 
     @property
     def tier_reads(self) -> dict[str, int]:
@@ -144,7 +149,8 @@ class DataStatesReader(StorageReader):
         # durable path, also when this is a node-local copy.
         self._beside = None if self.path == self.durable_path else open_storage(self.durable_path,
                                                                                 self.config.storage_options)
-        if self._plan.pending is not None:  # several ranks: committed on the local tiers, not drained yet
+        if self._plan.pending is not None:
+            # Several ranks: committed on the local tiers, not drained yet.
             md, files = self._plan.pending
             self._copies = self.tier.node_copies(self._plan, self._plan.pending_id, self._rank())
             return self._with_index(md, files)
@@ -162,14 +168,17 @@ class DataStatesReader(StorageReader):
 
     def _with_index(self, md: Metadata, files: dict[str, FileInfo]) -> Metadata:
         index = md.storage_data
-        if type(index) is dict:  # version 1/2 decode; a packed table's mapping already is one
+        if type(index) is dict:
+            # Version 1/2 decode; a packed table's mapping already is one.
             index = _StorageIndex(index)
         index.files = files
-        index.checkpoint_path = self.path  # names this folder in planner errors (it may have moved)
+        # Names this folder in planner errors (it may have moved).
+        index.checkpoint_path = self.path
         md.storage_data = index
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
-        md.storage_meta.load_id = self.load_id  # stock DCP's readers say which load read the metadata
+        # Stock DCP's readers say which load read the metadata.
+        md.storage_meta.load_id = self.load_id
         return md
 
     @staticmethod
@@ -182,7 +191,8 @@ class DataStatesReader(StorageReader):
             self.rank = int(kwargs["rank"])
         elif dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank()
-        if self._storage is None:  # DCP broadcast the metadata: this rank read none
+        if self._storage is None:
+            # DCP broadcast the metadata: this rank read none.
             self._storage = open_storage(self.path, self.config.storage_options)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
@@ -200,14 +210,16 @@ class DataStatesReader(StorageReader):
         try:
             return self._read_data(plan, planner)
         finally:
-            self._end_load_pause(after=0.25)  # DCP's plan is freed once dcp.load returns, right after
+            # DCP's plan is freed once dcp.load returns, right after.
+            self._end_load_pause(after=0.25)
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         # The targets may be the very tensors a lazy save of this process still copies (a restore
         # right after a save): the reads below would change them under that save, bumping no
         # version its guard could see. Wait for its staging first, as an optimizer step does.
         wait_staged()
-        with gc_paused():  # read_metadata's pause may be over (a reader used outside dcp.load)
+        # read_metadata's pause may be over (a reader used outside dcp.load).
+        with gc_paused():
             by_file: dict[str, list[tuple[ReadItem, ItemLocation]]] = defaultdict(list)
             for req in plan.items:
                 loc = self._location(req)
@@ -242,12 +254,14 @@ class DataStatesReader(StorageReader):
     def _read_file(self, name: str, items: list[tuple[ReadItem, ItemLocation]], planner: LoadPlanner,
                    staging: read.DeviceStaging) -> None:
         if not self._copies.usable(name, self.storage_data.files.get(name)):
-            self._check_file(name)  # before any buffer is allocated for what the metadata claims
+            # Before any buffer is allocated for what the metadata claims.
+            self._check_file(name)
         pending = read.targets(items, planner, verify=self.config.verify)
         host = [p for p in pending if not p.staged]
         self._read(name, [p for p in host if p.nbytes])
         read.deliver(host, planner, trusted=self.trusted, checkpoint=str(self.path))
-        for batch in staging.batches([p for p in pending if p.staged]):  # CUDA destinations
+        # The staged ones: CUDA destinations.
+        for batch in staging.batches([p for p in pending if p.staged]):
             self._read(name, batch)
             staging.copy(batch, planner)
         self._copies.served(name)
@@ -259,7 +273,8 @@ class DataStatesReader(StorageReader):
         if self._copies.read(name, reading, engine, self.config.read_threads):
             return
         self._check_file(name)
-        folder, own = data_file(self._storage, name, self._beside)  # a reference: an earlier checkpoint's file
+        # A reference: an earlier checkpoint's file.
+        folder, own = data_file(self._storage, name, self._beside)
         read.read_targets(folder, own, reading, engine, verify=self.config.verify,
                           threads=self.config.read_threads, checkpoint=self.path)
 
@@ -276,7 +291,8 @@ class DataStatesReader(StorageReader):
         info = self.storage_data.files.get(name)
         if info is None:
             return
-        if name not in self._sizes:  # a local copy that failed, or absent: ask for this one
+        if name not in self._sizes:
+            # A local copy that failed, or absent: ask for this one.
             self._sizes.update(self._file_sizes([name]))
         folder, own = data_file(self._storage, name, self._beside)
         exc = file_size_error(self.path, name, self._sizes.get(name), info.size, location=folder.where(own))

@@ -87,10 +87,14 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self.is_coordinator = False
         self.rank = 0
         self.use_collectives = True
-        self._retargeted = False  # a reset() named another folder: later saves defer theirs
-        self._pending: list = []  # staged saves waiting for their write_data (in order)
-        self._current = None  # the save DCP is planning/writing now
-        self._finishing = None  # written, waiting for finish() (coordinator)
+        # A reset() named another folder: later saves defer theirs.
+        self._retargeted = False
+        # Staged saves waiting for their write_data (in order).
+        self._pending: list = []
+        # The save DCP is planning/writing now.
+        self._current = None
+        # Written, waiting for finish() (coordinator).
+        self._finishing = None
 
     def __getstate__(self):
         raise TypeError(
@@ -174,7 +178,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if checkpoint_id is not None:
             new = self._target(checkpoint_id)
             if new != self.path and self.path is not None:
-                self._retargeted = True  # this writer is given its folder per save: defer it
+                # This writer is given its folder per save: defer it.
+                self._retargeted = True
             self.path = new
         self.save_id = uuid.uuid4().hex
         self.tier.new_save()
@@ -193,7 +198,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if staged is None:
             return
         staged.planner = threading.current_thread()
-        save.watch(staged, self.tier)  # a failure DCP sends to this thread removes what it wrote
+        # A failure DCP sends to this thread removes what it wrote.
+        save.watch(staged, self.tier)
         for h in staged.held:
             h.watch(staged.planner)
         if staged.error is not None or self.path is None:
@@ -214,7 +220,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             if staged is not None:
                 save.discard(staged, f"save abandoned: {exc}", self.tier)
                 save.unwatch(staged)
-                staged.end_collector_pause()  # DCP stops here: nothing closes the save
+                # DCP stops here: nothing closes the save.
+                staged.end_collector_pause()
             raise
 
     def _prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -226,7 +233,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if staged is not None and staged.error is not None:
             raise staged.error
         self.tier.check_local_plan(self.path, self.use_collectives)
-        if staged is None:  # dcp.save: nothing staged, the folder is prepared here
+        if staged is None:
+            # dcp.save: nothing staged, the folder is prepared here.
             self._check_launch()
             staged = self._current = save.sync_save(self.path, self._storage(self.path), self.rank, self.config,
                                                     self.tier)
@@ -278,7 +286,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 raise error
             raise CheckpointWriteError(f"saving checkpoint {self.path} failed: {type(error).__name__}: {error}") from error
         if self.use_collectives and not self.is_coordinator:
-            self._close(staged)  # the coordinator commits; nothing more happens here
+            # The coordinator commits; nothing more happens here.
+            self._close(staged)
         else:
             self._finishing = staged
         fut: torch.futures.Future = torch.futures.Future()
@@ -288,18 +297,21 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         staged = self._finishing
         self._finishing = None
-        broadcast = metadata  # what DCP sends every rank once this returns
+        # What DCP sends every rank once this returns.
+        broadcast = metadata
         error: BaseException | None = None
         try:
             if staged is not None and staged.abandoned is not None:
                 raise CheckpointWriteError(f"checkpoint {self.path} abandoned: {staged.abandoned}; not committed")
-            if metadata.storage_meta is None:  # DCP's default planner does not fill it
+            if metadata.storage_meta is None:
+                # DCP's default planner does not fill it.
                 metadata = dataclasses.replace(metadata, storage_meta=self.storage_meta())
             locations = CommitLocations(results, metadata)
             self.tier.commit(self._storage(self.path), metadata, locations, staged,
                              rank_local=None if self.use_collectives else self.rank,
                              in_use=save.names_in_use(self.path) if staged is None else frozenset())
-            broadcast.storage_data = save.CommitNotice()  # the other ranks learn that it is committed
+            # The other ranks learn that it is committed.
+            broadcast.storage_data = save.CommitNotice()
         except BaseException as exc:
             self.tier.failed(exc)
             error = exc

@@ -23,7 +23,8 @@
 The DCP adapter (``writer.py``) calls only what this package exports.
 """
 
-from ..runtime.inflight import names_in_use  # the files of saves still running: a commit keeps them
+# The files of saves still running: a commit keeps them.
+from ..runtime.inflight import names_in_use
 from .consolidate import consolidate_results
 from .discard import CommitNotice, discard, unwatch, wait_settled, watch
 from .finish import close_save

@@ -46,7 +46,8 @@ def consolidate_results(results: list, group, coordinator: int = 0) -> list:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     layout = node_layout(group, world)
     if len(layout) == 1:
-        return results  # one node: DCP's own gather is already the one hop to the coordinator
+        # One node: DCP's own gather is already the one hop to the coordinator.
+        return results
 
     def glob(r: int) -> int:
         return r if group is None else dist.get_global_rank(group, r)

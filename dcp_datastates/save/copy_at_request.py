@@ -60,4 +60,5 @@ def request_copy_limit(sizes: list[int], max_bytes: int, total: int | None) -> i
     return limit
 
 
-_limits_told: set[tuple] = set()  # the request_copy_limit warnings given (once per shape of the state)
+# The request_copy_limit warnings given (once per shape of the state).
+_limits_told: set[tuple] = set()

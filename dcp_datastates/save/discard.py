@@ -60,7 +60,8 @@ def discard(staged: StagedSave, reason: str, tier) -> None:
 
 def _wait_ended(staged: StagedSave) -> None:
     deadline = time.monotonic() + JOB_END_WAIT_S
-    for j in staged.jobs():  # one still running past the deadline: its file is removed all the same
+    for j in staged.jobs():
+        # One still running past the deadline: its file is removed all the same.
         j.wait_ended(max(0.0, deadline - time.monotonic()))
 
 
@@ -69,7 +70,8 @@ def _remove_files(staged: StagedSave) -> None:
     for storage in {id(s): s for s in (staged.storage, staged.moved_from) if s is not None}.values():
         for name in names:
             storage.remove_quietly(name)
-    for f in staged.files:  # an upload still running: its object goes once it ends
+    for f in staged.files:
+        # An upload still running: its object goes once it ends.
         if f.upload is not None and f.name is not None and not f.upload.done():
             f.upload.add_done_callback(lambda _, s=staged.storage, n=f.name: s.remove_quietly(n))
 
@@ -170,7 +172,8 @@ def _discard_unless_committed(staged: StagedSave, tier) -> None:
                 log.info("dcp_datastates: kept the files of the save of %s: its folder's commit could not be "
                          "read (%s)", staged.path, exc)
                 return
-            time.sleep(0.2 * (attempt + 1))  # a store's passing refusal
+            # A store's passing refusal.
+            time.sleep(0.2 * (attempt + 1))
     discard(staged, "the save failed", tier)
     staged.close()
 

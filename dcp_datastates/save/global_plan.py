@@ -27,7 +27,8 @@ from ..native import engine_module
 __all__ = ["dedup_plans", "suspect_tensors"]
 
 _engine = engine_module()
-_index_key = attrgetter("index.fqn", "index.offset")  # what a MetadataIndex compares by
+# What a MetadataIndex compares by.
+_index_key = attrgetter("index.fqn", "index.offset")
 _offsets = attrgetter("offsets")
 _sizes = attrgetter("sizes")
 
@@ -46,8 +47,10 @@ def dedup_plans(all_plans: list, to_lowest_rank: bool) -> list:
         return list(all_plans)
     # The items whose hash repeats (a collision only costs a look), grouped by their key.
     suspects = [torch.isin(col, repeated).nonzero().flatten().tolist() for col in columns]
-    groups: dict = {}  # key -> [first plan, first position, plans holding it, its last item]
-    keys = []  # per plan, the key at each of its suspect positions (the items are read once)
+    # key -> [first plan, first position, plans holding it, its last item]
+    groups: dict = {}
+    # Per plan, the key at each of its suspect positions (the items are read once).
+    keys = []
     for p, (plan, positions) in enumerate(zip(all_plans, suspects)):
         items = plan.items
         keys.append([_index_key(items[j]) for j in positions])
@@ -83,7 +86,8 @@ def _select_plans(all_plans: list, suspects: list, groups: dict, to_lowest_rank:
     shared = {key: g for key, g in groups.items() if len(g[2]) > 1}
     if to_lowest_rank:
         return {key: g[0] for key, g in shared.items()}
-    last: dict[int, int] = {}  # first holder -> the position of the last shared item it meets first
+    # First holder -> the position of the last shared item it meets first.
+    last: dict[int, int] = {}
     for g in shared.values():
         last[g[0]] = max(last.get(g[0], -1), g[1])
     planned = [0] * len(all_plans)
@@ -98,7 +102,8 @@ def _select_plans(all_plans: list, suspects: list, groups: dict, to_lowest_rank:
             key = _index_key(item)
             group = groups[key]
             if group[0] != p or group[1] != j:
-                continue  # met before: decided already
+                # Met before: decided already.
+                continue
             chosen = p
             if len(group[2]) > 1:
                 chosen = selected[key] = min(group[2], key=planned.__getitem__)
@@ -117,7 +122,8 @@ def suspect_tensors(metadata: Metadata, several_plans: bool) -> list[str]:
     suspects: list[str] = []
     for fqn, value in metadata.state_dict_metadata.items():
         if isinstance(value, BytesStorageMetadata) or len(value.size) == 0:
-            continue  # DCP's validation skips these too
+            # DCP's validation skips these too.
+            continue
         chunks, ndim = value.chunks, len(value.size)
         start, dims_start = len(offsets), len(dims)
         try:
@@ -128,7 +134,8 @@ def suspect_tensors(metadata: Metadata, several_plans: bool) -> list[str]:
             ok = False
         else:
             ok = len(offsets) - start == len(chunks) * ndim == len(sizes) - start
-        if not ok:  # a chunk of another rank or beyond int64: DCP's own check decides
+        if not ok:
+            # A chunk of another rank or beyond int64: DCP's own check decides.
             suspects.append(fqn)
             del offsets[start:], sizes[start:], dims[dims_start:]
             continue

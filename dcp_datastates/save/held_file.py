@@ -44,7 +44,8 @@ from .incremental import Incremental
 from .items import ItemKey, SourceItem
 from .plan import item_location
 
-_engine = engine_module()  # hash64_segments: the incremental save's content hash
+# For hash64_segments: the incremental save's content hash.
+_engine = engine_module()
 
 __all__ = ["DataFileWork", "HeldFile"]
 
@@ -57,14 +58,22 @@ class DataFileWork(Protocol):
 
     ``result`` and ``wait_ended`` are the two ends of a job: the first is what a save that
     commits waits for, the second what a save that is discarded waits for (bounded, never
-    raising) before removing the job's file."""
+    raising) before removing the job's file.
 
-    keys: Sequence[ItemKey]  # its items, in its (staged) layout's order
-    name: str | None  # its file's name in the folder; None until known
-    job: Any  # the engine job copying its items (progress: ``bytes_done``, ``nbytes``)
-    mirrors: bool  # peer_copies: the keeper stages this same file (save/ownership.py)
-    mirror_of: int | None  # peer_copies: the same file as that rank's mirrored one
-    written: Mapping[ItemKey, ItemLocation] | None  # once durable (set from ``result()``)
+    - ``keys``: its items, in its (staged) layout's order.
+    - ``name``: its file's name in the folder; None until known.
+    - ``job``: the engine job copying its items (progress: ``bytes_done``, ``nbytes``).
+    - ``mirrors``: peer_copies: the keeper stages this same file (save/ownership.py).
+    - ``mirror_of``: peer_copies: the same file as that rank's mirrored one.
+    - ``written``: once durable (set from ``result()``): its items' final locations.
+    """
+
+    keys: Sequence[ItemKey]
+    name: str | None
+    job: Any
+    mirrors: bool
+    mirror_of: int | None
+    written: Mapping[ItemKey, ItemLocation] | None
 
     @property
     def device(self) -> int:
@@ -111,11 +120,11 @@ class _Destination:
 
 class HeldFile:
     """One held data file: ``items`` are copied into the host cache by an engine streaming job
-    (a ``DataFileWork``)."""
+    (a ``DataFileWork``, whose docstring says what ``mirrors``, ``mirror_of`` and ``written`` mean)."""
 
-    mirrors = False  # peer_copies: the keeper stages this same file (save/ownership.py)
-    mirror_of: int | None = None  # peer_copies: the same file as that rank's mirrored one
-    written = None  # once durable: its items' final locations
+    mirrors = False
+    mirror_of: int | None = None
+    written = None
 
     def __init__(self, engine, items: list[SourceItem], device: int, stream: int, label: str,
                  selection: frozenset | None = None, selection_known: bool = False,
@@ -135,8 +144,10 @@ class HeldFile:
         self._selection = selection
         self._selection_known = selection_known
         self._aborted: str | None = None
-        self._planner: threading.Thread | None = None  # DCP's thread planning this save
-        self._outcome: Future = Future()  # {key: ItemLocation} of the items written (``result()``)
+        # DCP's thread planning this save.
+        self._planner: threading.Thread | None = None
+        # {key: ItemLocation} of the items written (``result()``).
+        self._outcome: Future = Future()
         self.name: str | None = None
         threading.Thread(target=self._run, name="dcp-datastates-held", daemon=True).start()
 
@@ -180,7 +191,8 @@ class HeldFile:
         return self.job.is_staged()
 
     def device_wait(self, stream_of: Callable[[int], int | None]) -> bool:
-        return self.is_staged()  # (no stream waits for a held file's copies: the host waits)
+        # (No stream waits for a held file's copies: the host waits.)
+        return self.is_staged()
 
     def is_done(self) -> bool:
         return self._outcome.done()
@@ -259,14 +271,17 @@ class HeldFile:
                 final = plan_file([it.entry for it, _ in kept])
                 items = [(segs or 0, it.entry.nbytes, foff) for (it, _), segs, foff in zip(kept, segments, final.offsets)]
                 job, upload = self._submit(dest, final, items)
-                job.wait_staged()  # copied out of the held chunks
+                # Until copied out of the held chunks.
+                job.wait_staged()
         finally:
             for off, _, _ in taken:
                 self.job.release(off)
-        if job is None:  # every item unchanged: no file
+        if job is None:
+            # Every item unchanged: no file.
             return found
         if upload is not None:
-            upload.result()  # raises CheckpointWriteError naming the URL
+            # Raises CheckpointWriteError naming the URL.
+            upload.result()
         job.wait_done()
         if job.error():
             raise CheckpointWriteError(job.error())
@@ -280,7 +295,8 @@ class HeldFile:
     def _unchanged(self, kept: list, segments: list) -> tuple[list, list, list, dict[ItemKey, ItemLocation]]:
         """Hash the kept items' held bytes: (the digests, items and segments still to write, the
         base's locations of the unchanged ones)."""
-        digests = _engine.hash64_segments(segments)  # the GIL released while it reads
+        # The GIL released while it reads.
+        digests = _engine.hash64_segments(segments)
         same: dict[ItemKey, ItemLocation] = {}
         write, write_segments, write_digests = [], [], []
         for (it, off), segs, digest in zip(kept, segments, digests):

@@ -31,22 +31,34 @@ __all__ = ["FileJob", "StagedSave"]
 @dataclass(eq=False)
 class FileJob:
     """One data file written by the engine (a local file, or streamed to an object store): a
-    ``held_file.DataFileWork``, like the save's held files."""
+    ``held_file.DataFileWork``, like the save's held files.
 
-    index: int  # k in __<rank>_<k>
-    name: str | None  # None until the save's folder is prepared (request.prepare_destination)
+    - ``index``: k in ``__<rank>_<k>``.
+    - ``name``: None until the save's folder is prepared (``request.prepare_destination``).
+    - ``locations``: shared with a cached stage plan: never mutated.
+    - ``upload``: object stores: resolves once the object is complete in the store.
+    - ``name_it``: names the file of a job started unnamed (``Storage.start_data_file``).
+    - ``side_buffer``: the request-time copies' buffer (``side_buffers.copy_small_at_request``),
+      given back once staged.
+    - ``mirrors``: peer_copies: the keeper stages this same file (save/ownership.py).
+    - ``mirror_of``: peer_copies: the same file as that rank's mirrored one (not this save's data).
+    - ``written``: once durable: its items' final locations.
+    """
+
+    index: int
+    name: str | None
     job: Any
     keys: Sequence[ItemKey]
-    locations: Mapping[ItemKey, ItemLocation]  # shared with a cached stage plan: never mutated
+    locations: Mapping[ItemKey, ItemLocation]
     keepalive: list[Any] | None
     engine: Any
     file_size: int
-    upload: Future | None = None  # object stores: resolves once the object is complete in the store
-    name_it: Callable[..., None] | None = None  # names the file of a job started unnamed (Storage.start_data_file)
-    side_buffer: Any = None  # the request-time copies' buffer (side_buffers.copy_small_at_request), given back once staged
-    mirrors: bool = False  # peer_copies: the keeper stages this same file (save/ownership.py)
-    mirror_of: int | None = None  # peer_copies: the same file as that rank's mirrored one (not this save's data)
-    written: Mapping[ItemKey, ItemLocation] | None = None  # once durable: its items' final locations
+    upload: Future | None = None
+    name_it: Callable[..., None] | None = None
+    side_buffer: Any = None
+    mirrors: bool = False
+    mirror_of: int | None = None
+    written: Mapping[ItemKey, ItemLocation] | None = None
 
     @property
     def device(self) -> int:
@@ -103,38 +115,62 @@ class FileJob:
 
 @dataclass(eq=False)
 class StagedSave:
-    """Everything ``stage()`` started for one checkpoint on this rank."""
+    """Everything ``stage()`` started for one checkpoint on this rank.
 
-    path: str | None  # None: the folder is named later (checkpoint_id given to DCP only)
-    storage: Storage | None = None  # the folder ``path`` names
+    - ``path``: None: the folder is named later (checkpoint_id given to DCP only).
+    - ``storage``: the folder ``path`` names.
+    - ``tag``: file-name tag when the folder already holds a committed checkpoint.
+    - ``skipped``: DTensor replicas another rank writes.
+    - ``elsewhere``: plain tensors the decision gives to other ranks.
+    - ``learn``: no decision was known: learn it from this save's plan.
+    - ``moved_from``: staged into this folder, then DCP named another (reset).
+    - ``guard``: the sources this rank copies; ``late_guard``: tensors it may have to write from
+      live memory.
+    - ``error``: raised from prepare_local_plan.
+    - ``abandoned``: why the save was abandoned (Ctrl-C at exit, an error): never commit.
+    - ``discarded``: what it wrote was removed (save/discard.py).
+    - ``stall_s``: the training thread's time in stage(); ``staged_s``: request -> every byte in
+      the host cache.
+    - ``planner``: DCP's thread planning this save.
+    - ``flat``: the state as flattened at the request (its tensors are the sources).
+    - ``payloads``: fqn -> a non-tensor value's bytes, serialized at the request.
+    - ``destination``: the folder prepared and the files named (``request.prepare_destination``).
+    - ``collector_pause``: Python's cyclic GC paused for this save (runtime/inflight.py), ended by
+      ``end_collector_pause``.
+    - ``incremental``: incremental=True: the save's decisions (``incremental.Incremental``); None: off.
+    - ``pid``: the process that requested it (not a forked child).
+    """
+
+    path: str | None
+    storage: Storage | None = None
     rank: int = 0
-    tag: str | None = None  # file-name tag when the folder already holds a committed checkpoint
+    tag: str | None = None
     files: list[FileJob] = field(default_factory=list)
     held: list[HeldFile] = field(default_factory=list)
-    skipped: set = field(default_factory=set)  # DTensor replicas another rank writes
-    elsewhere: set = field(default_factory=set)  # plain tensors the decision gives to other ranks
+    skipped: set = field(default_factory=set)
+    elsewhere: set = field(default_factory=set)
     decision_key: DecisionKey | None = None
-    learn: bool = False  # no decision was known: learn it from this save's plan
+    learn: bool = False
     plain_keys: frozenset = frozenset()
-    moved_from: Storage | None = None  # staged into this folder, then DCP named another (reset)
-    guard: VersionGuard | None = None  # the sources this rank copies
-    late_guard: VersionGuard | None = None  # tensors it may have to write from live memory
-    error: BaseException | None = None  # raised from prepare_local_plan
-    abandoned: str | None = None  # why the save was abandoned (Ctrl-C at exit, an error): never commit
-    discarded: bool = False  # what it wrote was removed (save/discard.py)
+    moved_from: Storage | None = None
+    guard: VersionGuard | None = None
+    late_guard: VersionGuard | None = None
+    error: BaseException | None = None
+    abandoned: str | None = None
+    discarded: bool = False
     requested: float = field(default_factory=time.monotonic)
-    stall_s: float = 0.0  # the training thread's time in stage()
-    staged_s: float | None = None  # request -> every byte in the host cache
+    stall_s: float = 0.0
+    staged_s: float | None = None
     _sealed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
     finished: threading.Event = field(default_factory=threading.Event)
-    planner: threading.Thread | None = None  # DCP's thread planning this save
-    flat: dict | None = None  # the state as flattened at the request (its tensors are the sources)
-    payloads: dict = field(default_factory=dict)  # fqn -> a non-tensor value's bytes, serialized at the request
-    destination: Future | None = None  # the folder prepared and the files named (request.prepare_destination)
-    collector_pause: Any = None  # Python's cyclic GC paused for this save (runtime/inflight.py), ended by end_collector_pause
-    incremental: Any = None  # incremental=True: the save's decisions (incremental.Incremental); None: off
-    pid: int = field(default_factory=os.getpid)  # the process that requested it (not a forked child)
+    planner: threading.Thread | None = None
+    flat: dict | None = None
+    payloads: dict = field(default_factory=dict)
+    destination: Future | None = None
+    collector_pause: Any = None
+    incremental: Any = None
+    pid: int = field(default_factory=os.getpid)
 
     def end_collector_pause(self, after: float = 0.0) -> None:
         """The save's objects are about to be freed (``after`` seconds from now, once the

@@ -45,7 +45,8 @@ from ..native import engine_module
 from ..storage import Storage, root_of
 from .items import ItemKey, item_key
 
-_engine = engine_module()  # hash64: a base's marker is decoded again only when its bytes changed
+# For hash64: a base's marker is decoded again only when its bytes changed.
+_engine = engine_module()
 
 __all__ = ["Incremental", "Base", "PROBE_EVERY", "hint_key"]
 
@@ -68,11 +69,11 @@ def hint_key(path: str, rank: int) -> tuple[str, int]:
 @dataclasses.dataclass(frozen=True)
 class Base:
     """The checkpoint a save builds on: its folder's name and, per item that carries a hash, its
-    location as the new checkpoint names it (a reference)."""
+    location as the new checkpoint names it (a reference); ``files``: its marker's file table."""
 
     name: str
     items: dict[ItemKey, ItemLocation]
-    files: dict = dataclasses.field(default_factory=dict, repr=False)  # its marker's file table
+    files: dict = dataclasses.field(default_factory=dict, repr=False)
 
 
 class Incremental:
@@ -85,8 +86,10 @@ class Incremental:
         self._looked = False
         self._key: tuple[str, int] | None = None
         self._count = 0
-        self.direct: frozenset = frozenset()  # written without a hash this time (a hint)
-        self._changed: set = set()  # found changed by their hash this time
+        # Written without a hash this time (a hint).
+        self.direct: frozenset = frozenset()
+        # Found changed by their hash this time.
+        self._changed: set = set()
 
     def written_directly(self, key: tuple[str, int]) -> frozenset:
         """At the request: the tensors this save writes without holding and hashing them (see
@@ -121,7 +124,8 @@ class Incremental:
             return None
         loc = base.items.get(key)
         if loc is None:
-            return None  # new, or written without a hash last time: a candidate again next time
+            # New, or written without a hash last time: a candidate again next time.
+            return None
         if (loc.hash64 != digest or loc.length != entry.nbytes or loc.dtype != entry.dtype
                 or tuple(loc.shape) != tuple(entry.shape)):
             with self._lock:
@@ -173,7 +177,8 @@ def _base(folder: Storage, name: str, own: str) -> Base:
             _decoded[key] = (digest, base)
             while len(_decoded) > _MAX_DECODED:
                 _decoded.pop(next(iter(_decoded)))
-    check_data_files(folder, base.files)  # still all there: one listing per save
+    # Still all there: one listing per save.
+    check_data_files(folder, base.files)
     return base
 
 
@@ -186,9 +191,12 @@ def _references(storage_data: dict, base: str, own: str) -> dict[ItemKey, ItemLo
         ref = split_reference(loc.file)
         if ref is None:
             name = reference_name(base, loc.file)
-        elif ref[0] == own:  # bytes of the folder being saved into: replaced by this save
+        elif ref[0] == own:
+            # Bytes of the folder being saved into: replaced by this save.
             continue
         else:
-            name = loc.file  # already one hop to the checkpoint that wrote them
-        out[item_key(index)] = moved(loc, name)  # its file's recorded size and the hash kept
+            # Already one hop to the checkpoint that wrote them.
+            name = loc.file
+        # Its file's recorded size and the hash kept.
+        out[item_key(index)] = moved(loc, name)
     return out

@@ -32,14 +32,16 @@ ItemKey = tuple  # (fqn, offsets tuple or None)
 @dataclass
 class SourceItem:
     """One item with the memory its bytes come from. ``keepalive`` holds the tensor or buffer
-    that owns that memory until the engine has copied it."""
+    that owns that memory until the engine has copied it. ``device``: the CUDA device index
+    ``ptr`` points into; -1 for host memory. ``copied``: the bytes were copied at stage() already
+    (views, other devices)."""
 
     key: ItemKey
     entry: FileEntry
     ptr: int
     keepalive: Any
-    device: int = -1  # CUDA device index ``ptr`` points into; -1 for host memory
-    copied: bool = False  # the bytes were copied at stage() already (views, other devices)
+    device: int = -1
+    copied: bool = False
     # What the value is, decided once (``items_of_flat``): "plain" (a tensor every rank may hold),
     # "dtensor" (a DTensor's local shard), "shard" (ShardedTensor, CheckpointableTensor: each
     # rank's own) or "value" (a non-tensor value, serialized). Ownership and planning read this.
@@ -67,13 +69,15 @@ def _tensor_source(key: ItemKey, name: str, tensor: torch.Tensor, kind: str = PL
             # The engine copies device memory itself (lazily, on its own stream): keep the pointer.
             device = t.device.index if t.device.index is not None else torch.cuda.current_device()
         else:
-            t = t.to("cpu")  # other devices: copy now
+            # Other devices: copy now.
+            t = t.to("cpu")
     if t.is_conj() or t.is_neg():
         # A lazy conjugate or negative view (``x.conj()``, ``x.conj().imag``): its memory holds
         # the values before the conjugation or negation, which torch applies only when reading.
         t = t.resolve_conj().resolve_neg()
     if not t.is_contiguous():
-        t = t.contiguous()  # views: one copy here, on the training thread (rare in state dicts)
+        # Views: one copy here, on the training thread (rare in state dicts).
+        t = t.contiguous()
     nbytes = t.numel() * t.element_size()
     if nbytes and not t.data_ptr():
         t = _zeros_with_memory(t, name)
@@ -120,14 +124,16 @@ def _whole(obj: Any) -> bool:
 def classify(obj: Any) -> str:
     """What a state-dict value is (``SourceItem.kind``): the one place that asks."""
     if _whole(obj):
-        return SHARD if HAS_CHECKPOINTABLE_TENSOR and is_checkpointable_tensor(obj) else PLAIN  # (2.14+: shards of a global tensor)
+        # (2.14+: shards of a global tensor)
+        return SHARD if HAS_CHECKPOINTABLE_TENSOR and is_checkpointable_tensor(obj) else PLAIN
     if not isinstance(obj, torch.Tensor):
         return VALUE
     if hasattr(obj, "placements") and hasattr(obj, "device_mesh"):
         return DTENSOR
     if type(obj).__name__ == "ShardedTensor" or is_checkpointable_tensor(obj):
         return SHARD
-    return PLAIN  # another tensor subclass: DCP's own write items, replicated like a plain tensor
+    # Another tensor subclass: DCP's own write items, replicated like a plain tensor.
+    return PLAIN
 
 
 def items_of_flat(flat: dict, serialized: dict[int, torch.Tensor], kinds: list[str] | None = None) -> list[SourceItem]:

@@ -47,9 +47,12 @@ class Mirroring:
 
 
 class _Replicas(NamedTuple):
-    writer: int  # the index, among the item's replicas, of the one that writes it
-    mine: int  # this rank's index among them
-    ranks: tuple | None  # the global rank of each replica, when asked for
+    #: The index, among the item's replicas, of the one that writes it.
+    writer: int
+    #: This rank's index among them.
+    mine: int
+    #: The global rank of each replica, when asked for.
+    ranks: tuple | None
 
 
 def _dtensor_replicas(obj, key: ItemKey, meshes: dict | None) -> _Replicas | None:
@@ -76,7 +79,8 @@ def _dtensor_replicas(obj, key: ItemKey, meshes: dict | None) -> _Replicas | Non
         ranks = meshes.get(memo)
         if ranks is None:
             found = []
-            for i in range(replicas):  # mixed radix over the replicated dims, the last one fastest
+            for i in range(replicas):
+                # Mixed radix over the replicated dims, the last one fastest.
                 at, rest = list(coord), i
                 for d in reversed(rep_dims):
                     at[d], rest = rest % mesh.size(d), rest // mesh.size(d)
@@ -92,14 +96,22 @@ def plain_signature(items: list[SourceItem]) -> tuple:
 
 @dataclass
 class Ownership:
-    """The items of one ``stage()`` by what happens to them."""
+    """The items of one ``stage()`` by what happens to them.
 
-    owned: list[SourceItem] = field(default_factory=list)  # staged and flushed at once
-    held: list[SourceItem] = field(default_factory=list)  # staged; flushed once the plan says whose
-    skipped: set = field(default_factory=set)  # DTensor replicas another rank writes (out of the plan)
-    elsewhere: set = field(default_factory=set)  # plain tensors the cached decision gives to others
-    mirrored: list[SourceItem] = field(default_factory=list)  # owned, and the keeper holds them too
-    kept: dict[int, list[SourceItem]] = field(default_factory=dict)  # writer rank -> its mirrored items held here
+    - ``owned``: staged and flushed at once.
+    - ``held``: staged; flushed once the plan says whose.
+    - ``skipped``: DTensor replicas another rank writes (out of the plan).
+    - ``elsewhere``: plain tensors the cached decision gives to others.
+    - ``mirrored``: owned, and the keeper holds them too.
+    - ``kept``: writer rank -> its mirrored items held here.
+    """
+
+    owned: list[SourceItem] = field(default_factory=list)
+    held: list[SourceItem] = field(default_factory=list)
+    skipped: set = field(default_factory=set)
+    elsewhere: set = field(default_factory=set)
+    mirrored: list[SourceItem] = field(default_factory=list)
+    kept: dict[int, list[SourceItem]] = field(default_factory=dict)
 
 
 def split_by_owner(items: list[SourceItem], flat: dict, rank: int, world: int, decision: frozenset | None,
@@ -145,11 +157,12 @@ def split_by_owner(items: list[SourceItem], flat: dict, rank: int, world: int, d
 
 
 class DecisionKey(NamedTuple):
-    """What an ownership decision is kept under."""
+    """What an ownership decision is kept under; ``plain``: the structure of the plain tensors
+    (names, dtypes, shapes, devices)."""
 
     rank: int
     world: int
-    plain: tuple | None  # the structure of the plain tensors (names, dtypes, shapes, devices)
+    plain: tuple | None
 
 
 class Decisions:

@@ -32,43 +32,66 @@ __all__ = ["PlanContext", "HeldGroup", "RankPlan", "PlannedFile", "planned_file"
 @dataclass(frozen=True)
 class PlanContext:
     """Who this rank is and how it writes its files: what a plan (a cached one too) is valid for,
-    besides the state's structure."""
+    besides the state's structure.
+
+    - ``dedup``: replicated values are written by one rank.
+    - ``cuda``: the engine copies from CUDA memory itself.
+    - ``mirroring``: peer_copies: who keeps whose copies (mirrored files).
+    - ``files_per_group``: host items this rank writes itself: in up to this many files
+      (``split_for_writers``).
+    """
 
     rank: int
     world: int
-    dedup: bool  # replicated values are written by one rank
-    cuda: bool  # the engine copies from CUDA memory itself
-    mirroring: Mirroring | None = None  # peer_copies: who keeps whose copies (mirrored files)
-    files_per_group: int = 1  # host items this rank writes itself: in up to this many files (split_for_writers)
+    dedup: bool
+    cuda: bool
+    mirroring: Mirroring | None = None
+    files_per_group: int = 1
 
 
 @dataclass
 class HeldGroup:
     """Items copied now whose file is written later: ``known`` when this rank writes all of them
-    (only the folder is not named yet), else DCP's plan selects them."""
+    (only the folder is not named yet), else DCP's plan selects them.
+
+    peer_copies: with ``mirrors`` the keeper stages the same file (ownership.py, Mirrors);
+    ``mirror_of`` is the same file as that rank's mirrored one.
+    """
 
     items: list[SourceItem]
     known: bool
-    mirrors: bool = False  # peer_copies: the keeper stages the same file (ownership.py, Mirrors)
-    mirror_of: int | None = None  # peer_copies: the same file as that rank's mirrored one
+    mirrors: bool = False
+    mirror_of: int | None = None
 
 
 @dataclass(eq=False)
 class RankPlan:
-    """What ``stage()`` submits for one checkpoint on this rank."""
+    """What ``stage()`` submits for one checkpoint on this rank.
 
-    files: list[PlannedFile]  # written at once, in this order (k of __<rank>_<k>)
-    held: list[HeldGroup]  # staged now, written after DCP's planning
-    skipped: set  # DTensor replicas another rank writes
-    elsewhere: set  # plain tensors the ownership decision gives to other ranks
-    guard: VersionGuard  # the sources copied lazily
-    late_guard: VersionGuard  # tensors this rank may have to write later from live memory
-    decision_key: DecisionKey | None = None  # what the ownership decision is kept under
-    learn: bool = False  # no decision was known: learn it from this save's plan
+    - ``files``: written at once, in this order (k of ``__<rank>_<k>``).
+    - ``held``: staged now, written after DCP's planning.
+    - ``skipped``: DTensor replicas another rank writes.
+    - ``elsewhere``: plain tensors the ownership decision gives to other ranks.
+    - ``guard``: the sources copied lazily.
+    - ``late_guard``: tensors this rank may have to write later from live memory.
+    - ``decision_key``: what the ownership decision is kept under.
+    - ``learn``: no decision was known: learn it from this save's plan.
+    - ``payloads``: fqn -> uint8 tensor: a value's bytes as serialized now.
+    - ``copy_limit``: items of 1..copy_limit bytes are copied at the request (``request_copy_limit``).
+    """
+
+    files: list[PlannedFile]
+    held: list[HeldGroup]
+    skipped: set
+    elsewhere: set
+    guard: VersionGuard
+    late_guard: VersionGuard
+    decision_key: DecisionKey | None = None
+    learn: bool = False
     plain_keys: frozenset = frozenset()
     _record: Callable[[int], object] | None = field(default=None, repr=False)
-    payloads: dict = field(default_factory=dict)  # fqn -> uint8 tensor: a value's bytes as serialized now
-    copy_limit: int = 0  # items of 1..copy_limit bytes are copied at the request (request_copy_limit)
+    payloads: dict = field(default_factory=dict)
+    copy_limit: int = 0
 
     def remember(self, piece: int) -> None:
         """Cache this (missed) plan for the next checkpoints, on a checksum grid of step ``piece``."""
@@ -78,21 +101,33 @@ class RankPlan:
 
 @dataclass(eq=False)
 class PlannedFile:
-    """One data file to write: ``index`` is k of ``__<rank>_<k>``; items are in file order."""
+    """One data file to write: ``index`` is k of ``__<rank>_<k>``; items are in file order.
+
+    - ``device``: CUDA device the items' memory is on; -1: host memory.
+    - ``spans``: per item: (pointer, nbytes, file offset), for the engine.
+    - ``keepalive``: per item: what owns that memory until the engine copied it.
+    - ``entries``: the miss path's items (the hit path reuses ``cached``); ``sources``: the miss
+      path's items, for the plan cache's checks.
+    - ``cached``: locations of a cached plan (read-only).
+    - ``mirrors``: peer_copies: the keeper stages this same file (ownership.py); ``mirror_of``:
+      peer_copies: the same file as that rank's mirrored one.
+    - ``untagged``: a cached plan's file name (no save tag); None: named from the rank.
+    - ``_built``: (file, piece, locations) last built.
+    """
 
     index: int
-    device: int  # CUDA device the items' memory is on; -1: host memory
+    device: int
     layout: FileLayout
     keys: tuple[ItemKey, ...]
-    spans: list[tuple[int, int, int]]  # per item: (pointer, nbytes, file offset), for the engine
-    keepalive: list[Any]  # per item: what owns that memory until the engine copied it
-    entries: tuple[FileEntry, ...] = ()  # the miss path's items (the hit path reuses ``cached``)
-    sources: tuple[SourceItem, ...] = ()  # the miss path's items, for the plan cache's checks
-    cached: Mapping[ItemKey, ItemLocation] | None = None  # locations of a cached plan (read-only)
-    mirrors: bool = False  # peer_copies: the keeper stages this same file (ownership.py)
-    mirror_of: int | None = None  # peer_copies: the same file as that rank's mirrored one
-    untagged: str | None = None  # a cached plan's file name (no save tag); None: named from the rank
-    _built: tuple | None = field(default=None, repr=False)  # (file, piece, locations) last built
+    spans: list[tuple[int, int, int]]
+    keepalive: list[Any]
+    entries: tuple[FileEntry, ...] = ()
+    sources: tuple[SourceItem, ...] = ()
+    cached: Mapping[ItemKey, ItemLocation] | None = None
+    mirrors: bool = False
+    mirror_of: int | None = None
+    untagged: str | None = None
+    _built: tuple | None = field(default=None, repr=False)
 
     def locations(self, file: str, piece: int) -> Mapping[ItemKey, ItemLocation]:
         """Each item's location in ``file`` (the base name, no save tag), checksums not known yet,
@@ -103,7 +138,8 @@ class PlannedFile:
                 return self.cached
             return {k: with_piece(loc, piece) for k, loc in self.cached.items()}
         if self._built is not None and self._built[:2] == (file, piece):
-            return self._built[2]  # the writer's and the plan cache's tables are one
+            # the writer's and the plan cache's tables are one
+            return self._built[2]
         start = self.layout.data_start
         built = {key: item_location(file, e, off, start, piece)
                  for key, e, off in zip(self.keys, self.entries, self.layout.offsets)}
@@ -141,17 +177,22 @@ def with_piece(loc: ItemLocation, piece: int) -> ItemLocation:
 @dataclass(frozen=True)
 class FilePlan:
     """One data file of a cached plan: its layout and, in file order, which scanned value each
-    item comes from."""
+    item comes from.
+
+    - ``template``: per item: (flat position, nbytes, file offset).
+    - ``locations``: read-only.
+    - ``untagged``: its name without a save tag (the request names the file without the layout module).
+    """
 
     index: int
     device: int
     layout: FileLayout
-    template: tuple[tuple[int, int, int], ...]  # per item: (flat position, nbytes, file offset)
+    template: tuple[tuple[int, int, int], ...]
     keys: tuple[ItemKey, ...]
-    locations: Mapping[ItemKey, ItemLocation]  # read-only
+    locations: Mapping[ItemKey, ItemLocation]
     mirrors: bool = False
     mirror_of: int | None = None
-    untagged: str = ""  # its name without a save tag (the request names the file without the layout module)
+    untagged: str = ""
 
     def planned(self, scan: Scan) -> PlannedFile:
         """This file with the memory ``scan`` found (this checkpoint's pointers)."""
@@ -164,15 +205,22 @@ class FilePlan:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """Everything a stage() derives from one structure, for one ``PlanContext``."""
+    """Everything a stage() derives from one structure, for one ``PlanContext``.
+
+    - ``skipped``: DTensor replicas another rank writes.
+    - ``elsewhere``: plain tensors the decision gives to other ranks.
+    - ``decision``: the ownership decision this plan was built with.
+    - ``late``: flat positions of the skipped and elsewhere tensors.
+    - ``_small``: ``request_copies`` memo.
+    """
 
     signature: list
     files: tuple[FilePlan, ...]
-    skipped: frozenset  # DTensor replicas another rank writes
-    elsewhere: frozenset  # plain tensors the decision gives to other ranks
-    decision: frozenset | None  # the ownership decision this plan was built with
-    late: tuple[int, ...] = ()  # flat positions of the skipped and elsewhere tensors
-    _small: dict = field(default_factory=dict, compare=False, repr=False)  # request_copies memo
+    skipped: frozenset
+    elsewhere: frozenset
+    decision: frozenset | None
+    late: tuple[int, ...] = ()
+    _small: dict = field(default_factory=dict, compare=False, repr=False)
 
     def request_copies(self, max_bytes: int, total: int | None) -> tuple[int, tuple[int, ...]]:
         """(the size items are copied at the request up to, the flat positions of those items):

@@ -20,7 +20,8 @@ from .scan import Scan
 
 __all__ = ["find_plan", "build_plan", "plan_stats"]
 
-_MAX_PLANS = 4  # a run may save a few structures (model, optimizer, ...) with separate writers
+# A run may save a few structures (model, optimizer, ...) with separate writers.
+_MAX_PLANS = 4
 
 _plans: dict[PlanContext, list[StagePlan]] = {}
 _plans_lock = threading.Lock()
@@ -37,7 +38,8 @@ def find_plan(context: PlanContext, scan: Scan | None, decision: frozenset | Non
         for k, p in enumerate(plans):
             if p.signature == scan.signature and p.decision is decision:
                 plan = plans.pop(k)
-                plans.insert(0, plan)  # most recently used first; the least is evicted
+                # Most recently used first; the least is evicted.
+                plans.insert(0, plan)
                 break
         _hits[0 if plan is not None else 1] += 1
     return plan
@@ -75,7 +77,8 @@ def build_plan(context: PlanContext, scan: Scan, flat: dict, files: list[Planned
 def _same_source(scan: Scan, i: int, it: SourceItem) -> bool:
     if i in scan.payloads:
         return it.entry.kind == "bytes" and it.entry.nbytes == scan.payloads[i].numel()
-    same_memory = it.entry.nbytes == 0 or it.ptr == scan.ptrs[i]  # the engine skips empty items
+    # The engine skips empty items.
+    same_memory = it.entry.nbytes == 0 or it.ptr == scan.ptrs[i]
     return it.entry.kind == "tensor" and same_memory and it.device == scan.devices[i]
 
 

@@ -58,7 +58,8 @@ def _same_tensor(a: Any, b: Any) -> bool:
         return False
     if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
         return False
-    if a.is_conj() != b.is_conj() or a.is_neg() != b.is_neg():  # the same memory read as other values
+    if a.is_conj() != b.is_conj() or a.is_neg() != b.is_neg():
+        # The same memory read as other values.
         return False
     return a.numel() == 0 or (a.data_ptr() == b.data_ptr() and a.stride() == b.stride())
 
@@ -90,7 +91,8 @@ def items_to_rewrite(planner: SavePlanner, items: list[WriteItem], staged_bytes:
                 value = torch.load(io.BytesIO(staged), weights_only=False)
                 data = planner.transform_object(item, value)
             else:
-                data = planner.resolve_data(item)  # its own lookup: the state DCP was handed
+                # Its own lookup: the state DCP was handed.
+                data = planner.resolve_data(item)
             try:
                 new = _as_bytes(data)
             except TypeError as exc:
@@ -100,7 +102,8 @@ def items_to_rewrite(planner: SavePlanner, items: list[WriteItem], staged_bytes:
             continue
         resolved = planner.resolve_data(item)
         if _same_tensor(resolved, staged_tensor(item)):
-            continue  # the tensor itself: the staged bytes are what the planner writes
+            # The tensor itself: the staged bytes are what the planner writes.
+            continue
         if not transform_only:
             raise CheckpointWriteError(
                 f"{_label(planner, item)}: its resolve_data/lookup_object returns a tensor other than the state's, "

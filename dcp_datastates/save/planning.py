@@ -87,30 +87,35 @@ def _from_items(flat: dict, scan: Scan | None, context: PlanContext, decision: f
     rank, world, dedup = context.rank, context.world, context.dedup
     if scan is not None:
         items = items_of_flat(flat, scan.payloads, scan.kinds)
-    else:  # each value classified once, here; the values serialized as the scan does
+    else:
+        # Each value classified once, here; the values serialized as the scan does.
         kinds = [classify(v) for v in flat.values()]
         items = items_of_flat(flat, {i: serialize_object(v) for i, (v, kind) in enumerate(zip(flat.values(), kinds))
                                      if kind == VALUE}, kinds)
     decision_key = None
-    if dedup and scan is None:  # states the scan does not cover: key decisions on the items
+    if dedup and scan is None:
+        # States the scan does not cover: key decisions on the items.
         decision_key = DecisionKey(rank, world, plain_signature(items))
         decision = decisions().get(decision_key)
     own = split_by_owner(items, flat, rank, world, decision, dedup, context.mirroring)
     mirrored, kept = _mirror_groups(own)
     if own.held and sum(it.entry.nbytes for it in own.held) > hold_limit():
-        own.owned.extend(own.held)  # too big to hold: every holder writes its copy this time
+        # Too big to hold: every holder writes its copy this time.
+        own.owned.extend(own.held)
         own.held = []
     staged_here = (*own.owned, *own.held, *own.mirrored, *(it for _, group in kept for it in group))
     limit = request_copy_limit([it.entry.nbytes for it in staged_here], copies.max_bytes, copies.total)
     guard, late_guard = _guards(flat, own, limit)
     files: list[PlannedFile] = []
     held: list[HeldGroup] = []
-    if not folder_known:  # nothing can be flushed before the folder is named
+    if not folder_known:
+        # Nothing can be flushed before the folder is named.
         held += [HeldGroup(mirrored, True, mirrors=True)] if mirrored else []
         held += [HeldGroup(group, True) for group in by_device(own.owned)]
         held += [HeldGroup(group, True, mirror_of=writer) for writer, group in kept]
     else:
-        if incremental is not None:  # held until their hashes are known; the rest written now
+        if incremental is not None:
+            # Held until their hashes are known; the rest written now.
             room = hold_limit() - sum(it.entry.nbytes for it in own.held)
             candidates, own.owned = _candidates(own.owned, room, incremental)
             held += [HeldGroup(group, True) for group in by_device(candidates)]
@@ -172,6 +177,7 @@ def _guards(flat: dict, own: Ownership, copied_at_request: int) -> tuple[Version
         obj = flat.get(key[0])
         if isinstance(obj, torch.Tensor):
             later.append((key[0], obj.to_local() if hasattr(obj, "to_local") else obj))
-    kept_alive = [it.keepalive for it in lazy]  # the tensors the copies read, detached at the request
+    # The tensors the copies read, detached at the request.
+    kept_alive = [it.keepalive for it in lazy]
     return (VersionGuard([it.key[0] for it in lazy], kept_alive, None, kept_alive, [it.ptr for it in lazy]),
             VersionGuard([n for n, _ in later], [t for _, t in later]))

@@ -96,7 +96,8 @@ def request_save(state_dict: dict, *, path: str | None, storage: Storage | None,
     pause = gc_pause.pause_collector(GC_PAUSE_MAX_S)
     try:
         staged, future = _request(state_dict, path, storage, config, tier, requested, check_launch)
-    except BaseException:  # (errors are kept on the save; this is Ctrl-C and the like)
+    except BaseException:
+        # Errors are kept on the save; this is Ctrl-C and the like.
         pause.release()
         raise
     staged.collector_pause = pause
@@ -114,12 +115,14 @@ def _request(state_dict: dict, path: str | None, storage: Storage | None, config
         flat, mappings = flatten(state_dict)
         if path is not None:
             claim_folder(path, staged)
-            if tier.folder_at_request:  # the rest of the folder work runs off this thread (prepare_destination)
+            if tier.folder_at_request:
+                # The rest of the folder work runs off this thread (prepare_destination).
                 storage.make_folder()
         _stage_into(staged, flat, config, tier)
     except Exception as exc:  # noqa: BLE001 - raised from prepare_local_plan, on every rank
         staged.fail(exc)
-    inflight.register(staged)  # every torch.optim step now waits for this save's copies
+    # Every torch.optim step now waits for this save's copies.
+    inflight.register(staged)
     if flat is None:
         future.set_result(state_dict)
         return staged, future
@@ -171,7 +174,8 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
     staged.rank = rank
     dedup = world > 1 and config.dedup_replicated
     engine = get_engine(config)
-    direct = None  # incremental: the tensors written without a hash this time (a hint)
+    # Incremental: the tensors written without a hash this time (a hint).
+    direct = None
     if staged.incremental is not None:
         durable = tier.reported(staged.path)
         direct = staged.incremental.written_directly(hint_key(durable, rank)) if durable else frozenset()
@@ -185,7 +189,8 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
     staged.decision_key, staged.learn, staged.plain_keys = plan.decision_key, plan.learn, plan.plain_keys
     staged.flat, staged.payloads = flat, plan.payloads
     try:
-        for pf in plan.files:  # (files are planned only when the folder is known)
+        # (Files are planned only when the folder is known.)
+        for pf in plan.files:
             copied = _copy_small_now(engine, pf, staged.path, plan.copy_limit)
             staged.files.append(start_file(engine, staged, *copied, config))
         for group in plan.held:
@@ -194,7 +199,8 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
             h.mirrors, h.mirror_of = group.mirrors, group.mirror_of
             staged.held.append(h)
     finally:
-        if staged.path is not None:  # also after an error: the started jobs are named or failed there
+        if staged.path is not None:
+            # Also after an error: the started jobs are named or failed there.
             def need() -> int:
                 return (sum(pf.layout.file_size for pf in plan.files)
                         + sum(it.entry.nbytes for g in plan.held for it in g.items))
@@ -213,7 +219,8 @@ def name_folder(staged: StagedSave, path: str, storage: Storage, config, tier) -
     """DCP named the folder (``set_up_storage_writer``): files staged into another one move here
     once written (``write.write_rank``), held files are written here."""
     if staged.path is not None and staged.path != path:
-        staged.moved_from = staged.storage  # staged into the writer's previous folder
+        # Staged into the writer's previous folder.
+        staged.moved_from = staged.storage
         inflight.release(staged.path, staged)
         staged.path = None
     if staged.path is None:
@@ -231,7 +238,8 @@ def name_folder(staged: StagedSave, path: str, storage: Storage, config, tier) -
 def sync_save(path: str, storage: Storage, rank: int, config, tier) -> StagedSave:
     """``dcp.save`` (nothing staged): the folder prepared at planning time; the save that
     ``write_data`` then writes from live memory."""
-    pause = gc_pause.pause_collector(GC_PAUSE_MAX_S)  # DCP's write items live until the commit here too
+    # DCP's write items live until the commit here too.
+    pause = gc_pause.pause_collector(GC_PAUSE_MAX_S)
     try:
         tag = new_tag() if prepare_folder(storage, overwrite=config.overwrite) else None
     except BaseException:
@@ -291,7 +299,8 @@ def submit_file(engine, staged: StagedSave, pf: PlannedFile, config, tier) -> Fi
 def _name_file(f: FileJob, staged: StagedSave) -> None:
     """Give a started file its name in the prepared folder: the engine writes it from now on."""
     f.name = data_file_name(staged.rank, f.index, staged.tag)
-    f.name_it(f.name, _watchers.submit)  # an old file of that name is freed on a watcher
+    # An old file of that name is freed on a watcher.
+    f.name_it(f.name, _watchers.submit)
 
 
 def hold(engine, items: list[SourceItem], *, known: bool, config, label: str | None,
@@ -308,7 +317,8 @@ def hold(engine, items: list[SourceItem], *, known: bool, config, label: str | N
         items = [dataclasses.replace(it, ptr=span[0], keepalive=owner) for it, span, owner in zip(items, spans, keep)]
     held = HeldFile(engine, items, device, stream, label, selection=None, selection_known=known,
                     timeout=float(config.cache_wait_timeout), incremental=incremental)
-    held.side_buffer = side_buffer  # what the items copied at the request point into
+    # What the items copied at the request point into.
+    held.side_buffer = side_buffer
     return held
 
 
@@ -316,14 +326,17 @@ def finish_staging(staged: StagedSave, resolve: tuple | None) -> None:
     """On a watcher thread: wait for every copy, seal the guard, resolve DCP's Future."""
     try:
         if staged.destination is not None:
-            staged.destination.result()  # the folder is prepared and the files named (or the save failed)
+            # The folder is prepared and the files named (or the save failed).
+            staged.destination.result()
         staged.wait_staged(None)
         staged.staged_s = time.monotonic() - staged.requested
         staged.seal()
     finally:
         for f in staged.files:
-            f.keepalive = None  # the engine copied them: release the source tensors
-            if f.side_buffer is not None and f.job.is_staged():  # no copy reads it any more
+            # The engine copied them: release the source tensors.
+            f.keepalive = None
+            if f.side_buffer is not None and f.job.is_staged():
+                # No copy reads it any more.
                 give_back(f.side_buffer)
             f.side_buffer = None
         inflight.staged(staged)

@@ -79,17 +79,26 @@ def flatten(state_dict: dict) -> tuple[dict, dict]:
 @dataclass
 class Scan:
     """One pass over the flat state dict: the structure signature and, per value in flat order,
-    the pointer to copy from and what keeps that memory alive."""
+    the pointer to copy from and what keeps that memory alive.
+
+    - ``devices``: CUDA device index per value; -1 for host memory.
+    - ``payloads``: the non-tensor values' bytes (uint8), serialized now, by flat position.
+    - ``names``: flat keys, in order.
+    - ``tensors``: per value: the tensor the bytes come from (a DTensor's local shard); None for values.
+    - ``versions``: per value: that tensor's version counter now (``version_guard.VersionGuard``);
+      None for values.
+    - ``kinds``: per value: what it is (``items.classify``'s answer, decided here once).
+    """
 
     signature: list
     ptrs: list[int]
     keeps: list
-    devices: list[int]  # CUDA device index per value; -1 for host memory
-    payloads: dict[int, torch.Tensor]  # the non-tensor values' bytes (uint8), serialized now, by flat position
-    names: list[str]  # flat keys, in order
-    tensors: list  # per value: the tensor the bytes come from (a DTensor's local shard); None for values
-    versions: list  # per value: that tensor's version counter now (version_guard.VersionGuard); None for values
-    kinds: list  # per value: what it is (items.classify's answer, decided here once)
+    devices: list[int]
+    payloads: dict[int, torch.Tensor]
+    names: list[str]
+    tensors: list
+    versions: list
+    kinds: list
 
     def plain_signature(self) -> tuple:
         """Names, dtypes, shapes and devices of the plain tensors (what ownership decisions key on)."""
@@ -129,7 +138,8 @@ def scan_state(flat: dict) -> Scan | None:
         tp = type(v)
         if tp is _Tensor or (tp is _Parameter and type(v.data) is _Tensor):
             if HAS_CHECKPOINTABLE_TENSOR and is_checkpointable_tensor(v):
-                return None  # shards of a global tensor (torch 2.14+): DCP's write items
+                # Shards of a global tensor (torch 2.14+): DCP's write items.
+                return None
             t, extra = v, None
             kinds.append(PLAIN)
         elif DTensor is not None and tp is DTensor:
@@ -139,7 +149,8 @@ def scan_state(flat: dict) -> Scan | None:
             t, extra = entry
             kinds.append(DTENSOR)
         elif isinstance(v, _Tensor):
-            return None  # ShardedTensor, subclasses: DCP's own write items, every time
+            # ShardedTensor, subclasses: DCP's own write items, every time.
+            return None
         else:
             buf = payloads[i] = serialize_object(v)
             sig.append((name, buf.numel()))
@@ -161,7 +172,8 @@ def scan_state(flat: dict) -> Scan | None:
             return None
         sig.append((name, dtype, t.shape, dev, extra))
         ptrs.append(ptr)
-        keeps.append(t.untyped_storage())  # the memory itself, even if the tensor's .data is swapped
+        # The memory itself, even if the tensor's .data is swapped.
+        keeps.append(t.untyped_storage())
         devices.append(dev)
         tensors.append(t)
     return Scan(sig, ptrs, keeps, devices, payloads, list(flat), tensors, versions_of(tensors), kinds)

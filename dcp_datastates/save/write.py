@@ -64,7 +64,8 @@ def write_rank(staged: StagedSave, plan: SavePlan, planner: SavePlanner, config,
         raise staged.error
     if staged.abandoned is not None:
         raise CheckpointWriteError(f"checkpoint {staged.path} abandoned: {staged.abandoned}")
-    keys = item_keys(plan.items)  # once: every step below reuses them
+    # Once: every step below reuses them.
+    keys = item_keys(plan.items)
     given = set(keys)
     for h in staged.held:
         if not h.selection_known():
@@ -76,18 +77,22 @@ def write_rank(staged: StagedSave, plan: SavePlan, planner: SavePlanner, config,
         _write_late(staged, late, planner, config, tier)
     locations = _wait_durable(staged)
     if staged.incremental is not None:
-        staged.incremental.learn()  # what changed: the next save's hint
+        # What changed: the next save's hint.
+        staged.incremental.learn()
     if staged.moved_from is not None:
         locations = _relocate(staged, locations)
-    if staged.flat is not None and overridden_data_hooks(planner):  # lazy save, custom planner: its hooks now
+    if staged.flat is not None and overridden_data_hooks(planner):
+        # Lazy save, custom planner: its hooks now.
         mine = [item for item, key in zip(plan.items, keys) if key in staged_keys]
         locations.update(_rewrite_for_planner(staged, mine, planner, locations, config, tier))
-    staged.flat, staged.payloads = None, {}  # the save holds no reference to the state from here on
+    # The save holds no reference to the state from here on.
+    staged.flat, staged.payloads = None, {}
     if staged.decision_key is not None:
         if staged.learn:
             decisions().learn(staged.decision_key, frozenset(k for k in given if k in staged.plain_keys))
         elif any(key in staged.elsewhere for _, key in late_keys):
-            decisions().forget(staged.decision_key)  # the plan changed: hold and relearn next time
+            # The plan changed: hold and relearn next time.
+            decisions().forget(staged.decision_key)
     out = []
     for item, key in zip(plan.items, keys):
         loc = locations[key]
@@ -107,7 +112,8 @@ def _wait_durable(staged: StagedSave) -> dict[ItemKey, ItemLocation]:
             errors.append(str(exc))
     if errors:
         raise CheckpointWriteError(f"saving checkpoint {staged.path} failed: " + "; ".join(errors))
-    if staged.abandoned is not None:  # abandoned after its files were durable: still never committed
+    if staged.abandoned is not None:
+        # Abandoned after its files were durable: still never committed.
         raise CheckpointWriteError(f"checkpoint {staged.path} abandoned: {staged.abandoned}")
     return locations
 

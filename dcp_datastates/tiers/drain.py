@@ -119,9 +119,11 @@ def drain_rank(local: str, durable: str, locations: dict, renamed: dict[str, str
             _copy_files(local, store, locations, renamed, config, followed)
         except Exception as exc:  # noqa: BLE001 - reported to the coordinator, which raises it on every rank
             error = str(_drain_failed(local, durable, exc, "the durable tier keeps its previous commit"))
-            for name in renamed.values():  # its copies go (new names: never a committed checkpoint's)
+            for name in renamed.values():
+                # Its copies go (new names: never a committed checkpoint's).
                 store.remove_quietly(name)
-    finally:  # no beat after this: the report below is the last word, whatever happened above
+    finally:
+        # No beat after this: the report below is the last word, whatever happened above.
         if heartbeat is not None:
             heartbeat.stop()
     try:
@@ -182,7 +184,8 @@ def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, sk
             continue
         durable = record.get("durable")
         if not isinstance(durable, str) or not _under(durable, root):
-            continue  # another store's copy: its own options drain it
+            # Another store's copy: its own options drain it.
+            continue
         store = open_storage(durable, config.storage_options)
         pending = pending_ckpt.read_pending(store)
         if pending is None or pending[0].storage_meta.save_id != record["save_id"]:
@@ -190,7 +193,8 @@ def drain_pending_ranks(local_tier: str, rank: int, config: DataStatesConfig, sk
         md, _ = pending
         save_id = record["save_id"]
         try:
-            if not pending_ckpt.drained_ok(store, rank, save_id):  # never rewrite a drained file
+            if not pending_ckpt.drained_ok(store, rank, save_id):
+                # Never rewrite a drained file.
                 renamed = {n: d for d, n in record["files"].items()}
                 mine = {i: loc for i, loc in md.storage_data.items() if loc.file in record["files"]}
                 local_names = {i: moved(loc, record["files"][loc.file]) for i, loc in mine.items()}

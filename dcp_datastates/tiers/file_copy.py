@@ -58,7 +58,8 @@ def _blocks(size: int, pieces: list) -> list[tuple[int, int, list]]:
     blocks: list[tuple[int, int, list]] = []
     start, inside = 0, []
 
-    def emit(end: int) -> None:  # [start, end) in blocks of at most _COPY_BLOCK; inside goes in the first
+    # [start, end) in blocks of at most _COPY_BLOCK; inside goes in the first.
+    def emit(end: int) -> None:
         nonlocal start, inside
         for s in range(start, end, _COPY_BLOCK):
             blocks.append((s, min(_COPY_BLOCK, end - s), inside if s == start else []))
@@ -67,7 +68,8 @@ def _blocks(size: int, pieces: list) -> list[tuple[int, int, list]]:
     for piece in pieces:
         off, end = piece[0], piece[0] + piece[1]
         if end - start > _COPY_BLOCK and off > start:
-            emit(off)  # what comes before this piece; inside it all ends before start + _COPY_BLOCK
+            # What comes before this piece; inside it all ends before start + _COPY_BLOCK.
+            emit(off)
         inside.append(piece)
         if end - start >= _COPY_BLOCK:
             blocks.append((start, end - start, inside))
@@ -121,7 +123,8 @@ def copy_verified(local: Storage, name: str, out, size: int, pieces: list, engin
             free.put(buf)
     finally:
         stop.set()
-        free.put(None)  # wakes a reader waiting for a buffer
+        # Wakes a reader waiting for a buffer.
+        free.put(None)
         reader.join()
 
 
@@ -130,7 +133,8 @@ def _read_verified(local: Storage, name: str, where: str, buf, off: int, length:
     checks = [(0, p_off, p_len, crc) for p_off, p_len, crc, _item in inside if crc is not None]
     try:
         bad = channel_for(local).read_into(engine, name, [(buf.data_ptr(), off, length)], checks, 1)
-    except ValueError as exc:  # the engine's short read
+    except ValueError as exc:
+        # The engine's short read.
         raise CheckpointWriteError(f"{where}: {length} bytes at offset {off} could not be read (truncated): {exc}") from None
     if computed is not None:
         unknown = [(p_off, p_len) for p_off, p_len, crc, _item in inside if crc is None]
@@ -177,7 +181,8 @@ def _copy_all(local: Storage, durable: Storage, sizes: dict[str, int], pieces: d
 # Copies of files still being written: a thread each, up to _FILES_AT_ONCE at once (a later file waits
 # for a thread; each mostly waits for the engine).
 _followers = ThreadPool(max_workers=_FILES_AT_ONCE, thread_name_prefix="dcp-datastates-drain-follow")
-_FOLLOW_POLL_S = 1.0  # a follower waiting for the engine wakes this often (a failed job wakes it at once)
+# A follower waiting for the engine wakes this often (a failed job wakes it at once).
+_FOLLOW_POLL_S = 1.0
 
 
 class Follower:
@@ -236,13 +241,16 @@ class Follower:
         try:
             _write_durable(local, self.name, durable, self.durable_name, self.size, pieces, get_engine(config), config,
                            self._written, self._computed)
-        except BaseException:  # a partial copy is never used (the drain copies the file again)
+        except BaseException:
+            # A partial copy is never used (the drain copies the file again).
             durable.remove_quietly(self.durable_name)
             raise
         with self._state_lock:
-            self._copied = True  # from here on, cancel() removes the file
+            # From here on, cancel() removes the file.
+            self._copied = True
             cancelled = self._cancelled.is_set()
-        if cancelled:  # cancelled after its last block: the copy is not wanted either
+        if cancelled:
+            # Cancelled after its last block: the copy is not wanted either.
             durable.remove_quietly(self.durable_name)
             raise CheckpointWriteError(f"{self.name}: copy cancelled: {self._cancel_reason}")
 

@@ -35,12 +35,13 @@ __all__ = ["NoTier", "RankDrain", "SoloDrain", "ReadPlan"]
 @dataclass(frozen=True)
 class RankDrain:
     """local_tier with several ranks: what the coordinator's global plan tells each rank (its
-    plan's ``storage_data``): the checkpoint id, and the tag of the durable file names (None
-    when the durable folder holds no commit)."""
+    plan's ``storage_data``): the checkpoint id, the tag of the durable file names (None
+    when the durable folder holds no commit), and the coordinator's global rank (peer_copies:
+    it hands every node the metadata)."""
 
     save_id: str
     tag: str | None
-    coordinator: int = 0  # its global rank (peer_copies: it hands every node the metadata)
+    coordinator: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,8 @@ class NoTier:
 
     def __init__(self, config, *, saving: bool = False) -> None:
         self.config = config
-        self.local_commit: Future = Future()  # resolves when the local copy is committed (LocalTier only)
+        # Resolves when the local copy is committed (LocalTier only).
+        self.local_commit: Future = Future()
         # resolves with what the save's peer copies did (LocalTier with peer_copies, several ranks)
         self.peer_copy: Future = Future()
 

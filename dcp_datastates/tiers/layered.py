@@ -51,12 +51,18 @@ _evictors = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-evict")
 @dataclass
 class _SaveCopies:
     """What ``LocalTier`` keeps of one save in flight: the plan the coordinator handed on, the
-    durable copies started while its files are written, and when its local copy was committed."""
+    durable copies started while its files are written, and when its local copy was committed.
 
-    plan: object = None  # RankDrain, SoloDrain or None (global_plan's word to this rank)
-    followed: dict = field(default_factory=dict)  # local file name -> its copy to the durable tier (file_copy.follow)
-    early: Future | None = None  # the copies started at the request, before DCP planned (files_started)
-    local_s: float | None = None  # request -> the local copy committed or recorded
+    - ``plan``: RankDrain, SoloDrain or None (``global_plan``'s word to this rank).
+    - ``followed``: local file name -> its copy to the durable tier (``file_copy.follow``).
+    - ``early``: the copies started at the request, before DCP planned (``files_started``).
+    - ``local_s``: request -> the local copy committed or recorded.
+    """
+
+    plan: object = None
+    followed: dict = field(default_factory=dict)
+    early: Future | None = None
+    local_s: float | None = None
 
 
 class LocalTier(NoTier):
@@ -73,7 +79,8 @@ class LocalTier(NoTier):
         # What this tier keeps of each save in flight, for as long as the save exists.
         self._saves: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         if saving and config.peer_copies:
-            peers.join(config)  # a writer: every rank makes one, on its training thread
+            # A writer: every rank makes one, on its training thread.
+            peers.join(config)
             self.mirroring = peers.mirroring()
 
     def folder(self, path: str | None) -> str | None:
@@ -110,7 +117,8 @@ class LocalTier(NoTier):
         tiers.make_room(self.config.local_tier, need(), folder, self.config.storage_options)
 
     def files_changing(self, folder: str, rank: int) -> None:
-        tiers.forget_rank_files(folder, rank)  # a record must never name files being rewritten
+        # A record must never name files being rewritten.
+        tiers.forget_rank_files(folder, rank)
 
     def check_local_plan(self, folder: str, use_collectives: bool) -> None:
         """Raised inside DCP's planning, so every rank gets it."""
@@ -120,7 +128,8 @@ class LocalTier(NoTier):
                 f"{self.durable_path}); save without local_tier, or with collectives"
             )
         tiers.record_durable(folder, self.durable_path)
-        tiers.forget_restart(folder)  # this save replaces what a restart agreed on here
+        # This save replaces what a restart agreed on here.
+        tiers.forget_restart(folder)
 
     def files_started(self, staged) -> None:
         """One process saving alone: its files are copied to the durable tier before DCP plans
@@ -137,7 +146,8 @@ class LocalTier(NoTier):
             return
         try:
             self._of(staged).early = _early.submit(self._copy_early, staged, self.durable_path)
-        except RuntimeError as exc:  # the interpreter is shutting down: copied after the local commit
+        except RuntimeError as exc:
+            # The interpreter is shutting down: copied after the local commit.
             log.info("dcp_datastates: %s: copies not started at the request (%s)", self.durable_path, exc)
 
     def _copy_early(self, staged, durable: str) -> tuple | None:
@@ -190,9 +200,11 @@ class LocalTier(NoTier):
         if early is not None:
             plan, followed = early
             record = self._of(staged)
-            if record.plan == plan:  # (global_plan handed it on: same folder, not moved)
+            if record.plan == plan:
+                # (global_plan handed it on: same folder, not moved)
                 record.followed.update(followed)
-            else:  # DCP named another folder (reset), or planned without the request's plan
+            else:
+                # DCP named another folder (reset), or planned without the request's plan.
                 _cancel(followed, "the save's durable files are named otherwise")
         self._follow(staged, staged.files)
 
@@ -206,7 +218,8 @@ class LocalTier(NoTier):
         plan = record.plan
         # (Files staged into another folder are moved at the end of write_data: drained after.)
         if isinstance(plan, (RankDrain, SoloDrain)) and staged.storage is not None and staged.moved_from is None:
-            files = [f for f in files if f.name not in record.followed]  # (followed since the request)
+            # (Those followed since the request are followed already.)
+            files = [f for f in files if f.name not in record.followed]
             try:
                 started = file_copy.follow(staged.storage, files, self.durable_path, plan.tag, self.config)
             except Exception as exc:  # noqa: BLE001 - the local save never fails for the durable tier
@@ -262,7 +275,8 @@ class LocalTier(NoTier):
                 self._copy_to_peer(staged.path, plan, {}, {}, staged.rank)
             except Exception as exc:  # noqa: BLE001 - the save's own error is the one raised
                 log.warning("dcp_datastates: peer_copies: could not take part in the failed save's exchange: %s", exc)
-        self._hand_metadata(None)  # a coordinator that failed has no metadata to hand on
+        # A coordinator that failed has no metadata to hand on.
+        self._hand_metadata(None)
 
     def discard(self, staged, remove_files) -> None:
         """What the failed save wrote goes: the copies to the durable tier started while its files
@@ -273,21 +287,25 @@ class LocalTier(NoTier):
         durable copies and report go with the local files and this rank's record."""
         record = self._of(staged)
         plan = record.plan
-        if record.local_s is None:  # nothing committed or recorded on the local tier yet
+        if record.local_s is None:
+            # Nothing committed or recorded on the local tier yet.
             self._stop_copies(staged)
             remove_files()
             return
         if not isinstance(plan, RankDrain):
-            return  # one rank: committed locally
+            # One rank: committed locally.
+            return
         durable = open_storage(self.durable_path, self.config.storage_options)
         pending = pending_ckpt.read_pending(durable)
         if pending is not None and pending[0].storage_meta.save_id == plan.save_id:
-            return  # its drained copies are the pending checkpoint's: kept too
+            # Its drained copies are the pending checkpoint's: kept too.
+            return
         self._stop_copies(staged)
         drained = self._drains.pop(plan.save_id, None)
         if drained is not None:
             queued, beat = drained
-            if queued.cancel():  # never started: nothing to wait for, no report to come
+            if queued.cancel():
+                # Never started: nothing to wait for, no report to come.
                 beat.stop()
             try:
                 queued.exception(timeout=_DRAIN_END_WAIT_S)
@@ -312,7 +330,8 @@ class LocalTier(NoTier):
         for follower in followers:
             follower.wait_ended(max(0.0, deadline - time.monotonic()))
 
-    _exchanged: str | None = None  # the save whose exchange this tier started last
+    #: The save whose exchange this tier started last.
+    _exchanged: str | None = None
 
     def _copy_to_peer(self, local: str, plan: RankDrain, locations: dict, renamed: dict[str, str], rank: int,
                       jobs=()) -> None:
@@ -326,7 +345,8 @@ class LocalTier(NoTier):
                         name in mirrored) for name in renamed}
         kept = {}
         for f in jobs:
-            if f.mirror_of is not None:  # (its locations are keyed by item key: DCP's index for pieces_by_file)
+            if f.mirror_of is not None:
+                # (Its locations are keyed by item key: DCP's index for pieces_by_file.)
                 written = {MetadataIndex(key[0], key[1]): loc for key, loc in (f.written or {}).items()}
                 kept[f.mirror_of] = (f.name, os.stat(os.path.join(local, f.name)).st_size,
                                      file_copy.pieces_by_file(written).get(f.name, []))
@@ -336,7 +356,8 @@ class LocalTier(NoTier):
                               coordinator=plan.coordinator, metadata=self._metadata_for_peers, kept=kept)
         target = self.peer_copy
 
-        def settle(f: Future) -> None:  # into the save's own Future, which callers may hold already
+        # Into the save's own Future, which callers may hold already.
+        def settle(f: Future) -> None:
             if not target.done():
                 if f.exception() is not None:
                     target.set_exception(f.exception())
@@ -359,7 +380,8 @@ class LocalTier(NoTier):
             self.peer_copy.set_exception(RuntimeError(
                 f"peer_copies: {self.durable_path} was saved by one process: there is no other node to copy to"))
         plan = record.plan
-        prepared = isinstance(plan, SoloDrain)  # its files were copied while written (writing())
+        # Its files were copied while written (writing()).
+        prepared = isinstance(plan, SoloDrain)
         # Older copies beyond keep_local go while this one drains, not after: removing a copy
         # frees its memory, which on tmpfs takes time in proportion to its size. Each goes only
         # if its durable folder holds it, whatever this drain does; this copy, the newest, is kept.
@@ -370,10 +392,12 @@ class LocalTier(NoTier):
             # left by a killed run, under the same root (so on the store these options are for)
             drained = drain.drain_pending_quietly(config.local_tier, config, root=root_of(self.durable_path))
         except BaseException:
-            evicting.exception()  # (waited for; the drain's error is the one raised)
+            # (Waited for; the drain's error is the one raised.)
+            evicting.exception()
             raise
         evicting.result()
-        if drained:  # durable only now: past keep_local, they go too
+        if drained:
+            # Durable only now: past keep_local, they go too.
             tiers.evict_drained(config.local_tier, config.keep_local, config.storage_options)
         return files
 

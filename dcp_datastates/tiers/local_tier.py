@@ -99,7 +99,8 @@ def local_copy(local_tier: str, durable: str) -> str:
 def record_durable(local: str, durable: str) -> None:
     """Name the durable path in the local copy (read by ``drain_pending`` after a restart)."""
     os.makedirs(local, exist_ok=True)
-    tmp = os.path.join(local, f"{TIER_FILE}.tmp-{os.getpid()}")  # the ranks of a node share the copy
+    # The ranks of a node share the copy.
+    tmp = os.path.join(local, f"{TIER_FILE}.tmp-{os.getpid()}")
     with open(tmp, "w") as f:
         json.dump({"durable": durable}, f)
     os.replace(tmp, os.path.join(local, TIER_FILE))
@@ -196,7 +197,8 @@ def local_files(local: str, save_id: str | None) -> dict[str, str]:
             continue
         for durable_name, local_name in record["files"].items():
             if not isinstance(local_name, str) or os.path.basename(local_name) != local_name:
-                continue  # a record naming a path outside the copy is not ours
+                # A record naming a path outside the copy is not ours.
+                continue
             full = os.path.join(local, local_name)
             if os.path.isfile(full) and not os.path.islink(full):
                 out[durable_name] = full
@@ -260,7 +262,8 @@ def choose_copy(durable: str, config) -> str:
     local = local_copy(config.local_tier, durable)
     local_id = checkpoint_id(local, references=False)
     if local_id is None:
-        if not _rank_records(local):  # a several-rank copy is used file by file (the reader logs it)
+        # (A several-rank copy is used file by file: the reader logs it.)
+        if not _rank_records(local):
             log.info("dcp_datastates: reading %s from the durable tier (no complete local copy in %s)", durable, local)
         return durable
     durable_id = checkpoint_id(durable, config.storage_options)
@@ -287,7 +290,8 @@ def evict_drained(local_tier: str, keep: int, storage_options: dict | None = Non
     removed = []
     for _, local, local_id, committed_here in sorted(_copies(local_tier), reverse=True)[keep:]:
         if not _removable(local, local_id, committed_here, storage_options):
-            continue  # not durable yet (or damaged): kept for drain_pending / the reader
+            # Not durable yet (or damaged): kept for drain_pending / the reader.
+            continue
         shutil.rmtree(local, ignore_errors=True)
         removed.append(local)
         log.info("dcp_datastates: removed the drained local copy %s (keep_local=%d)", local, keep)

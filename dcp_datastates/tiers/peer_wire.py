@@ -122,7 +122,8 @@ def send_file(peers, dst: int, store, name: str, size: int, pieces: list, engine
     receiver, against those the save recorded, not here as well: one pass less on this node,
     which is draining the same files meanwhile."""
     wire = Wire(peers, dst, name, engine)
-    unchecked = [(p[0], p[1], None, p[3]) for p in pieces]  # the block cuts only
+    # The block cuts only.
+    unchecked = [(p[0], p[1], None, p[3]) for p in pieces]
     try:
         copy_verified(store, name, wire, size, unchecked, engine)
     except Exception as exc:  # noqa: BLE001 - a damaged or vanished local file: the peer drops it

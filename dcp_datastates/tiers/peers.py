@@ -124,8 +124,10 @@ class _Peers:
     group: object
     map: PeerMap
     rank: int
-    world: object  # the default process group it was made in (a new one needs a new peer group)
-    broken: str | None = None  # why this process stopped making peer copies
+    #: The default process group it was made in (a new one needs a new peer group).
+    world: object
+    #: Why this process stopped making peer copies.
+    broken: str | None = None
 
 
 _peers: _Peers | None = None
@@ -211,10 +213,12 @@ def _run(local: str, durable: str, save_id: str, files: dict, config, coordinato
         result = _exchange(peers, local, durable, save_id, files, config, kept)
         try:
             result["metadata"] = _share_metadata(peers, local, coordinator, metadata, config)
-        except OutOfStep as exc:  # the files stand; later exchanges do not
+        except OutOfStep as exc:
+            # The files stand; later exchanges do not.
             _stop(peers, exc)
             result["metadata"] = False
-        result["ended"] = time.monotonic()  # (time.monotonic() of this process: benchmarks compare it)
+        # (time.monotonic() of this process: benchmarks compare it)
+        result["ended"] = time.monotonic()
         done.set_result(result)
     except Exception as exc:  # noqa: BLE001 - reported on the Future and logged; training goes on
         if isinstance(exc, OutOfStep):
@@ -237,7 +241,8 @@ def _exchange(peers: _Peers, local: str, durable: str, save_id: str, files: dict
         lambda: _send(peers, target, local, durable, save_id, files, config) if target is not None else ([], []),
         lambda: [name for source in peers.map.sources(peers.rank)
                  for name in _receive(peers, source, save_id, config, kept.get(source))])
-    for name, _, _ in kept.values():  # a mirror the sender did not use (one it used was renamed)
+    for name, _, _ in kept.values():
+        # A mirror the sender did not use (one it used was renamed).
         open_storage(local).remove_quietly(name)
     return {"sent": sent, "mirrored": mirrored, "kept": received, "bytes_sent": sum(files[n][1] for n in sent)}
 
@@ -301,7 +306,8 @@ def _send(peers: _Peers, dst: int, local: str, durable: str, save_id: str, files
         if mirrored:
             try:
                 entry["mirror"] = between_pieces_crc(os.path.join(local, n), size, pieces, engine)
-            except OSError:  # unreadable here: offered as a plain copy, which send_file then aborts
+            except OSError:
+                # Unreadable here: offered as a plain copy, which send_file then aborts.
                 pass
         entries.append(entry)
     manifest = json.dumps({"save_id": save_id, "durable": durable, "rank": peers.rank,
@@ -336,16 +342,19 @@ def _receive(peers: _Peers, src: int, save_id: str, config, mirror: tuple | None
     send_json(peers, src, json.dumps([f["name"] for f in files if f["name"] != mirrored]).encode(),
                "the names this rank wants", tag=_REPLY)
     tiers.ensure_copy(folder, durable)
-    tiers.forget_rank_files(folder, sender)  # its record never names a file being replaced
+    # Its record never names a file being replaced.
+    tiers.forget_rank_files(folder, sender)
     kept = {}
     store = open_storage(folder)
     for f in files:
         name = f["name"]
         if name == mirrored:
-            try:  # this rank's own replica of it, checked: kept as the sender's
+            try:
+                # This rank's own replica of it, checked: kept as the sender's.
                 store.move(mirror[0], store, name)
                 kept[name] = f["durable"]
-            except OSError as exc:  # (its bytes were not asked for: no copy of it this time)
+            except OSError as exc:
+                # Its bytes were not asked for: no copy of it this time.
                 log.warning("dcp_datastates: peer_copies: keeping this rank's replica of %s as rank %d's failed: %s",
                             name, src, exc)
         elif receive_file(peers, src, folder, name, int(f["size"]), f["pieces"], engine, config):

@@ -103,7 +103,8 @@ def wait_drained(durable: Storage, save_id: str, ranks: set[int], timeout: float
     not done after ``timeout`` seconds (``drain_timeout``)."""
     left, delay = set(ranks), 0.02
     start = time.monotonic()
-    seen = {r: (None, start) for r in left}  # rank -> (its last report's beat, when it changed)
+    # rank -> (its last report's beat, when it changed)
+    seen = {r: (None, start) for r in left}
     while left:
         now = time.monotonic()
         for r in sorted(left):

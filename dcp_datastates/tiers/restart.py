@@ -254,7 +254,8 @@ def _pull(group, path: str, md, files: dict, holders: dict[str, list[int]], stat
     holding it (to the node's lowest rank)."""
     needs = _from_each(group, _needed, group, md, files, state_dict)
     nodes = group.map.nodes
-    pulls = []  # (file, source rank, receiving rank): the same list on every rank
+    # (file, source rank, receiving rank): the same list on every rank
+    pulls = []
     for node in sorted(set(nodes)):
         ranks = group.map.ranks_on(node)
         leader = min(ranks)
