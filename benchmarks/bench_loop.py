@@ -25,6 +25,13 @@ order rotated by one each round) and the medians of ``--runs`` rounds are report
 ``torch-checkpointing`` and ``torchsnapshot`` (skipped, with the reason printed, when not
 installed). Each method and group warms up first with a 2-step loop, not counted.
 
+The sustained bound (durable group, ``--raw-checkpoints``): the same bytes written and fsynced
+back to back, each checkpoint into new files, in our engine's pattern (one file per flush thread,
+early writeback) and in DCP's (one thread, one file, fsync at the end: ``FileSystemWriter``'s
+default); the faster is the bound. A durable loop can take no less than its steps without
+checkpoints, nor less than its checkpoints written back to back at that bound: the larger of the
+two is its bound, and the table gives each durable loop's time against it.
+
 Pacing, so the training thread keeps its core. On CPU, training's intra-op threads and every
 method's background work (our copy and flush workers, DCP's staging and writer threads,
 torch_checkpointing's writer process, torchsnapshot's threads) share the cores, and a parallel
@@ -240,6 +247,9 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
                 log(f"round {r + 1}: {_label(*config)} {out['seconds']:.2f} s")
         report["other_processes_cores"] = meter.other_cores()
         report["loadavg_end"] = os.getloadavg()
+        if "durable" in args.groups and args.raw_checkpoints > 0:
+            report["sustained"] = measure_sustained(os.path.join(args.dir, "raw"), nbytes, args.raw_checkpoints)
+            log(f"sustained bound: {report['sustained']['best_s']:.3f} s per checkpoint ({report['sustained']['best']})")
     finally:
         for (name, group), method in methods.items():
             with contextlib.suppress(Exception):
@@ -251,13 +261,29 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
     return report
 
 
+def measure_sustained(root: str, nbytes: int, count: int) -> dict:
+    """The sustained bound of a durable checkpoint of ``nbytes``: ``count`` written and fsynced
+    back to back, in our engine's pattern (one file per flush thread, early writeback) and in
+    DCP's (``FileSystemWriter``'s default: one thread, one file, fsync at the end)."""
+    from dcp_datastates import DataStatesConfig
+
+    flush = int(bench.ENGINE_OPTIONS.get("flush_threads") or DataStatesConfig().flush_threads)
+    try:
+        return bench.raw_bound.measure_sustained(root, nbytes, count, {"ours": (flush, flush, True), "dcp": (1, 1, False)})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 def summarize(report: dict) -> None:
-    """Medians, overheads and per-checkpoint seconds from the runs."""
+    """Medians, overheads and per-checkpoint seconds from the runs; with the sustained bound, each
+    durable loop against the fastest the loop could be: its steps without checkpoints, or its
+    checkpoints written back to back, whichever takes longer (compute and writes overlapped)."""
     base = report["baseline"]
     base["runs_s"] = [x["seconds"] for x in base["runs"]]
     base["median_s"] = statistics.median(base["runs_s"])
+    sustained = report.get("sustained")
     for groups in report["results"].values():
-        for intervals in groups.values():
+        for group, intervals in groups.items():
             for cell in intervals.values():
                 runs = cell["runs"]
                 cell["runs_s"] = [x["seconds"] for x in runs]
@@ -268,6 +294,9 @@ def summarize(report: dict) -> None:
                 for key in ("call_s", "staged_wait_s", "done_wait_s", "request_to_done_s"):
                     cell[f"median_{key}"] = bench._median([v for x in runs for v in x[key]])
                 cell["last_checkpoint_equal"] = all(x.get("last_checkpoint_equal") for x in runs)
+                if sustained and group == "durable":
+                    cell["sustained_bound_s"] = max(base["median_s"], cell["checkpoints"] * sustained["best_s"])
+                    cell["vs_sustained_bound"] = cell["median_s"] / cell["sustained_bound_s"]
 
 
 def report_ckpts(report: dict, every: str) -> int:
@@ -298,6 +327,15 @@ def format_table(report: dict) -> str:
             lines.append(row)
     for name, why in report.get("skipped", {}).items():
         lines.append(f"{name:<20} skipped: {why}")
+    sustained = report.get("sustained")
+    if sustained:
+        pats = ", ".join(f"{k} ({v['config']}) {v['median_s']:.3f} s" for k, v in sustained["patterns"].items())
+        lines.append(f"sustained bound: {sustained['checkpoints']} checkpoints written and fsynced back to back: {pats}")
+        for name, groups in report["results"].items():
+            for e, cell in groups.get("durable", {}).items():
+                if "vs_sustained_bound" in cell:
+                    lines.append(f"  {name}, durable, every {e}: {cell['median_s']:.2f} s = {cell['vs_sustained_bound']:.2f}x "
+                                 f"the bound ({cell['sustained_bound_s']:.2f} s: max(no checkpoint, checkpoints x best))")
     busy = report.get("other_processes_cores")
     if busy is not None:
         lines.append(f"other processes kept {busy:.2f} of {report['machine']['cpus']} cores busy during the run"
@@ -328,6 +366,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="training's intra-op threads (default: usable CPUs - 1, at least 1: one core for background work)")
     p.add_argument("--engine", default="", help="options of the datastates method's engine, e.g. flush_threads=1 (one set per process)")
     p.add_argument("--seed", type=int, default=0, help="model and batch seed (default 0)")
+    p.add_argument("--raw-checkpoints", type=int, default=5,
+                   help="with the durable group: checkpoints of the same bytes written and fsynced back to back, in our "
+                        "pattern and DCP's, for the sustained bound (default 5; 0: skip)")
     p.add_argument("--json", default=None, help="write every number (per-run times, medians, machine, argv) to this file")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--from-json", default=None, metavar="FILE", help="measure nothing: print the table of an earlier --json")

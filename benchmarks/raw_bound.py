@@ -25,7 +25,7 @@ import threading
 import time
 from typing import Callable
 
-__all__ = ["measure_raw", "merge_raw", "write_configs", "read_threads"]
+__all__ = ["measure_raw", "measure_sustained", "merge_raw", "write_configs", "read_threads"]
 
 _BLOCK = 64 << 20  # bytes per pwrite (and per writeback request)
 _MAX_WRITE = 1 << 30  # Linux writes at most ~2 GiB per call
@@ -186,6 +186,29 @@ def measure_raw(root: str, nbytes: int, reps: int, cold: Callable[[str], bool] |
             os.unlink(path)
         del mv, src
     return summarize({"bytes": nbytes, "configs": samples})
+
+
+def measure_sustained(root: str, nbytes: int, count: int, patterns: dict[str, tuple[int, int, bool]]) -> dict:
+    """The sustained write bound: for each named pattern ((threads, files, early writeback), e.g.
+    ours and DCP's), ``count`` checkpoints of ``nbytes`` written and fsynced back to back, each
+    into new files (the previous one's removed, as a loop keeps the disk from filling). Per
+    pattern: every checkpoint's seconds and their median; ``best`` names the fastest pattern."""
+    import torch
+
+    os.makedirs(root, exist_ok=True)
+    src = torch.empty(max(1, nbytes), dtype=torch.uint8)
+    src.fill_(0x5A)
+    mv = memoryview(src.numpy())
+    out: dict = {"bytes": nbytes, "checkpoints": count, "patterns": {}}
+    try:
+        for name, cfg in patterns.items():
+            runs = [_timed_write(root, mv, nbytes, cfg) for _ in range(count)]
+            out["patterns"][name] = {"config": _name(cfg), "runs_s": runs, "median_s": statistics.median(runs)}
+    finally:
+        del mv, src
+    out["best"] = min(out["patterns"], key=lambda k: out["patterns"][k]["median_s"]) if out["patterns"] else None
+    out["best_s"] = out["patterns"][out["best"]]["median_s"] if out["best"] else None
+    return out
 
 
 def merge_raw(into: dict, more: dict) -> dict:

@@ -63,6 +63,18 @@ def test_loop_tiny_every_method_group_and_interval(tmp_path, capsys):
                 assert len(run["staged_wait_s"]) == 4 - int(every)  # before each step after the first request
                 assert _positive(cell["median_request_to_done_s"])
                 assert cell["last_checkpoint_equal"] is True
+                if group == "durable":  # against the sustained bound: steps alone, or checkpoints back to back
+                    bound = max(base["median_s"], n * report["sustained"]["best_s"])
+                    assert cell["sustained_bound_s"] == pytest.approx(bound)
+                    assert cell["vs_sustained_bound"] == pytest.approx(cell["median_s"] / bound)
+                else:
+                    assert "vs_sustained_bound" not in cell
+    sustained = report["sustained"]
+    assert set(sustained["patterns"]) == {"ours", "dcp"} and sustained["best"] in sustained["patterns"]
+    for pattern in sustained["patterns"].values():
+        assert len(pattern["runs_s"]) == 5 and all(_positive(s) for s in pattern["runs_s"])
+    assert sustained["best_s"] == min(p["median_s"] for p in sustained["patterns"].values())
+    assert "sustained bound:" in text
     assert "error" not in report
     assert not (tmp_path / "ckpt").exists()  # what the run wrote is gone
 
