@@ -128,7 +128,7 @@ def claim(path: str, save: SaveHandle) -> None:
         # (which leaves this registry). One that no DCP thread has taken up yet may be such a
         # save, not judged yet: it gets a moment to settle first.
         settle([other], _CLAIM_SETTLE_S)
-        busy = not other.is_over() and not (other.all_written() and time.monotonic() - other.requested > _STALE_CLAIM_S)
+        busy = not other.is_over() and not (other.all_written() and time.monotonic() - other.request.requested > _STALE_CLAIM_S)
         with _lock:
             if _claims.get(path) is not other:
                 # Claimed or released meanwhile: look again.

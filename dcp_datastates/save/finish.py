@@ -30,7 +30,7 @@ def close_save(staged: StagedSave, *, path: str | None, coordinator: bool, error
             path=str(path or staged.path), rank=rank, world_size=world,
             bytes=total_bytes if total_bytes is not None else staged.nbytes(),
             stall_s=staged.stall_s, staged_s=staged.staged_s,
-            durable_s=time.monotonic() - staged.requested if committed else None,
+            durable_s=time.monotonic() - staged.request.requested if committed else None,
             coordinator=coordinator, local_s=local_s,
             error=None if error is None else str(error).splitlines()[0][:500],
         ))

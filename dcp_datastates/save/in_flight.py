@@ -8,6 +8,7 @@ Its data-file jobs follow one protocol (``held_file.DataFileWork``): a ``FileJob
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -25,7 +26,7 @@ from .items import ItemKey
 from .ownership import DecisionKey
 from .version_guard import VersionGuard, freed_message, torn_message
 
-__all__ = ["FileJob", "StagedSave"]
+__all__ = ["FileJob", "SaveRequest", "StagedSave"]
 
 
 @dataclass(eq=False)
@@ -113,16 +114,45 @@ class FileJob:
         return all_written(self.locations, self.keys, self.name, self.job.checksums(), self.file_size)
 
 
+@dataclass(frozen=True)
+class SaveRequest:
+    """What a save was asked, and what its plan decided at the request: set once, never changed
+    (a new record replaces it while the request is made: ``with_plan``).
+
+    - ``rank``: this rank (global); ``requested``: when (``time.monotonic``); ``pid``: the
+      process that requested it (not a forked child).
+    - ``incremental``: incremental=True: the save's decisions (``incremental.Incremental``,
+      which learns as the save goes); None: off.
+    - ``skipped``: DTensor replicas another rank writes; ``elsewhere``: plain tensors the
+      decision gives to other ranks.
+    - ``decision_key``, ``learn``, ``plain_keys``: who writes a replicated value (ownership);
+      ``learn``: no decision was known, learn it from this save's plan.
+    """
+
+    rank: int = 0
+    requested: float = field(default_factory=time.monotonic)
+    pid: int = field(default_factory=os.getpid)
+    incremental: Any = None
+    skipped: frozenset = frozenset()
+    elsewhere: frozenset = frozenset()
+    decision_key: DecisionKey | None = None
+    learn: bool = False
+    plain_keys: frozenset = frozenset()
+
+    def with_plan(self, plan) -> "SaveRequest":
+        """This request with the decisions of ``plan`` (``plan.StagePlan``)."""
+        return dataclasses.replace(self, skipped=frozenset(plan.skipped), elsewhere=frozenset(plan.elsewhere),
+                                   decision_key=plan.decision_key, learn=plan.learn, plain_keys=plan.plain_keys)
+
+
 @dataclass(eq=False)
 class StagedSave:
-    """Everything ``stage()`` started for one checkpoint on this rank.
+    """Everything ``stage()`` started for one checkpoint on this rank: its ``request`` (immutable)
+    and its progress (the rest: the folder, the files, the guard, the outcome).
 
     - ``path``: None: the folder is named later (checkpoint_id given to DCP only).
     - ``storage``: the folder ``path`` names.
     - ``tag``: file-name tag when the folder already holds a committed checkpoint.
-    - ``skipped``: DTensor replicas another rank writes.
-    - ``elsewhere``: plain tensors the decision gives to other ranks.
-    - ``learn``: no decision was known: learn it from this save's plan.
     - ``moved_from``: staged into this folder, then DCP named another (reset).
     - ``guard``: the sources this rank copies; ``late_guard``: tensors it may have to write from
       live memory.
@@ -137,28 +167,20 @@ class StagedSave:
     - ``destination``: the folder prepared and the files named (``request.prepare_destination``).
     - ``collector_pause``: Python's cyclic GC paused for this save (runtime/inflight.py), ended by
       ``end_collector_pause``.
-    - ``incremental``: incremental=True: the save's decisions (``incremental.Incremental``); None: off.
-    - ``pid``: the process that requested it (not a forked child).
     """
 
     path: str | None
     storage: Storage | None = None
-    rank: int = 0
+    request: SaveRequest = field(default_factory=SaveRequest)
     tag: str | None = None
     files: list[FileJob] = field(default_factory=list)
     held: list[HeldFile] = field(default_factory=list)
-    skipped: set = field(default_factory=set)
-    elsewhere: set = field(default_factory=set)
-    decision_key: DecisionKey | None = None
-    learn: bool = False
-    plain_keys: frozenset = frozenset()
     moved_from: Storage | None = None
     guard: VersionGuard | None = None
     late_guard: VersionGuard | None = None
     error: BaseException | None = None
     abandoned: str | None = None
     discarded: bool = False
-    requested: float = field(default_factory=time.monotonic)
     stall_s: float = 0.0
     staged_s: float | None = None
     _sealed: bool = False
@@ -169,8 +191,6 @@ class StagedSave:
     payloads: dict = field(default_factory=dict)
     destination: Future | None = None
     collector_pause: Any = None
-    incremental: Any = None
-    pid: int = field(default_factory=os.getpid)
 
     def end_collector_pause(self, after: float = 0.0) -> None:
         """The save's objects are about to be freed (``after`` seconds from now, once the
@@ -200,7 +220,7 @@ class StagedSave:
         closed here: its folder, its held cache slots and its references to the state come back.
         (Before, a later save into its folder was refused and the interpreter's exit waited for
         it forever.)"""
-        if os.getpid() != self.pid:
+        if os.getpid() != self.request.pid:
             # A forked child's copy (Megatron's async helper; its exit asks whether saves are
             # over): the parent's threads and engine are not the child's to judge or to touch.
             return False

@@ -40,7 +40,7 @@ from ..storage import Storage
 from .copy_at_request import CopyAtRequest
 from .file_groups import on_one_device
 from .held_file import HeldFile
-from .in_flight import FileJob, StagedSave
+from .in_flight import FileJob, SaveRequest, StagedSave
 from .incremental import Incremental, hint_key
 from .items import SourceItem
 from .plan import PlanContext, PlannedFile, planned_file
@@ -107,7 +107,7 @@ def request_save(state_dict: dict, *, path: str | None, storage: Storage | None,
 def _request(state_dict: dict, path: str | None, storage: Storage | None, config, tier, requested: float,
              check_launch) -> tuple[StagedSave, Future]:
     future: Future = Future()
-    staged = StagedSave(path=path, storage=storage, requested=requested)
+    staged = StagedSave(path=path, storage=storage, request=SaveRequest(requested=requested))
     _decide_incrementally(staged, config, tier)
     flat, mappings = None, None
     try:
@@ -153,7 +153,7 @@ def prepare_destination(staged: StagedSave, config, tier, need) -> None:
         tier.reserve(staged.path, need)
         staged.tag = new_tag() if prepare_folder(staged.storage, overwrite=config.overwrite) else None
         if staged.files:
-            tier.files_changing(staged.path, staged.rank)
+            tier.files_changing(staged.path, staged.request.rank)
         for f in staged.files:
             _name_file(f, staged)
         tier.files_started(staged)
@@ -171,22 +171,21 @@ def _files_per_group(storage, config) -> int:
 
 def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
     rank, world = global_rank_world()
-    staged.rank = rank
+    staged.request = dataclasses.replace(staged.request, rank=rank)
     dedup = world > 1 and config.dedup_replicated
     engine = get_engine(config)
     # Incremental: the tensors written without a hash this time (a hint).
     direct = None
-    if staged.incremental is not None:
+    if staged.request.incremental is not None:
         durable = tier.reported(staged.path)
-        direct = staged.incremental.written_directly(hint_key(durable, rank)) if durable else frozenset()
+        direct = staged.request.incremental.written_directly(hint_key(durable, rank)) if durable else frozenset()
     context = PlanContext(rank, world, dedup, engine.cuda_devices > 0, tier.mirroring,
                           _files_per_group(staged.storage, config))
     copies = CopyAtRequest(config.copy_at_request_max_bytes, config.copy_at_request_total_bytes)
     plan = plan_stage(flat, context, copies, folder_known=staged.path is not None,
                       hold_limit=lambda: hold_limit(config), incremental=direct)
-    staged.skipped, staged.elsewhere = plan.skipped, plan.elsewhere
+    staged.request = staged.request.with_plan(plan)
     staged.guard, staged.late_guard = plan.guard, plan.late_guard
-    staged.decision_key, staged.learn, staged.plain_keys = plan.decision_key, plan.learn, plan.plain_keys
     staged.flat, staged.payloads = flat, plan.payloads
     try:
         # (Files are planned only when the folder is known.)
@@ -195,7 +194,7 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
             staged.files.append(start_file(engine, staged, *copied, config))
         for group in plan.held:
             h = hold(engine, group.items, known=group.known, config=config, label=staged.path,
-                     incremental=staged.incremental, copy_limit=plan.copy_limit)
+                     incremental=staged.request.incremental, copy_limit=plan.copy_limit)
             h.mirrors, h.mirror_of = group.mirrors, group.mirror_of
             staged.held.append(h)
     finally:
@@ -228,10 +227,10 @@ def name_folder(staged: StagedSave, path: str, storage: Storage, config, tier) -
         staged.path, staged.storage = path, storage
         staged.tag = new_tag() if prepare_folder(storage, overwrite=config.overwrite) else None
     if staged.held:
-        tier.files_changing(staged.path, staged.rank)
+        tier.files_changing(staged.path, staged.request.rank)
     for k, h in enumerate(staged.held, start=len(staged.files)):
         if h.name is None:
-            h.set_destination(storage, data_file_name(staged.rank, k, staged.tag), sync=config.sync_files,
+            h.set_destination(storage, data_file_name(staged.request.rank, k, staged.tag), sync=config.sync_files,
                               direct_writes=config.direct_writes)
 
 
@@ -245,7 +244,7 @@ def sync_save(path: str, storage: Storage, rank: int, config, tier) -> StagedSav
     except BaseException:
         pause.release()
         raise
-    staged = StagedSave(path=path, storage=storage, rank=rank, tag=tag, collector_pause=pause)
+    staged = StagedSave(path=path, storage=storage, request=SaveRequest(rank=rank), tag=tag, collector_pause=pause)
     _decide_incrementally(staged, config, tier)
     return staged
 
@@ -254,7 +253,8 @@ def _decide_incrementally(staged: StagedSave, config, tier) -> None:
     """``incremental``: the save's decisions, made against the checkpoints beside its (durable)
     folder, which DCP may name only later."""
     if config.incremental:
-        staged.incremental = Incremental(lambda: tier.references_beside() or staged.storage)
+        staged.request = dataclasses.replace(staged.request, incremental=Incremental(
+            lambda: tier.references_beside() or staged.storage))
 
 
 def planned(engine, index: int, items: list[SourceItem]) -> PlannedFile:
@@ -278,7 +278,7 @@ def start_file(engine, staged: StagedSave, pf: PlannedFile, side_buffer, config)
     place a ``FileJob`` is made. At the request ``prepare_destination`` names it, off the
     training thread; later files are named at once (``submit_file``)."""
     stream = current_stream(pf.device) if pf.device >= 0 else 0
-    untagged = pf.untagged or data_file_name(staged.rank, pf.index)
+    untagged = pf.untagged or data_file_name(staged.request.rank, pf.index)
     job, upload, name_it = channel_for(staged.storage).start_data_file(
         engine, untagged, pf.layout.header, pf.layout.file_size, pf.spans, sync=config.sync_files, device=pf.device,
         stream=stream, direct_writes=config.direct_writes)
@@ -289,7 +289,7 @@ def start_file(engine, staged: StagedSave, pf: PlannedFile, side_buffer, config)
 
 def submit_file(engine, staged: StagedSave, pf: PlannedFile, config, tier) -> FileJob:
     """A file made once the folder is prepared (``write_data``): started and named at once."""
-    tier.files_changing(staged.path, staged.rank)
+    tier.files_changing(staged.path, staged.request.rank)
     f = start_file(engine, staged, pf, None, config)
     _name_file(f, staged)
     tier.file_named(staged, f)
@@ -298,7 +298,7 @@ def submit_file(engine, staged: StagedSave, pf: PlannedFile, config, tier) -> Fi
 
 def _name_file(f: FileJob, staged: StagedSave) -> None:
     """Give a started file its name in the prepared folder: the engine writes it from now on."""
-    f.name = data_file_name(staged.rank, f.index, staged.tag)
+    f.name = data_file_name(staged.request.rank, f.index, staged.tag)
     # An old file of that name is freed on a watcher.
     f.name_it(f.name, _watchers.submit)
 
@@ -329,7 +329,7 @@ def finish_staging(staged: StagedSave, resolve: tuple | None) -> None:
             # The folder is prepared and the files named (or the save failed).
             staged.destination.result()
         staged.wait_staged(None)
-        staged.staged_s = time.monotonic() - staged.requested
+        staged.staged_s = time.monotonic() - staged.request.requested
         staged.seal()
     finally:
         for f in staged.files:

@@ -52,9 +52,9 @@ def check_rank_local(storage: Storage, path: str) -> None:
 def skip_replicas(staged: StagedSave, plan: SavePlan) -> SavePlan:
     """Leave replicated DTensor shards to the replica that staged them, so any planner's dedup
     (DCP's default included) has exactly one candidate."""
-    if not (plan.usable and staged.skipped):
+    if not (plan.usable and staged.request.skipped):
         return plan
-    skipped = staged.skipped
+    skipped = staged.request.skipped
     return dataclasses.replace(plan, items=[i for i, key in zip(plan.items, item_keys(plan.items)) if key not in skipped])
 
 
@@ -76,9 +76,9 @@ def write_rank(staged: StagedSave, plan: SavePlan, planner: SavePlanner, config,
     if late:
         _write_late(staged, late, planner, config, tier)
     locations = _wait_durable(staged)
-    if staged.incremental is not None:
+    if staged.request.incremental is not None:
         # What changed: the next save's hint.
-        staged.incremental.learn()
+        staged.request.incremental.learn()
     if staged.moved_from is not None:
         locations = _relocate(staged, locations)
     if staged.flat is not None and overridden_data_hooks(planner):
@@ -87,12 +87,12 @@ def write_rank(staged: StagedSave, plan: SavePlan, planner: SavePlanner, config,
         locations.update(_rewrite_for_planner(staged, mine, planner, locations, config, tier))
     # The save holds no reference to the state from here on.
     staged.flat, staged.payloads = None, {}
-    if staged.decision_key is not None:
-        if staged.learn:
-            decisions().learn(staged.decision_key, frozenset(k for k in given if k in staged.plain_keys))
-        elif any(key in staged.elsewhere for _, key in late_keys):
+    if staged.request.decision_key is not None:
+        if staged.request.learn:
+            decisions().learn(staged.request.decision_key, frozenset(k for k in given if k in staged.request.plain_keys))
+        elif any(key in staged.request.elsewhere for _, key in late_keys):
             # The plan changed: hold and relearn next time.
-            decisions().forget(staged.decision_key)
+            decisions().forget(staged.request.decision_key)
     out = []
     for item, key in zip(plan.items, keys):
         loc = locations[key]
@@ -128,8 +128,8 @@ def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, ti
     for item in late:
         changed = guard.changed(item.index.fqn) if guard is not None else None
         if changed is not None:
-            if staged.decision_key is not None:
-                decisions().forget(staged.decision_key)
+            if staged.request.decision_key is not None:
+                decisions().forget(staged.request.decision_key)
             raise CheckpointWriteError(
                 torn_message(staged.path or "(unnamed)", item.index.fqn, *changed)
                 + " (DCP's planner gave this rank a tensor another rank wrote last time: the ranks' "
@@ -139,11 +139,11 @@ def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, ti
     sources = [source_for_resolved(item, planner.resolve_data(item), taken) for item in late]
     engine = get_engine(config)
     index = len(staged.files) + len(staged.held)
-    if staged.incremental is not None and sum(s.entry.nbytes for s in sources) <= hold_limit(config):
-        tier.files_changing(staged.path, staged.rank)
-        held = hold(engine, sources, known=True, config=config, label=staged.path, incremental=staged.incremental,
+    if staged.request.incremental is not None and sum(s.entry.nbytes for s in sources) <= hold_limit(config):
+        tier.files_changing(staged.path, staged.request.rank)
+        held = hold(engine, sources, known=True, config=config, label=staged.path, incremental=staged.request.incremental,
                     copy_limit=config.copy_at_request_max_bytes)
-        held.set_destination(staged.storage, data_file_name(staged.rank, index, staged.tag), sync=config.sync_files,
+        held.set_destination(staged.storage, data_file_name(staged.request.rank, index, staged.tag), sync=config.sync_files,
                              direct_writes=config.direct_writes)
         staged.held.append(held)
         return
@@ -155,7 +155,7 @@ def _relocate(staged: StagedSave, locations: dict[ItemKey, ItemLocation]) -> dic
     names follow that folder's commit state)."""
     renamed: dict[str, str] = {}
     for f in staged.files:
-        new = data_file_name(staged.rank, f.index, staged.tag)
+        new = data_file_name(staged.request.rank, f.index, staged.tag)
         staged.moved_from.move(f.name, staged.storage, new)
         renamed[f.name] = new
         f.name = new

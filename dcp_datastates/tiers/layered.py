@@ -241,22 +241,22 @@ class LocalTier(NoTier):
         # (An incremental save's references name durable files already: not this rank's to drain.)
         locations = {r.index: r.storage_data for r in results if split_reference(r.storage_data.file) is None}
         renamed = {loc.file: file_copy.durable_name(loc.file, plan.tag) for loc in locations.values()}
-        tiers.record_rank_files(staged.path, staged.rank, self.durable_path, plan.save_id, renamed)
-        record.local_s = time.monotonic() - staged.requested
+        tiers.record_rank_files(staged.path, staged.request.rank, self.durable_path, plan.save_id, renamed)
+        record.local_s = time.monotonic() - staged.request.requested
         if not self.local_commit.done():
             self.local_commit.set_result(staged.path)
         self._drains = {k: d for k, d in self._drains.items() if not d[0].done()}
-        beat = drain.Heartbeat(open_storage(self.durable_path, self.config.storage_options), staged.rank, plan.save_id,
+        beat = drain.Heartbeat(open_storage(self.durable_path, self.config.storage_options), staged.request.rank, plan.save_id,
                                self.config.stall_timeout / 4)
         try:
             queued = _drainers.submit(drain.drain_rank, staged.path, self.durable_path, locations, renamed, plan.save_id,
-                                      staged.rank, self.config, record.followed, beat)
+                                      staged.request.rank, self.config, record.followed, beat)
         except BaseException:
             beat.stop()
             raise
         self._drains[plan.save_id] = (queued, beat)
         if self.config.peer_copies:
-            self._copy_to_peer(staged.path, plan, locations, renamed, staged.rank, staged.jobs())
+            self._copy_to_peer(staged.path, plan, locations, renamed, staged.request.rank, staged.jobs())
         return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed.get(r.storage_data.file,
                                                                                         r.storage_data.file)))
                 for r in results]
@@ -272,7 +272,7 @@ class LocalTier(NoTier):
         if self.config.peer_copies and isinstance(plan, RankDrain) and self._exchanged != plan.save_id \
                 and staged.path is not None:
             try:
-                self._copy_to_peer(staged.path, plan, {}, {}, staged.rank)
+                self._copy_to_peer(staged.path, plan, {}, {}, staged.request.rank)
             except Exception as exc:  # noqa: BLE001 - the save's own error is the one raised
                 log.warning("dcp_datastates: peer_copies: could not take part in the failed save's exchange: %s", exc)
         # A coordinator that failed has no metadata to hand on.
@@ -311,12 +311,12 @@ class LocalTier(NoTier):
                 queued.exception(timeout=_DRAIN_END_WAIT_S)
             except Exception:  # noqa: BLE001 - still copying: its files go all the same
                 pass
-        record = tiers.rank_record(staged.path, staged.rank)
-        tiers.forget_rank_files(staged.path, staged.rank)
+        record = tiers.rank_record(staged.path, staged.request.rank)
+        tiers.forget_rank_files(staged.path, staged.request.rank)
         if record is not None and record.get("save_id") == plan.save_id:
             for name in record.get("files", {}):
                 durable.remove_quietly(name)
-        durable.remove_quietly(pending_ckpt.drain_report_name(staged.rank))
+        durable.remove_quietly(pending_ckpt.drain_report_name(staged.request.rank))
         remove_files()
 
     def _stop_copies(self, staged) -> None:
@@ -374,7 +374,7 @@ class LocalTier(NoTier):
             return self._commit_drained(metadata, locations, record.plan)
         files = super().commit(storage, metadata, locations, staged, rank_local=rank_local, in_use=in_use)
         if staged is not None:
-            record.local_s = time.monotonic() - staged.requested
+            record.local_s = time.monotonic() - staged.request.requested
         self.local_commit.set_result(storage.location)
         if config.peer_copies and not self.peer_copy.done():
             self.peer_copy.set_exception(RuntimeError(
