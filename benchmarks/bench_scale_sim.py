@@ -124,6 +124,7 @@ from dcp_datastates.format.results import CommitLocations, pack_write_results
 from dcp_datastates.native import engine_module
 from dcp_datastates.runtime.gc_pause import gc_paused
 from dcp_datastates.save import CommitNotice, skip_replicas
+from dcp_datastates.save.in_flight import SaveRequest
 from dcp_datastates.save.ownership import _dtensor_replicas
 from dcp_datastates.storage import open_storage
 from dcp_datastates.writer import RankReport
@@ -287,7 +288,7 @@ def _ds_prepare_local_plan(plan: SavePlan, rank: int, flat: dict, folder: str) -
                 rep = _dtensor_replicas(obj, key, None)
                 if rep is not None and rep.writer != rep.mine:
                     skipped.add(key)
-    plan = skip_replicas(types.SimpleNamespace(skipped=skipped), plan)
+    plan = skip_replicas(types.SimpleNamespace(request=SaveRequest(skipped=frozenset(skipped))), plan)
     return dataclasses.replace(plan, storage_data=RankReport(rank, folder))
 
 
