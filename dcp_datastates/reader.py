@@ -35,6 +35,7 @@ from .load import read
 from .runtime import get_engine
 from .runtime.gc_pause import gc_paused, pause_collector
 from .runtime.inflight import wait_staged
+from .save import global_rank_world
 from .storage import is_supported_url, normalize, open_storage
 from .tiers import ReadPlan, tier_for
 from .tiers.node_copies import NodeCopies
@@ -152,7 +153,7 @@ class DataStatesReader(StorageReader):
         if self._plan.pending is not None:
             # Several ranks: committed on the local tiers, not drained yet.
             md, files = self._plan.pending
-            self._copies = self.tier.node_copies(self._plan, self._plan.pending_id, self._rank())
+            self._copies = self.tier.node_copies(self._plan, self._plan.pending_id, global_rank_world()[0])
             return self._with_index(md, files)
         if rank is None and dist.is_available() and dist.is_initialized():
             # A rank-local checkpoint (saved with use_collectives=False): each rank reads its own
@@ -163,7 +164,7 @@ class DataStatesReader(StorageReader):
         md, files = read_commit(self._storage, rank=rank)
         if rank is None:
             self._copies = self.tier.node_copies(self._plan, md.storage_meta.save_id if md.storage_meta else None,
-                                                 self._rank())
+                                                 global_rank_world()[0])
         return self._with_index(md, files)
 
     def _with_index(self, md: Metadata, files: dict[str, FileInfo]) -> Metadata:
@@ -180,10 +181,6 @@ class DataStatesReader(StorageReader):
         # Stock DCP's readers say which load read the metadata.
         md.storage_meta.load_id = self.load_id
         return md
-
-    @staticmethod
-    def _rank() -> int:
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.storage_data = metadata.storage_data

@@ -228,6 +228,32 @@ def test_memory_backed_asks_the_nearest_existing_folder(tmp_path, shm_path):
     assert E.memory_backed("/proc") is False  # procfs: not a place files are written to
 
 
+def test_a_storage_keeps_one_channel_that_asks_the_file_system_once(tmp_path, monkeypatch):
+    """``channel_for`` gives the same channel for the same storage, so whether its folder is
+    memory-backed (a statfs) is asked once per storage, not at every file a save starts."""
+    from dcp_datastates.channel import channel_for
+    from dcp_datastates.channel import local as local_channel
+    from dcp_datastates.storage import LocalStorage
+
+    asked, real = [], local_channel.engine_module()
+
+    class Counting:
+        def memory_backed(self, path):
+            asked.append(path)
+            return real.memory_backed(path)
+
+    monkeypatch.setattr(local_channel, "engine_module", lambda: Counting())
+    storage = LocalStorage(str(tmp_path))
+    channel = channel_for(storage)
+    assert channel_for(storage) is channel and channel.storage is storage
+    for _ in range(3):
+        assert channel_for(storage).writes_direct(None) == real.memory_backed(str(tmp_path))
+    assert asked == [str(tmp_path)]
+    assert channel_for(storage).writes_direct(True) is True and channel_for(storage).writes_direct(False) is False
+    other = LocalStorage(str(tmp_path))  # another storage object: its own channel
+    assert channel_for(other) is not channel
+
+
 # --------------------------------------------------------------------------------------------
 # the planner: one file per flush thread
 

@@ -14,6 +14,8 @@ channel per kind of storage:
 
 from __future__ import annotations
 
+import weakref
+
 from ..storage import LocalStorage, ObjectStorage, Storage
 from .base import DataChannel, DataFileJob, StartedDataFile
 from .local import LocalChannel
@@ -22,8 +24,20 @@ from .objectstore import ObjectChannel
 __all__ = ["DataChannel", "DataFileJob", "StartedDataFile", "LocalChannel", "ObjectChannel", "channel_for"]
 
 
+# One channel per storage object for as long as it lives: what a channel learns of its folder
+# (LocalChannel.memory_backed: a statfs) is asked once, not at every file a save starts.
+_channels: "weakref.WeakKeyDictionary[Storage, DataChannel]" = weakref.WeakKeyDictionary()
+
+
 def channel_for(storage: Storage) -> DataChannel:
-    """The data channel of ``storage``."""
+    """The data channel of ``storage`` (the same object for the same storage)."""
+    channel = _channels.get(storage)
+    if channel is None:
+        channel = _channels.setdefault(storage, _new_channel(storage))
+    return channel
+
+
+def _new_channel(storage: Storage) -> DataChannel:
     if isinstance(storage, LocalStorage):
         return LocalChannel(storage)
     if isinstance(storage, ObjectStorage):

@@ -12,7 +12,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,16 +133,15 @@ class SaveRequest:
     requested: float = field(default_factory=time.monotonic)
     pid: int = field(default_factory=os.getpid)
     incremental: Any = None
-    skipped: frozenset = frozenset()
-    elsewhere: frozenset = frozenset()
+    skipped: Set = frozenset()
+    elsewhere: Set = frozenset()
     decision_key: DecisionKey | None = None
     learn: bool = False
     plain_keys: frozenset = frozenset()
 
     def with_plan(self, plan) -> "SaveRequest":
         """This request with the decisions of ``plan`` (``plan.StagePlan``)."""
-        return dataclasses.replace(self, skipped=frozenset(plan.skipped), elsewhere=frozenset(plan.elsewhere),
-                                   decision_key=plan.decision_key, learn=plan.learn, plain_keys=plan.plain_keys)
+        return dataclasses.replace(self, skipped=plan.skipped, elsewhere=plan.elsewhere, decision_key=plan.decision_key, learn=plan.learn, plain_keys=plan.plain_keys)
 
 
 @dataclass(eq=False)

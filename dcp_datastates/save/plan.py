@@ -13,7 +13,7 @@ No import of the runtime, the storage or the engine (.importlinter, "the plan is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Set
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -70,8 +70,9 @@ class RankPlan:
 
     - ``files``: written at once, in this order (k of ``__<rank>_<k>``).
     - ``held``: staged now, written after DCP's planning.
-    - ``skipped``: DTensor replicas another rank writes.
-    - ``elsewhere``: plain tensors the ownership decision gives to other ranks.
+    - ``skipped``: DTensor replicas another rank writes; ``elsewhere``: plain tensors the
+      ownership decision gives to other ranks (both read only from here on: a cached plan's
+      frozensets are handed on as they are).
     - ``guard``: the sources copied lazily.
     - ``late_guard``: tensors this rank may have to write later from live memory.
     - ``decision_key``: what the ownership decision is kept under.
@@ -82,8 +83,8 @@ class RankPlan:
 
     files: list[PlannedFile]
     held: list[HeldGroup]
-    skipped: set
-    elsewhere: set
+    skipped: Set
+    elsewhere: Set
     guard: VersionGuard
     late_guard: VersionGuard
     decision_key: DecisionKey | None = None

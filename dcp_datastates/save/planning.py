@@ -72,7 +72,7 @@ def _from_cache(cached: StagePlan, scan: Scan, copies: CopyAtRequest) -> RankPla
             versions[i] = None
     late = cached.late
     return RankPlan(
-        [fp.planned(scan) for fp in cached.files], [], set(cached.skipped), set(cached.elsewhere),
+        [fp.planned(scan) for fp in cached.files], [], cached.skipped, cached.elsewhere,
         VersionGuard(scan.names, scan.tensors, versions, scan.keeps, scan.ptrs),
         VersionGuard([scan.names[i] for i in late], [scan.tensors[i] for i in late], [scan.versions[i] for i in late]),
         payloads={scan.names[i]: buf for i, buf in scan.payloads.items()}, copy_limit=limit,
