@@ -6,14 +6,16 @@ This module only answers DCP: each callback delegates to one named step of the s
   the local state alone, hand the engine one job per file, return a Future at once.
 - ``set_up_storage_writer`` / ``prepare_local_plan`` / ``prepare_global_plan`` (DCP's thread):
   name the folder, report it, let the tier adjust the plan.
-- ``write_data``: ``save.write_rank``: every file durable, each item's location; then the
-  tier's ``rank_written`` hook; the results packed for the coordinator
-  (``format.results.pack_write_results``) and the optional hierarchical consolidation.
+- ``write_data``: the tier hears the coordinator's word (``FilesNamed``), ``save.write_rank``:
+  every file durable, each item's location; then the tier's ``RankEnded``; the results packed
+  for the coordinator (``format.results.pack_write_results``) and the optional hierarchical
+  consolidation.
 - ``finish`` (coordinator): every rank's results as one ``CommitLocations``, then the tier's
-  ``commit`` hook: ``commit.write_commit`` for a plain save.
+  ``commit``: ``commit.write_commit`` for a plain save.
 
 Storage is chosen once per checkpoint path (``storage.open_storage``); the node-local tier is
-one object (``tiers.tier_for``: ``tiers/hooks.py`` names its hooks) whose hooks run at fixed points. Faults: a rank's error never skips
+one object (``tiers.tier_for``; ``tiers/plain.py`` names its protocol) told of each save's
+events (``save/tier_events.py``). Faults: a rank's error never skips
 a collective: an error at ``stage()`` is kept and raised from ``prepare_local_plan`` (inside
 DCP's planning collective, so every rank gets CheckpointException), and ``write_data`` takes part
 in the optional consolidation before it raises. The staging Future itself never fails.
@@ -41,6 +43,7 @@ from . import save
 from .config import DataStatesConfig
 from .errors import CheckpointWriteError
 from .format.results import CommitLocations, pack_write_results
+from .save.tier_events import FilesNamed, RankEnded
 from .storage import is_supported_url, normalize, open_storage
 from .tiers import tier_for
 
@@ -78,6 +81,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         super().__init__()
         self.config = DataStatesConfig.resolve(config, options)
         self.tier = tier_for(self.config, saving=True)
+        # The tier's word on the checkpoint path (set by _target).
+        self._dest = self.tier.destination(None)
         self._storages: dict[str, Any] = {}
         self._lock = threading.Lock()
         self.path = self._target(path)
@@ -121,7 +126,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
     def _target(self, path: str | os.PathLike | None) -> str | None:
         """The folder this writer writes for checkpoint ``path`` (the tier's choice); its storage
         is opened here, once per path."""
-        folder = self.tier.folder(normalize(path))
+        self._dest = self.tier.destination(normalize(path))
+        folder = self._dest.folder
         if folder is not None:
             self._storage(folder)
         return folder
@@ -142,7 +148,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         target = None if self._retargeted else self.path
         staged, future = save.request_save(
             state_dict, path=target, storage=None if target is None else self._storage(target), config=self.config,
-            tier=self.tier, requested=t0, check_launch=self._check_launch)
+            tier=self.tier, dest=self._dest, requested=t0, check_launch=self._check_launch)
         with self._lock:
             self._pending.append(staged)
         staged.stall_s = time.monotonic() - t0
@@ -210,7 +216,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             staged.fail(exc)
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=self.tier.reported(self.path), save_id=self.save_id)
+        return StorageMeta(checkpoint_id=self._dest.durable, save_id=self.save_id)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         try:
@@ -222,6 +228,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 save.unwatch(staged)
                 # DCP stops here: nothing closes the save.
                 staged.end_collector_pause()
+                self.tier.ended(staged, exc)
             raise
 
     def _prepare_local_plan(self, plan: SavePlan) -> SavePlan:
@@ -232,7 +239,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         staged = self._current
         if staged is not None and staged.error is not None:
             raise staged.error
-        self.tier.check_local_plan(self.path, self.use_collectives)
+        if not self.use_collectives and self._dest.rank_local_refused:
+            # Raised inside DCP's planning, so every rank gets it.
+            raise CheckpointWriteError(self._dest.rank_local_refused)
         if staged is None:
             # dcp.save: nothing staged, the folder is prepared here.
             self._check_launch()
@@ -240,7 +249,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                                                     self.tier)
             staged.planner = threading.current_thread()
             save.watch(staged, self.tier)
-        report = RankReport(self.rank, self.tier.reported(self.path))
+        report = RankReport(self.rank, self._dest.durable)
         if self.use_collectives:
             plan = save.skip_replicas(staged, plan)
         return dataclasses.replace(plan, storage_data=report)
@@ -257,22 +266,24 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 f"the ranks of one save name different checkpoint paths ({listing}); every rank must pass "
                 f"the same path (or checkpoint_id). Nothing was committed."
             )
-        return self.tier.global_plan(plans, self.save_id, self._current)
+        current = self._current
+        return self.tier.global_plan(plans, self.save_id, current, current is not None and current.moved_from is not None)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         staged = self._current
         self._current = None
-        self.tier.planned(staged, plan.storage_data)
         results: list[WriteResult] = []
         error: BaseException | None = None
         try:
-            self.tier.writing(staged)
+            # The coordinator's word first (a failed rank still takes its part in the tier's exchanges).
+            self.tier.files_named(FilesNamed(staged, staged.storage, tuple(staged.files), plan.storage_data,
+                                             staged.moved_from is not None))
             results = save.write_rank(staged, plan, planner, self.config, self.tier)
-            results = pack_write_results(self.tier.rank_written(staged, results))
+            results = pack_write_results(self.tier.rank_ended(self._rank_ended(staged, results=tuple(results))))
         except BaseException as exc:  # noqa: BLE001 - raised below, after the collectives
             error = exc
             staged.abandon(f"save abandoned: {exc}")
-            self.tier.rank_failed(staged)
+            self.tier.rank_ended(self._rank_ended(staged, error=exc))
             save.discard(staged, f"save abandoned: {exc}", self.tier)
             save.unwatch(staged)
         if self.process_group is not None and self.use_collectives and self.config.hierarchical_consolidation \
@@ -281,13 +292,13 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             # and DCP's own gather then fails the save on every rank.
             results = save.consolidate_results(results if error is None else [], self.process_group, 0)
         if error is not None:
-            self._close(staged, error=error)
+            self._close(staged, self.tier.ended(staged, error), error=error)
             if isinstance(error, CheckpointWriteError):
                 raise error
             raise CheckpointWriteError(f"saving checkpoint {self.path} failed: {type(error).__name__}: {error}") from error
         if self.use_collectives and not self.is_coordinator:
             # The coordinator commits; nothing more happens here.
-            self._close(staged)
+            self._close(staged, self.tier.ended(staged, None))
         else:
             self._finishing = staged
         fut: torch.futures.Future = torch.futures.Future()
@@ -308,26 +319,35 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 metadata = dataclasses.replace(metadata, storage_meta=self.storage_meta())
             locations = CommitLocations(results, metadata)
             self.tier.commit(self._storage(self.path), metadata, locations, staged,
+                             None if staged is None else staged.request.requested,
                              rank_local=None if self.use_collectives else self.rank,
                              in_use=save.names_in_use(self.path) if staged is None else frozenset())
             # The other ranks learn that it is committed.
             broadcast.storage_data = save.CommitNotice()
         except BaseException as exc:
-            self.tier.failed(exc)
             error = exc
+            # Before the discard: peers waiting for this coordinator's metadata learn there is none.
+            local_s = self.tier.ended(staged, exc)
             if staged is not None:
                 save.discard(staged, f"not committed: {exc}", self.tier)
             raise
+        else:
+            local_s = self.tier.ended(staged, None)
         finally:
             save.unwatch(staged)
             if staged is not None:
                 total = sum(r.size_in_bytes for rank_results in results for r in rank_results)
-                self._close(staged, error=error, total_bytes=total, committed=error is None)
+                self._close(staged, local_s, error=error, total_bytes=total, committed=error is None)
 
-    def _close(self, staged, **figures) -> None:
-        save.close_save(staged, path=self.tier.reported(staged.path or self.path),
-                        coordinator=self.is_coordinator or not self.use_collectives,
-                        local_s=self.tier.local_seconds(staged), **figures)
+    @staticmethod
+    def _rank_ended(staged, **outcome) -> RankEnded:
+        return RankEnded(staged, staged.path, staged.request.rank, staged.request.requested, tuple(staged.jobs()),
+                         **outcome)
+
+    def _close(self, staged, local_s: float | None, **figures) -> None:
+        """``local_s``: the tier's answer to the save's ``ended`` event."""
+        save.close_save(staged, path=self._dest.durable or staged.path,
+                        coordinator=self.is_coordinator or not self.use_collectives, local_s=local_s, **figures)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

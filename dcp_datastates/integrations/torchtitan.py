@@ -34,8 +34,6 @@ cannot be imported, which modules were tried and why each failed.
 from __future__ import annotations
 
 import concurrent.futures
-import importlib
-import importlib.util
 import logging
 import os
 import time
@@ -58,46 +56,11 @@ from ..storage import open_storage
 from ..tiers.peers import wait_peer_copies
 from ..tiers.restart import prepare_restart
 from ..writer import DataStatesWriter
+from .torchtitan_import import _import_torchtitan, _missing_error
 
 __all__ = ["DataStatesCheckpointManager", "TORCHTITAN_AVAILABLE", "TORCHTITAN_CHECKPOINT_MODULE", "is_datastates_checkpoint"]
 
 log = logging.getLogger("dcp_datastates")
-
-# Where TorchTitan keeps its DCP CheckpointManager, newest first: ``checkpointer`` (0.3.0 and
-# main) and the legacy ``checkpoint`` (0.3.0 re-exports it; main removed it in #4184). Both
-# export the same names, so the first that imports is used.
-_CHECKPOINT_MODULES = ("torchtitan.components.checkpointer", "torchtitan.components.checkpoint")
-_NAMES = ("CheckpointManager", "AsyncMode", "DATALOADER", "MODEL")
-
-
-def _import_torchtitan() -> tuple[str | None, tuple[Any, ...] | None, list[str]]:
-    """The module the manager comes from, its names (``_NAMES`` and ``GarbageCollection``), and
-    one line per module tried that failed (its error), so a failure says what was tried."""
-    tried: list[str] = []
-    for name in _CHECKPOINT_MODULES:
-        # Any error, not only ImportError: a TorchTitan incompatible with this torch raises others.
-        try:
-            module = importlib.import_module(name)
-            found = tuple(getattr(module, n) for n in _NAMES)
-            from torchtitan.tools.utils import GarbageCollection
-        except Exception as exc:  # noqa: BLE001 - reported by _missing(), never raised at import
-            tried.append(f"{name} ({type(exc).__name__}: {exc})")
-            continue
-        return name, (*found, GarbageCollection), tried
-    return None, None, tried
-
-
-def _torchtitan_location() -> str | None:
-    """Where the ``torchtitan`` package would be imported from; None when it is not installed."""
-    try:
-        spec = importlib.util.find_spec("torchtitan")
-    except (ImportError, ValueError):
-        # A broken or stubbed sys.modules entry.
-        return None
-    if spec is None:
-        return None
-    return spec.origin or ", ".join(spec.submodule_search_locations or ()) or spec.name
-
 
 TORCHTITAN_CHECKPOINT_MODULE, _FOUND, _TRIED = _import_torchtitan()
 TORCHTITAN_AVAILABLE = _FOUND is not None
@@ -106,21 +69,8 @@ if _FOUND is not None:
 
 
 def _missing() -> ImportError:
-    install = (
-        "Install it with `pip install --no-deps torchtitan` plus its light dependencies "
-        "(`pip install tyro spmd_types`), or follow TorchTitan's installation guide."
-    )
-    where = _torchtitan_location()
-    if where is None:
-        return ImportError(
-            "dcp_datastates.integrations.torchtitan needs TorchTitan, which is not installed "
-            f"(tried {', '.join(_CHECKPOINT_MODULES)}). {install}"
-        )
-    return ImportError(
-        f"dcp_datastates.integrations.torchtitan needs TorchTitan's DCP CheckpointManager, which could not be "
-        f"imported from the TorchTitan at {where}; tried {'; '.join(_TRIED)}. Supported: TorchTitan 0.3.0 and "
-        f"main (see the module's docstring). {install}"
-    )
+    """What using the manager raises when TorchTitan's could not be imported."""
+    return _missing_error(_TRIED)
 
 
 def is_datastates_checkpoint(path: str | os.PathLike) -> bool:
@@ -136,12 +86,6 @@ def is_datastates_checkpoint(path: str | os.PathLike) -> bool:
     except Exception:  # noqa: BLE001 - unreadable, or the store's own error: DataStatesReader says what is wrong
         return True
     return head.lstrip().startswith(b"{")
-
-
-def _bare_gb(value: Any, name: str) -> int:
-    """Sizes in a TorchTitan config follow the rule of every entry point (``config.cache_size``):
-    a unitless number is GiB below 65536 and bytes from 65536 up; strings may carry a unit."""
-    return cache_size(value, name)
 
 
 if TORCHTITAN_AVAILABLE:
@@ -245,7 +189,7 @@ if TORCHTITAN_AVAILABLE:
                 base = DataStatesConfig.from_file(self.datastates_config) if self.datastates_config else DataStatesConfig()
                 options: dict[str, Any] = {}
                 if self.host_cache_size is not None:
-                    options["host_cache_size"] = _bare_gb(self.host_cache_size, "checkpoint.host_cache_size")
+                    options["host_cache_size"] = cache_size(self.host_cache_size, "checkpoint.host_cache_size")
                 for ours, theirs in (
                     ("pin_host_cache", "pin_host_cache"),
                     ("copy_threads", "copy_threads"),

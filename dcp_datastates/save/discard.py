@@ -53,7 +53,7 @@ def discard(staged: StagedSave, reason: str, tier) -> None:
     try:
         staged.abandon(reason)
         _wait_ended(staged)
-        tier.discard(staged, lambda: _remove_files(staged))
+        tier.discard(staged, staged.path, staged.request.rank, lambda: _remove_files(staged))
     except Exception as exc:  # noqa: BLE001 - the save's own error is the one raised
         log.warning("dcp_datastates: could not remove what the failed save of %s wrote: %s", staged.path, exc)
 

@@ -36,7 +36,7 @@ from ..errors import CheckpointWriteError
 from ..forking import ThreadPool
 from ..format.layout import data_file_name, new_tag
 from ..runtime import gc_pause, get_engine, inflight
-from ..storage import Storage
+from ..storage import Storage, open_storage
 from .copy_at_request import CopyAtRequest
 from .file_groups import on_one_device
 from .held_file import HeldFile
@@ -47,6 +47,7 @@ from .plan import PlanContext, PlannedFile, planned_file
 from .planning import plan_stage
 from .scan import flatten
 from .side_buffers import copy_small_at_request, give_back
+from .tier_events import Claim, Destination, FilesNamed
 
 __all__ = ["request_save", "name_folder", "sync_save", "submit_file", "start_file", "prepare_destination", "hold",
            "claim_folder", "current_stream", "global_rank_world", "finish_staging", "planned", "hold_limit"]
@@ -88,14 +89,15 @@ def claim_folder(path: str, staged: StagedSave) -> None:
         ) from None
 
 
-def request_save(state_dict: dict, *, path: str | None, storage: Storage | None, config, tier, requested: float,
-                 check_launch) -> tuple[StagedSave, Future]:
-    """Start the save of ``state_dict`` into ``path`` (None: named later by DCP): the save and
-    the Future DCP waits on before planning."""
+def request_save(state_dict: dict, *, path: str | None, storage: Storage | None, config, tier, dest: Destination,
+                 requested: float, check_launch) -> tuple[StagedSave, Future]:
+    """Start the save of ``state_dict`` into ``path`` (None: named later by DCP; ``dest``: the
+    tier's word on the writer's checkpoint path): the save and the Future DCP waits on before
+    planning."""
     # Tens of objects per tensor live until the commit: no collection sees them (runtime/inflight.py).
     pause = gc_pause.pause_collector(GC_PAUSE_MAX_S)
     try:
-        staged, future = _request(state_dict, path, storage, config, tier, requested, check_launch)
+        staged, future = _request(state_dict, path, storage, config, tier, dest, requested, check_launch)
     except BaseException:
         # Errors are kept on the save; this is Ctrl-C and the like.
         pause.release()
@@ -104,8 +106,8 @@ def request_save(state_dict: dict, *, path: str | None, storage: Storage | None,
     return staged, future
 
 
-def _request(state_dict: dict, path: str | None, storage: Storage | None, config, tier, requested: float,
-             check_launch) -> tuple[StagedSave, Future]:
+def _request(state_dict: dict, path: str | None, storage: Storage | None, config, tier, dest: Destination,
+             requested: float, check_launch) -> tuple[StagedSave, Future]:
     future: Future = Future()
     staged = StagedSave(path=path, storage=storage, request=SaveRequest(requested=requested))
     _decide_incrementally(staged, config, tier)
@@ -115,10 +117,10 @@ def _request(state_dict: dict, path: str | None, storage: Storage | None, config
         flat, mappings = flatten(state_dict)
         if path is not None:
             claim_folder(path, staged)
-            if tier.folder_at_request:
+            if dest.folder_at_request:
                 # The rest of the folder work runs off this thread (prepare_destination).
                 storage.make_folder()
-        _stage_into(staged, flat, config, tier)
+        _stage_into(staged, flat, config, tier, dest)
     except Exception as exc:  # noqa: BLE001 - raised from prepare_local_plan, on every rank
         staged.fail(exc)
     # Every torch.optim step now waits for this save's copies.
@@ -150,13 +152,11 @@ def prepare_destination(staged: StagedSave, config, tier, need) -> None:
     try:
         if staged.error is not None:
             return
-        tier.reserve(staged.path, need)
+        tier.claimed(Claim(staged.path, staged.request.rank, need))
         staged.tag = new_tag() if prepare_folder(staged.storage, overwrite=config.overwrite) else None
-        if staged.files:
-            tier.files_changing(staged.path, staged.request.rank)
         for f in staged.files:
             _name_file(f, staged)
-        tier.files_started(staged)
+        tier.files_named(FilesNamed(staged, staged.storage, tuple(staged.files)))
     except Exception as exc:  # noqa: BLE001 - raised from prepare_local_plan, on every rank
         staged.fail(exc)
 
@@ -169,7 +169,7 @@ def _files_per_group(storage, config) -> int:
     return 1
 
 
-def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
+def _stage_into(staged: StagedSave, flat: dict, config, tier, dest: Destination) -> None:
     rank, world = global_rank_world()
     staged.request = dataclasses.replace(staged.request, rank=rank)
     dedup = world > 1 and config.dedup_replicated
@@ -177,9 +177,9 @@ def _stage_into(staged: StagedSave, flat: dict, config, tier) -> None:
     # Incremental: the tensors written without a hash this time (a hint).
     direct = None
     if staged.request.incremental is not None:
-        durable = tier.reported(staged.path)
+        durable = dest.durable if staged.path is not None else None
         direct = staged.request.incremental.written_directly(hint_key(durable, rank)) if durable else frozenset()
-    context = PlanContext(rank, world, dedup, engine.cuda_devices > 0, tier.mirroring,
+    context = PlanContext(rank, world, dedup, engine.cuda_devices > 0, dest.mirroring,
                           _files_per_group(staged.storage, config))
     copies = CopyAtRequest(config.copy_at_request_max_bytes, config.copy_at_request_total_bytes)
     plan = plan_stage(flat, context, copies, folder_known=staged.path is not None,
@@ -225,9 +225,8 @@ def name_folder(staged: StagedSave, path: str, storage: Storage, config, tier) -
     if staged.path is None:
         claim_folder(path, staged)
         staged.path, staged.storage = path, storage
+        tier.claimed(Claim(path, staged.request.rank))
         staged.tag = new_tag() if prepare_folder(storage, overwrite=config.overwrite) else None
-    if staged.held:
-        tier.files_changing(staged.path, staged.request.rank)
     for k, h in enumerate(staged.held, start=len(staged.files)):
         if h.name is None:
             h.set_destination(storage, data_file_name(staged.request.rank, k, staged.tag), sync=config.sync_files,
@@ -240,6 +239,7 @@ def sync_save(path: str, storage: Storage, rank: int, config, tier) -> StagedSav
     # DCP's write items live until the commit here too.
     pause = gc_pause.pause_collector(GC_PAUSE_MAX_S)
     try:
+        tier.claimed(Claim(path, rank))
         tag = new_tag() if prepare_folder(storage, overwrite=config.overwrite) else None
     except BaseException:
         pause.release()
@@ -253,8 +253,9 @@ def _decide_incrementally(staged: StagedSave, config, tier) -> None:
     """``incremental``: the save's decisions, made against the checkpoints beside its (durable)
     folder, which DCP may name only later."""
     if config.incremental:
+        # With local_tier, beside the durable checkpoints: the references name their files.
         staged.request = dataclasses.replace(staged.request, incremental=Incremental(
-            lambda: tier.references_beside() or staged.storage))
+            lambda: open_storage(tier.durable_path, config.storage_options) if tier.durable_path else staged.storage))
 
 
 def planned(engine, index: int, items: list[SourceItem]) -> PlannedFile:
@@ -287,12 +288,12 @@ def start_file(engine, staged: StagedSave, pf: PlannedFile, side_buffer, config)
                    side_buffer, mirrors=pf.mirrors, mirror_of=pf.mirror_of)
 
 
-def submit_file(engine, staged: StagedSave, pf: PlannedFile, config, tier) -> FileJob:
-    """A file made once the folder is prepared (``write_data``): started and named at once."""
-    tier.files_changing(staged.path, staged.request.rank)
+def submit_file(engine, staged: StagedSave, pf: PlannedFile, config, named) -> FileJob:
+    """A file made once the folder is prepared (``write_data``): started and named at once
+    (``named(files)`` tells the save's tier)."""
     f = start_file(engine, staged, pf, None, config)
     _name_file(f, staged)
-    tier.file_named(staged, f)
+    named((f,))
     return f
 
 

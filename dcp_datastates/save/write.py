@@ -32,6 +32,7 @@ from .items import ItemKey, item_key, item_keys, source_for_resolved
 from .ownership import decisions
 from .planner_hooks import items_to_rewrite, overridden_data_hooks
 from .request import hold, hold_limit, planned, submit_file
+from .tier_events import FilesNamed
 from .version_guard import torn_message
 
 __all__ = ["write_rank", "check_rank_local", "skip_replicas"]
@@ -59,7 +60,11 @@ def skip_replicas(staged: StagedSave, plan: SavePlan) -> SavePlan:
 
 
 def write_rank(staged: StagedSave, plan: SavePlan, planner: SavePlanner, config, tier) -> list[WriteResult]:
-    """This rank's items of ``plan`` durable in its folder: DCP's write results."""
+    """This rank's items of ``plan`` durable in its folder: DCP's write results. The tier hears
+    of each file made here (``FilesNamed`` with the coordinator's word, ``plan.storage_data``)."""
+    def named(files: tuple) -> None:
+        tier.files_named(FilesNamed(staged, staged.storage, files, plan.storage_data, staged.moved_from is not None))
+
     if staged.error is not None:
         raise staged.error
     if staged.abandoned is not None:
@@ -74,7 +79,7 @@ def write_rank(staged: StagedSave, plan: SavePlan, planner: SavePlanner, config,
     late_keys = [(item, key) for item, key in zip(plan.items, keys) if key not in staged_keys]
     late = [item for item, _ in late_keys]
     if late:
-        _write_late(staged, late, planner, config, tier)
+        _write_late(staged, late, planner, config, named)
     locations = _wait_durable(staged)
     if staged.request.incremental is not None:
         # What changed: the next save's hint.
@@ -84,7 +89,7 @@ def write_rank(staged: StagedSave, plan: SavePlan, planner: SavePlanner, config,
     if staged.flat is not None and overridden_data_hooks(planner):
         # Lazy save, custom planner: its hooks now.
         mine = [item for item, key in zip(plan.items, keys) if key in staged_keys]
-        locations.update(_rewrite_for_planner(staged, mine, planner, locations, config, tier))
+        locations.update(_rewrite_for_planner(staged, mine, planner, locations, config, named))
     # The save holds no reference to the state from here on.
     staged.flat, staged.payloads = None, {}
     if staged.request.decision_key is not None:
@@ -118,7 +123,7 @@ def _wait_durable(staged: StagedSave) -> dict[ItemKey, ItemLocation]:
     return locations
 
 
-def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, tier) -> None:
+def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, named) -> None:
     """Items the plan gives this rank that it did not stage: written now from live memory,
     which for a lazy save is right only if the tensor did not change. In an incremental save
     (``dcp.save`` stages nothing) they are copied into the host cache first and written only
@@ -140,14 +145,13 @@ def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, ti
     engine = get_engine(config)
     index = len(staged.files) + len(staged.held)
     if staged.request.incremental is not None and sum(s.entry.nbytes for s in sources) <= hold_limit(config):
-        tier.files_changing(staged.path, staged.request.rank)
         held = hold(engine, sources, known=True, config=config, label=staged.path, incremental=staged.request.incremental,
                     copy_limit=config.copy_at_request_max_bytes)
         held.set_destination(staged.storage, data_file_name(staged.request.rank, index, staged.tag), sync=config.sync_files,
                              direct_writes=config.direct_writes)
         staged.held.append(held)
         return
-    staged.files.append(submit_file(engine, staged, planned(engine, index, sources), config, tier))
+    staged.files.append(submit_file(engine, staged, planned(engine, index, sources), config, named))
 
 
 def _relocate(staged: StagedSave, locations: dict[ItemKey, ItemLocation]) -> dict[ItemKey, ItemLocation]:
@@ -163,7 +167,7 @@ def _relocate(staged: StagedSave, locations: dict[ItemKey, ItemLocation]) -> dic
 
 
 def _rewrite_for_planner(staged: StagedSave, items: list, planner: SavePlanner, locations: dict[ItemKey, ItemLocation],
-                         config, tier) -> dict[ItemKey, ItemLocation]:
+                         config, named) -> dict[ItemKey, ItemLocation]:
     """A custom planner's data hooks on this lazy save (planner_hooks.py): the items whose data
     it changes go into one more file, durable before the commit; their new locations."""
     def staged_bytes(fqn: str) -> bytes | None:
@@ -190,6 +194,6 @@ def _rewrite_for_planner(staged: StagedSave, items: list, planner: SavePlanner, 
     taken: set[str] = set()
     engine = get_engine(config)
     sources = [source_for_resolved(item, data, taken) for item, data in rewrite]
-    job = submit_file(engine, staged, planned(engine, len(staged.files) + len(staged.held), sources), config, tier)
+    job = submit_file(engine, staged, planned(engine, len(staged.files) + len(staged.held), sources), config, named)
     staged.files.append(job)
     return job.result()

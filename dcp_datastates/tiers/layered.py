@@ -1,6 +1,6 @@
 """LocalTier: each save committed on the node-local tier first, then drained to the durable path.
 
-The hooks ``NoTier`` defines (``hooks.py``), filled for ``local_tier=DIR``: each rank writes and
+The tier protocol (``plain.py``) filled for ``local_tier=DIR``: each rank writes and
 commits into its node's local copy of the checkpoint (``local_tier.py``), whose files are copied
 to the durable path while they are written and drained after the local commit (``drain.py``),
 to a peer's node as well with ``peer_copies`` (``peers.py``); a load reads the nearest good copy.
@@ -11,27 +11,25 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 import weakref
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from torch.distributed.checkpoint.metadata import MetadataIndex
-
 from ..commit import prepare_folder, write_commit
-from ..errors import CheckpointWriteError
 from ..forking import ThreadPool
 from ..format.layout import new_tag
 from ..format.locations import moved, split_reference
 from ..machine import usable_cpus
 from ..save import global_rank_world
+from ..save.tier_events import BEFORE_PLAN, Claim, Destination, FilesNamed, RankEnded
 from ..storage import Storage, open_storage, root_of
 from . import drain, file_copy, peers
 from . import local_tier as tiers
 from . import pending as pending_ckpt
-from .hooks import NoTier, RankDrain, ReadPlan, SoloDrain
 from .node_copies import NodeCopies
+from .plain import NoTier
+from .records import RankDrain, ReadPlan, SoloDrain
 
 log = logging.getLogger("dcp_datastates")
 
@@ -40,7 +38,7 @@ __all__ = ["LocalTier"]
 # Several ranks: each rank's drain of its files (drain.drain_rank), off DCP's thread so the
 # coordinator can gather while ranks drain.
 _drainers = ThreadPool(max_workers=2, thread_name_prefix="dcp-datastates-drain")
-# One rank: the durable folder prepared at the request and its copies started (files_started),
+# One rank: the durable folder prepared at the request and its copies started (files_named),
 # off the request's own threads, whose end staging waits for (the durable store may be slow).
 _early = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-drain-early")
 # A failed save's discard waits this long for its drain to end before removing its copies.
@@ -55,13 +53,15 @@ class _SaveCopies:
 
     - ``plan``: RankDrain, SoloDrain or None (``global_plan``'s word to this rank).
     - ``followed``: local file name -> its copy to the durable tier (``file_copy.follow``).
-    - ``early``: the copies started at the request, before DCP planned (``files_started``).
+    - ``early``: the copies started at the request, before DCP planned (``files_named``).
+    - ``reconciled``: ``early`` was matched against the plan (once, when the plan came).
     - ``local_s``: request -> the local copy committed or recorded.
     """
 
     plan: object = None
     followed: dict = field(default_factory=dict)
     early: Future | None = None
+    reconciled: bool = False
     local_s: float | None = None
 
 
@@ -69,113 +69,111 @@ class LocalTier(NoTier):
     """``local_tier=DIR``: each rank writes and commits into its node's local copy of the
     checkpoint, which is then drained to the durable path (local_tier.py)."""
 
-    # The local copy's folder is made after reserve() made room for it (off the training thread).
-    folder_at_request = False
-
     def __init__(self, config, *, saving: bool = False) -> None:
         super().__init__(config, saving=saving)
         # save id -> this rank's drain of it and its heartbeat (several ranks)
         self._drains: dict[str, tuple[Future, drain.Heartbeat]] = {}
         # What this tier keeps of each save in flight, for as long as the save exists.
         self._saves: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        # peer_copies: who keeps whose copies, for the mirrored files the request plans.
+        self._mirroring = None
         if saving and config.peer_copies:
             # A writer: every rank makes one, on its training thread.
             peers.join(config)
-            self.mirroring = peers.mirroring()
+            self._mirroring = peers.mirroring()
 
-    def folder(self, path: str | None) -> str | None:
-        if path is None:
-            return None
-        self.durable_path = path
-        return tiers.local_copy(self.config.local_tier, path)
+    def destination(self, path: str | None) -> Destination:
+        """The node's local copy of ``path``, made once ``claimed`` made room for it (off the
+        training thread); rank-local saves are refused (the drain needs the coordinator)."""
+        if path is not None:
+            self.durable_path = path
+        folder = None if path is None else tiers.local_copy(self.config.local_tier, path)
+        refused = (f"local_tier: rank-local saves (use_collectives=False) are not supported (saving "
+                   f"{self.durable_path}); save without local_tier, or with collectives")
+        return Destination(folder, self.durable_path, folder_at_request=False, rank_local_refused=refused,
+                           mirroring=self._mirroring)
 
-    def reported(self, path: str | None) -> str | None:
-        return self.durable_path or path
-
-    def _of(self, staged) -> "_SaveCopies":
-        """This tier's record of ``staged`` (made at its first event)."""
-        record = self._saves.get(staged)
+    def _of(self, key) -> "_SaveCopies":
+        """This tier's record of the save ``key`` (made at its first event)."""
+        record = self._saves.get(key)
         if record is None:
-            record = self._saves[staged] = _SaveCopies()
+            record = self._saves[key] = _SaveCopies()
         return record
 
-    def planned(self, staged, plan) -> None:
-        self._of(staged).plan = plan
+    def claimed(self, event: Claim) -> None:
+        """Room for the save on the local tier; the copy names its durable path (a restart's
+        ``drain_pending`` reads it); what this rank recorded there and what a restart agreed on
+        are forgotten (a record must never name files being rewritten)."""
+        if event.need is not None:
+            tiers.make_room(self.config.local_tier, event.need(), event.folder, self.config.storage_options)
+        tiers.record_durable(event.folder, self.durable_path)
+        tiers.forget_rank_files(event.folder, event.rank)
+        tiers.forget_restart(event.folder)
 
-    def local_seconds(self, staged) -> float | None:
-        record = self._saves.get(staged)
-        return None if record is None else record.local_s
+    def files_named(self, event: FilesNamed) -> None:
+        """Before DCP plans, one rank alone: the early copies (``_copy_early``). From
+        ``write_data`` on: each file is copied to the durable tier as it is written
+        (``file_copy.follow``), unless the request started its copy already under the plan DCP
+        agreed on; the drain takes a copy only if its checksums match the save's."""
+        if event.plan is BEFORE_PLAN:
+            self._start_early(event)
+            return
+        record = self._of(event.key)
+        record.plan = event.plan
+        if not record.reconciled:
+            record.reconciled = True
+            early = self._early_copies(event.key)
+            if early is not None:
+                plan, followed = early
+                if record.plan == plan:
+                    # (global_plan handed it on: same folder, not moved)
+                    record.followed.update(followed)
+                else:
+                    # DCP named another folder (reset), or planned without the request's plan.
+                    _cancel(followed, "the save's durable files are named otherwise")
+        self._follow(record, event)
 
-    def references_beside(self) -> Storage | None:
-        """The durable checkpoint: an incremental save builds on the durable checkpoints beside
-        it, and its references name their (durable) files, so a local copy holds only its own
-        files, the drain copies only those, and evicting local copies never removes bytes a
-        kept checkpoint refers to."""
-        return open_storage(self.durable_path, self.config.storage_options) if self.durable_path else None
-
-    def reserve(self, folder: str, need) -> None:
-        tiers.make_room(self.config.local_tier, need(), folder, self.config.storage_options)
-
-    def files_changing(self, folder: str, rank: int) -> None:
-        # A record must never name files being rewritten.
-        tiers.forget_rank_files(folder, rank)
-
-    def check_local_plan(self, folder: str, use_collectives: bool) -> None:
-        """Raised inside DCP's planning, so every rank gets it."""
-        if not use_collectives:
-            raise CheckpointWriteError(
-                f"local_tier: rank-local saves (use_collectives=False) are not supported (saving "
-                f"{self.durable_path}); save without local_tier, or with collectives"
-            )
-        tiers.record_durable(folder, self.durable_path)
-        # This save replaces what a restart agreed on here.
-        tiers.forget_restart(folder)
-
-    def files_started(self, staged) -> None:
-        """One process saving alone: its files are copied to the durable tier before DCP plans
-        (DCP plans only once staging ended, then takes its time over every item, a cost that
-        grows with the item count, while the store would sit idle). The durable folder is
-        prepared here (a new file-name tag when it holds a commit); the coordinator's
-        ``global_plan`` hands that plan on. Where the machine has cores to spare beside the
-        engine's threads and the trainer (``_cores_to_spare``), the copies stream from the first
-        chunk on, as a single-tier save's upload does; else from the end of staging, so that they
-        never slow what the training waits for (on 2 cores, following from the first chunk made
-        staging measurably longer). Several ranks must wait for the coordinator's plan (the
-        names' tag, the folder's checks): their copies start in ``writing``."""
-        if self.durable_path is None or global_rank_world()[1] != 1 or not staged.files:
+    def _start_early(self, event: FilesNamed) -> None:
+        """One process saving alone: its files are copied to the durable tier before DCP plans,
+        into the durable folder prepared here, whose plan ``global_plan`` hands on; from the
+        first chunk where the machine has cores to spare (``_cores_to_spare``), else from the end
+        of staging (docs/how-it-works.md, "Copied while written"). Several ranks wait for the
+        coordinator's plan (the names' tag, the folder's checks) and start at ``write_data``."""
+        if self.durable_path is None or global_rank_world()[1] != 1 or not event.files:
             return
         try:
-            self._of(staged).early = _early.submit(self._copy_early, staged, self.durable_path)
+            self._of(event.key).early = _early.submit(self._copy_early, event.storage, event.files, self.durable_path)
         except RuntimeError as exc:
             # The interpreter is shutting down: copied after the local commit.
             log.info("dcp_datastates: %s: copies not started at the request (%s)", self.durable_path, exc)
 
-    def _copy_early(self, staged, durable: str) -> tuple | None:
+    def _copy_early(self, storage: Storage, files: tuple, durable: str) -> tuple | None:
         """(SoloDrain, {local name: Follower}), or None when the durable folder could not be
         prepared (then as without: prepared at planning, or drained after the local commit)."""
         try:
             plan = SoloDrain(drain.prepare_durable(durable, self.config), durable)
-            followed = file_copy.follow(staged.storage, staged.files, durable, plan.tag, self.config,
+            followed = file_copy.follow(storage, files, durable, plan.tag, self.config,
                                     from_staged=not _cores_to_spare(self.config))
         except Exception as exc:  # noqa: BLE001 - the local save never fails for the durable tier
             log.info("dcp_datastates: %s not prepared at the request (%s); prepared at planning", durable, exc)
             return None
         return plan, followed
 
-    def _early_copies(self, staged) -> tuple | None:
-        """What ``_copy_early`` started for ``staged`` (waited for: it only prepares and submits)."""
-        record = self._saves.get(staged) if staged is not None else None
+    def _early_copies(self, key) -> tuple | None:
+        """What ``_copy_early`` started for the save ``key`` (waited for: it only prepares and
+        submits)."""
+        record = self._saves.get(key) if key is not None else None
         early = record.early if record is not None else None
         return early.result() if early is not None else None
 
-    def global_plan(self, plans: list, save_id: str, staged=None) -> list:
+    def global_plan(self, plans: list, save_id: str, key: object, moved: bool) -> list:
         """Several ranks: each rank drains its own files; the coordinator names them. One rank:
-        the durable folder is prepared now unless the request prepared it (``files_started``),
+        the durable folder is prepared now unless the request prepared it (``files_named``),
         so that its files can be copied while they are written; if it cannot be, the drain after
         the local commit tries again (the local commit never waits for the durable tier)."""
         if len(plans) <= 1:
-            early = self._early_copies(staged)
-            if early is not None and early[0].durable == self.durable_path and staged.moved_from is None:
+            early = self._early_copies(key)
+            if early is not None and early[0].durable == self.durable_path and not moved:
                 return [dataclasses.replace(p, storage_data=early[0]) for p in plans]
             try:
                 return [dataclasses.replace(p, storage_data=SoloDrain(
@@ -192,47 +190,33 @@ class LocalTier(NoTier):
         plan = RankDrain(save_id, new_tag() if committed or pending else None, global_rank_world()[0])
         return [dataclasses.replace(p, storage_data=plan) for p in plans]
 
-    def writing(self, staged) -> None:
-        """Each file the engine writes now is copied to the durable tier as it is written
-        (``file_copy.follow``), unless the request started its copy already under the plan DCP
-        agreed on; the drain takes a copy only if its checksums match the save's."""
-        early = self._early_copies(staged)
-        if early is not None:
-            plan, followed = early
-            record = self._of(staged)
-            if record.plan == plan:
-                # (global_plan handed it on: same folder, not moved)
-                record.followed.update(followed)
-            else:
-                # DCP named another folder (reset), or planned without the request's plan.
-                _cancel(followed, "the save's durable files are named otherwise")
-        self._follow(staged, staged.files)
-
-    def file_named(self, staged, f) -> None:
-        """A file started during ``write_data`` (late items, a planner's rewrite): copied as it is
-        written too."""
-        self._follow(staged, [f])
-
-    def _follow(self, staged, files: list) -> None:
-        record = self._of(staged)
+    def _follow(self, record: _SaveCopies, event: FilesNamed) -> None:
         plan = record.plan
         # (Files staged into another folder are moved at the end of write_data: drained after.)
-        if isinstance(plan, (RankDrain, SoloDrain)) and staged.storage is not None and staged.moved_from is None:
+        if isinstance(plan, (RankDrain, SoloDrain)) and event.storage is not None and not event.moved:
             # (Those followed since the request are followed already.)
-            files = [f for f in files if f.name not in record.followed]
+            files = [f for f in event.files if f.name not in record.followed]
             try:
-                started = file_copy.follow(staged.storage, files, self.durable_path, plan.tag, self.config)
+                started = file_copy.follow(event.storage, files, self.durable_path, plan.tag, self.config)
             except Exception as exc:  # noqa: BLE001 - the local save never fails for the durable tier
                 log.info("dcp_datastates: %s: files not copied while written (%s); drained after the local commit",
                          self.durable_path, exc)
                 return
             record.followed.update(started)
 
-    def rank_written(self, staged, results: list) -> list:
+    def rank_ended(self, event: RankEnded) -> list:
+        """This rank's part ended: its files durable (``_rank_written``) or failed (``_rank_failed``)."""
+        if event.error is not None:
+            self._rank_failed(event)
+            return []
+        return self._rank_written(event)
+
+    def _rank_written(self, event: RankEnded) -> list:
         """Several ranks: this rank's files are durable on the local tier. Record them in the
         local copy, then drain them on a drain thread (it reports to the coordinator, which
         commits once every rank did); the results name the durable files."""
-        record = self._of(staged)
+        results = list(event.results)
+        record = self._of(event.key)
         plan = record.plan
         if not isinstance(plan, RankDrain):
             return results
@@ -241,55 +225,55 @@ class LocalTier(NoTier):
         # (An incremental save's references name durable files already: not this rank's to drain.)
         locations = {r.index: r.storage_data for r in results if split_reference(r.storage_data.file) is None}
         renamed = {loc.file: file_copy.durable_name(loc.file, plan.tag) for loc in locations.values()}
-        tiers.record_rank_files(staged.path, staged.request.rank, self.durable_path, plan.save_id, renamed)
-        record.local_s = time.monotonic() - staged.request.requested
+        tiers.record_rank_files(event.folder, event.rank, self.durable_path, plan.save_id, renamed)
+        record.local_s = time.monotonic() - event.requested
         if not self.local_commit.done():
-            self.local_commit.set_result(staged.path)
+            self.local_commit.set_result(event.folder)
         self._drains = {k: d for k, d in self._drains.items() if not d[0].done()}
-        beat = drain.Heartbeat(open_storage(self.durable_path, self.config.storage_options), staged.request.rank, plan.save_id,
-                               self.config.stall_timeout / 4)
+        beat = drain.Heartbeat(open_storage(self.durable_path, self.config.storage_options), event.rank,
+                               plan.save_id, self.config.stall_timeout / 4)
         try:
-            queued = _drainers.submit(drain.drain_rank, staged.path, self.durable_path, locations, renamed, plan.save_id,
-                                      staged.request.rank, self.config, record.followed, beat)
+            queued = _drainers.submit(drain.drain_rank, event.folder, self.durable_path, locations, renamed,
+                                      plan.save_id, event.rank, self.config, record.followed, beat)
         except BaseException:
             beat.stop()
             raise
         self._drains[plan.save_id] = (queued, beat)
         if self.config.peer_copies:
-            self._copy_to_peer(staged.path, plan, locations, renamed, staged.request.rank, staged.jobs())
+            self._copy_to_peer(event.folder, plan, locations, renamed, event.rank, event.files)
         return [dataclasses.replace(r, storage_data=moved(r.storage_data, renamed.get(r.storage_data.file,
                                                                                         r.storage_data.file)))
                 for r in results]
 
-    def rank_failed(self, staged) -> None:
+    def _rank_failed(self, event: RankEnded) -> None:
         """The copies started at the request stop. peer_copies: this rank still takes its part
         in the save's exchange, with nothing to send, so that every rank's exchanges stay in
         step (the next save's copies are made)."""
-        early = self._early_copies(staged)
+        early = self._early_copies(event.key)
         if early is not None:
             _cancel(early[1], "the save failed")
-        plan = self._of(staged).plan
+        plan = self._of(event.key).plan
         if self.config.peer_copies and isinstance(plan, RankDrain) and self._exchanged != plan.save_id \
-                and staged.path is not None:
+                and event.folder is not None:
             try:
-                self._copy_to_peer(staged.path, plan, {}, {}, staged.request.rank)
+                self._copy_to_peer(event.folder, plan, {}, {}, event.rank)
             except Exception as exc:  # noqa: BLE001 - the save's own error is the one raised
                 log.warning("dcp_datastates: peer_copies: could not take part in the failed save's exchange: %s", exc)
         # A coordinator that failed has no metadata to hand on.
         self._hand_metadata(None)
 
-    def discard(self, staged, remove_files) -> None:
+    def discard(self, key: object, folder: str | None, rank: int, remove_files) -> None:
         """What the failed save wrote goes: the copies to the durable tier started while its files
         were written, then its files in the local copy. Kept: a checkpoint committed on the local
         tier (one rank: the local commit stands, the drain that failed removed its own copies;
         several ranks: the coordinator recorded it as pending, restorable from the local copies,
         and the next save drains it). Several ranks whose drain had started: that drain's
         durable copies and report go with the local files and this rank's record."""
-        record = self._of(staged)
+        record = self._of(key)
         plan = record.plan
         if record.local_s is None:
             # Nothing committed or recorded on the local tier yet.
-            self._stop_copies(staged)
+            self._stop_copies(key)
             remove_files()
             return
         if not isinstance(plan, RankDrain):
@@ -300,7 +284,7 @@ class LocalTier(NoTier):
         if pending is not None and pending[0].storage_meta.save_id == plan.save_id:
             # Its drained copies are the pending checkpoint's: kept too.
             return
-        self._stop_copies(staged)
+        self._stop_copies(key)
         drained = self._drains.pop(plan.save_id, None)
         if drained is not None:
             queued, beat = drained
@@ -311,19 +295,19 @@ class LocalTier(NoTier):
                 queued.exception(timeout=_DRAIN_END_WAIT_S)
             except Exception:  # noqa: BLE001 - still copying: its files go all the same
                 pass
-        record = tiers.rank_record(staged.path, staged.request.rank)
-        tiers.forget_rank_files(staged.path, staged.request.rank)
+        record = tiers.rank_record(folder, rank)
+        tiers.forget_rank_files(folder, rank)
         if record is not None and record.get("save_id") == plan.save_id:
             for name in record.get("files", {}):
                 durable.remove_quietly(name)
-        durable.remove_quietly(pending_ckpt.drain_report_name(staged.request.rank))
+        durable.remove_quietly(pending_ckpt.drain_report_name(rank))
         remove_files()
 
-    def _stop_copies(self, staged) -> None:
+    def _stop_copies(self, key) -> None:
         """The copies to the durable tier started while the save's files were written stop, and
         what they wrote goes."""
-        early = self._early_copies(staged)
-        followers = [*(early[1].values() if early is not None else ()), *self._of(staged).followed.values()]
+        early = self._early_copies(key)
+        followers = [*(early[1].values() if early is not None else ()), *self._of(key).followed.values()]
         for follower in followers:
             follower.cancel("the save failed")
         deadline = time.monotonic() + _DRAIN_END_WAIT_S
@@ -339,17 +323,7 @@ class LocalTier(NoTier):
         gets the checkpoint's metadata from the coordinator once it has it; ``peer_copy`` says
         how that went. The save never waits for it. ``jobs``: the save's files, for the mirrored
         ones (sent only if the keeper's own copy differs) and those kept here for other ranks."""
-        pieces = file_copy.pieces_by_file(locations)
-        mirrored = {f.name for f in jobs if f.mirrors}
-        files = {name: (renamed[name], os.stat(os.path.join(local, name)).st_size, pieces.get(name, []),
-                        name in mirrored) for name in renamed}
-        kept = {}
-        for f in jobs:
-            if f.mirror_of is not None:
-                # (Its locations are keyed by item key: DCP's index for pieces_by_file.)
-                written = {MetadataIndex(key[0], key[1]): loc for key, loc in (f.written or {}).items()}
-                kept[f.mirror_of] = (f.name, os.stat(os.path.join(local, f.name)).st_size,
-                                     file_copy.pieces_by_file(written).get(f.name, []))
+        files, kept = peers.shares(local, locations, renamed, jobs)
         self._exchanged = plan.save_id
         self._metadata_for_peers = Future() if rank == plan.coordinator else None
         done = peers.exchange(local, self.durable_path, plan.save_id, files, self.config,
@@ -366,15 +340,20 @@ class LocalTier(NoTier):
 
         done.add_done_callback(settle)
 
-    def commit(self, storage: Storage, metadata, locations, staged, *, rank_local: int | None,
-               in_use: frozenset) -> dict:
+    def commit(self, storage: Storage, metadata, locations, key: object, requested: float | None, *,
+               rank_local: int | None, in_use: frozenset) -> dict:
         config = self.config
-        record = self._of(staged) if staged is not None else _SaveCopies()
+        record = self._of(key) if key is not None else _SaveCopies()
         if isinstance(record.plan, RankDrain):
             return self._commit_drained(metadata, locations, record.plan)
-        files = super().commit(storage, metadata, locations, staged, rank_local=rank_local, in_use=in_use)
-        if staged is not None:
-            record.local_s = time.monotonic() - staged.request.requested
+        # An incremental save builds on the durable checkpoints beside it, and its references
+        # name their (durable) files, so a local copy holds only its own files, the drain copies
+        # only those, and evicting local copies never removes bytes a kept checkpoint refers to.
+        beside = open_storage(self.durable_path, config.storage_options) if self.durable_path else None
+        files = write_commit(storage, metadata, locations, sync=config.sync_files, rank_local=rank_local,
+                             in_use=in_use, references_beside=beside)
+        if requested is not None:
+            record.local_s = time.monotonic() - requested
         self.local_commit.set_result(storage.location)
         if config.peer_copies and not self.peer_copy.done():
             self.peer_copy.set_exception(RuntimeError(
@@ -420,10 +399,15 @@ class LocalTier(NoTier):
         if waiting is not None and not waiting.done():
             waiting.set_result(encoded)
 
-    def failed(self, exc: BaseException) -> None:
-        if not self.local_commit.done():
-            self.local_commit.set_exception(exc)
-        self._hand_metadata(None)
+    def ended(self, key: object, error: BaseException | None) -> float | None:
+        """A failed save's ``local_commit`` fails (unless its local copy was committed) and the
+        coordinator's peer exchange learns it has no metadata to hand on."""
+        if error is not None:
+            if not self.local_commit.done():
+                self.local_commit.set_exception(error)
+            self._hand_metadata(None)
+        record = self._saves.get(key) if key is not None else None
+        return None if record is None else record.local_s
 
     # ---------------------------------------------------------------------------------- load
     def choose(self, path: str) -> ReadPlan:

@@ -57,17 +57,19 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
 from ..forking import ThreadPool, new_locks_in_child
 from ..runtime import get_engine
 from ..save.ownership import Mirroring
 from ..storage import open_storage
 from . import local_tier as tiers
+from .file_copy import pieces_by_file
 from .peer_wire import OutOfStep, between_pieces_crc, receive_file, recv_json, send_file, send_json
 
 log = logging.getLogger("dcp_datastates")
 
-__all__ = ["NODE_ENV", "node_name", "PeerMap", "join", "exchange", "current", "wait_peer_copies", "both_ways",
+__all__ = ["NODE_ENV", "node_name", "PeerMap", "join", "shares", "exchange", "current", "wait_peer_copies", "both_ways",
            "mirroring"]
 
 NODE_ENV = "DCPDS_NODE"
@@ -180,6 +182,24 @@ def wait_peer_copies(timeout: float | None = None) -> bool:
     except TimeoutError:
         return False
     return True
+
+
+def shares(local: str, locations: dict, renamed: dict[str, str], jobs=()) -> tuple[dict, dict]:
+    """What a rank's exchange sends and keeps: ``exchange``'s ``files`` and ``kept`` for its data
+    files in ``local`` (``locations``: DCP's index -> location; ``renamed``: local -> durable
+    name; ``jobs``: the save's files, for the mirrored ones and those kept for other ranks)."""
+    pieces = pieces_by_file(locations)
+    mirrored = {f.name for f in jobs if f.mirrors}
+    files = {name: (renamed[name], os.stat(os.path.join(local, name)).st_size, pieces.get(name, []),
+                    name in mirrored) for name in renamed}
+    kept = {}
+    for f in jobs:
+        if f.mirror_of is not None:
+            # (Its locations are keyed by item key: DCP's index for pieces_by_file.)
+            written = {MetadataIndex(key[0], key[1]): loc for key, loc in (f.written or {}).items()}
+            kept[f.mirror_of] = (f.name, os.stat(os.path.join(local, f.name)).st_size,
+                                 pieces_by_file(written).get(f.name, []))
+    return files, kept
 
 
 def exchange(local: str, durable: str, save_id: str, files: dict, config, *, coordinator: int = 0,

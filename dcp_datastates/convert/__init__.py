@@ -23,8 +23,9 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Iterable
 
-from .commit import check_data_files, read_commit
-from .load.verify import no_progress
+from ..commit import check_data_files, read_commit
+from ..load.verify import no_progress
+from .output import _create_new, _prepare_output, _umask, _write_new_file
 
 __all__ = ["CheckpointItem", "Converted", "checkpoint_items", "read_hf_config", "to_dcp", "to_hf", "to_torch"]
 
@@ -81,7 +82,7 @@ def checkpoint_items(md) -> list[CheckpointItem]:
 
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
 
-    from .format.layout import dtype_to_name
+    from ..format.layout import dtype_to_name
 
     by_fqn: dict[str, list] = defaultdict(list)
     for index, loc in md.storage_data.items():
@@ -176,7 +177,7 @@ def to_hf(path: str, out: str, *, max_shard_size: int = 5 * 10**9, prefix: str |
     one ``ValueError``, both naming the file, before the checkpoint is read."""
     from safetensors.torch import save_file
 
-    from .format.layout import safetensors_dtype
+    from ..format.layout import safetensors_dtype
 
     if max_shard_size < 1:
         raise ValueError("max_shard_size must be positive")
@@ -379,8 +380,8 @@ def _load_flat(path: str, md, keys: list[str], bar, trusted: bool = False, raw_v
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .config import tool_config
-    from .reader import DataStatesReader
+    from ..config import tool_config
+    from ..reader import DataStatesReader
 
     flat: dict[str, Any] = {}
     sizes = _sizes(md, keys)
@@ -431,51 +432,3 @@ def _unflatten(flat: dict[str, Any], planner_data: dict | None) -> dict:
                 node.append(None)
         node[last] = value
     return out
-
-
-# ------------------------------------------------------------------------------------- writing
-def _prepare_output(out: str, force: bool, is_dir: bool, create: bool = True) -> None:
-    if os.path.exists(out):
-        if is_dir:
-            if not os.path.isdir(out):
-                raise ValueError(f"output {out} exists and is not a folder")
-            if os.listdir(out) and not force:
-                raise ValueError(f"output folder {out} is not empty (pass --force to write into it)")
-        else:
-            if os.path.isdir(out):
-                raise ValueError(f"output {out} is a folder; --to torch writes one file")
-            if not force:
-                raise ValueError(f"output file {out} exists (pass --force to overwrite it)")
-    if not create:
-        return
-    if is_dir:
-        os.makedirs(out, exist_ok=True)
-    else:
-        parent = os.path.dirname(os.path.abspath(out))
-        os.makedirs(parent, exist_ok=True)
-
-
-def _write_new_file(folder: str, name: str, data: bytes) -> None:
-    """Write ``folder/name`` under a new, unpredictable temporary name and rename it into place
-    (replaces a link planted there, never follows it)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, os.path.join(folder, name))
-    finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
-
-
-def _create_new(path: str, mode: str = "wb"):
-    """Open a file that must not exist yet, never through a symlink (O_EXCL | O_NOFOLLOW)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-    return os.fdopen(os.open(path, flags, 0o666), mode)
-
-
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
