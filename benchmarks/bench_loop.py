@@ -263,13 +263,15 @@ def measure(args: argparse.Namespace, log: Callable[[str], None]) -> dict:
 
 def measure_sustained(root: str, nbytes: int, count: int) -> dict:
     """The sustained bound of a durable checkpoint of ``nbytes``: ``count`` written and fsynced
-    back to back, in our engine's pattern (one file per flush thread, early writeback) and in
-    DCP's (``FileSystemWriter``'s default: one thread, one file, fsync at the end)."""
+    back to back, in our engine's pattern (one file per flush thread, early writeback), in DCP's
+    (``FileSystemWriter``'s default: one thread, one file, fsync at the end), and past the page
+    cache (one thread, one file, O_DIRECT: no kernel copy, no dirty pages to write back)."""
     from dcp_datastates import DataStatesConfig
 
     flush = int(bench.ENGINE_OPTIONS.get("flush_threads") or DataStatesConfig().flush_threads)
     try:
-        return bench.raw_bound.measure_sustained(root, nbytes, count, {"ours": (flush, flush, True), "dcp": (1, 1, False)})
+        return bench.raw_bound.measure_sustained(root, nbytes, count, {"ours": (flush, flush, True), "dcp": (1, 1, False),
+                                                                          "direct": (1, 1, False, True)})
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -294,9 +296,24 @@ def summarize(report: dict) -> None:
                 for key in ("call_s", "staged_wait_s", "done_wait_s", "request_to_done_s"):
                     cell[f"median_{key}"] = bench._median([v for x in runs for v in x[key]])
                 cell["last_checkpoint_equal"] = all(x.get("last_checkpoint_equal") for x in runs)
+                cell["extra_s"] = _where_the_time_goes(runs, base["median_s"])
                 if sustained and group == "durable":
                     cell["sustained_bound_s"] = max(base["median_s"], cell["checkpoints"] * sustained["best_s"])
                     cell["vs_sustained_bound"] = cell["median_s"] / cell["sustained_bound_s"]
+
+
+def _where_the_time_goes(runs: list[dict], base_s: float) -> dict[str, float]:
+    """The loop's time over the loop without checkpoints, split (medians over the runs): the
+    calls, the waits before steps (staging), the waits for the previous checkpoint at each request
+    and for the last one at the end, and what is left, the training's own steps slowed down by
+    the checkpoints' background work (CPU, memory bandwidth, the kernel's writeback)."""
+    parts: dict[str, list[float]] = {"calls": [], "waits_before_steps": [], "waits_for_done": [], "training_slowed": []}
+    for run in runs:
+        calls, staged, done = sum(run["call_s"]), sum(run["staged_wait_s"]), sum(run["done_wait_s"])
+        for key, value in (("calls", calls), ("waits_before_steps", staged), ("waits_for_done", done),
+                           ("training_slowed", run["seconds"] - base_s - calls - staged - done)):
+            parts[key].append(value)
+    return {key: statistics.median(values) for key, values in parts.items()}
 
 
 def report_ckpts(report: dict, every: str) -> int:
@@ -327,10 +344,21 @@ def format_table(report: dict) -> str:
             lines.append(row)
     for name, why in report.get("skipped", {}).items():
         lines.append(f"{name:<20} skipped: {why}")
+    lines.append("where the extra seconds go (medians): calls + waits before steps + waits for done (the last one's "
+                 "included) + training slowed")
+    for name, groups in report["results"].items():
+        for group, intervals in groups.items():
+            for e in everies:
+                x = intervals.get(e, {}).get("extra_s")
+                if x:
+                    lines.append(f"  {name}, {group}, every {e}: {x['calls']:.2f} + {x['waits_before_steps']:.2f} + "
+                                 f"{x['waits_for_done']:.2f} + {x['training_slowed']:.2f} s")
     sustained = report.get("sustained")
     if sustained:
         pats = ", ".join(f"{k} ({v['config']}) {v['median_s']:.3f} s" for k, v in sustained["patterns"].items())
         lines.append(f"sustained bound: {sustained['checkpoints']} checkpoints written and fsynced back to back: {pats}")
+        for k, why in sustained.get("unsupported", {}).items():
+            lines.append(f"  {k}: not measured here ({why})")
         for name, groups in report["results"].items():
             for e, cell in groups.get("durable", {}).items():
                 if "vs_sustained_bound" in cell:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import mmap
 import os
 import statistics
 import threading
@@ -30,6 +31,8 @@ __all__ = ["measure_raw", "measure_sustained", "merge_raw", "write_configs", "re
 _BLOCK = 64 << 20  # bytes per pwrite (and per writeback request)
 _MAX_WRITE = 1 << 30  # Linux writes at most ~2 GiB per call
 _SYNC_FILE_RANGE_WRITE = 2
+# O_DIRECT's alignment of buffer, offset and length (the page size covers every block device's).
+_DIRECT_ALIGN = 4096
 
 _libc = ctypes.CDLL(None, use_errno=True)
 try:
@@ -60,9 +63,10 @@ def write_configs() -> list[tuple[int, int, bool]]:
     return out
 
 
-def _name(cfg: tuple[int, int, bool]) -> str:
-    t, files, wb = cfg
-    return f"{t} thread{'s' if t > 1 else ''}, {files} file{'s' if files > 1 else ''}{', early writeback' if wb else ''}"
+def _name(cfg: tuple) -> str:
+    t, files, wb, direct = (*cfg, False)[:4]
+    return (f"{t} thread{'s' if t > 1 else ''}, {files} file{'s' if files > 1 else ''}"
+            f"{', early writeback' if wb else ''}{', O_DIRECT' if direct else ''}")
 
 
 def _stripes(nbytes: int, parts: int) -> list[tuple[int, int]]:
@@ -100,9 +104,11 @@ def _run_threads(jobs: list[Callable[[], None]]) -> None:
         raise errors[0]
 
 
-def _timed_write(folder: str, mv: memoryview, nbytes: int, cfg: tuple[int, int, bool]) -> float:
-    """Seconds to write ``nbytes`` of ``mv`` as ``cfg`` says, fsync included; the files removed after."""
-    threads, files, writeback = cfg
+def _timed_write(folder: str, mv: memoryview, nbytes: int, cfg: tuple) -> float:
+    """Seconds to write ``nbytes`` of ``mv`` as ``cfg`` says ((threads, files, early writeback[,
+    O_DIRECT])), fsync included; the files removed after. O_DIRECT needs ``mv`` page-aligned;
+    each stripe's last partial block goes through the page cache."""
+    threads, files, writeback, direct = (*cfg, False)[:4]
     stripes = _stripes(nbytes, threads)
     paths = [os.path.join(folder, f"raw-{k}.bin") for k in range(files)]
     for p in paths:
@@ -110,17 +116,26 @@ def _timed_write(folder: str, mv: memoryview, nbytes: int, cfg: tuple[int, int, 
             os.unlink(p)
     t0 = time.perf_counter()
     fds = [os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) for p in paths]
+    direct_fds = [os.open(p, os.O_WRONLY | os.O_DIRECT) for p in paths] if direct else []
     try:
         jobs = []
         for k, (off, length) in enumerate(stripes):
             # One shared file: each thread writes its stripe at its own offset; one file per
             # thread: each file holds one stripe from offset 0.
-            fd, file_off = (fds[0], off) if files == 1 else (fds[k], 0)
-            jobs.append(lambda fd=fd, off=off, file_off=file_off, length=length: _write_range(fd, mv, off, file_off, length, writeback))
+            f = 0 if files == 1 else k
+            file_off = off if files == 1 else 0
+            if direct:
+                aligned = length - length % _DIRECT_ALIGN
+                jobs.append(lambda f=f, off=off, file_off=file_off, length=length, aligned=aligned: (
+                    _write_range(direct_fds[f], mv, off, file_off, aligned, False),
+                    _write_range(fds[f], mv, off + aligned, file_off + aligned, length - aligned, False)))
+            else:
+                jobs.append(lambda f=f, off=off, file_off=file_off, length=length:
+                            _write_range(fds[f], mv, off, file_off, length, writeback))
         _run_threads(jobs)
         _run_threads([lambda fd=fd: os.fsync(fd) for fd in fds])
     finally:
-        for fd in fds:
+        for fd in fds + direct_fds:
             os.close(fd)
     took = time.perf_counter() - t0
     for p in paths:
@@ -189,23 +204,33 @@ def measure_raw(root: str, nbytes: int, reps: int, cold: Callable[[str], bool] |
 
 
 def measure_sustained(root: str, nbytes: int, count: int, patterns: dict[str, tuple[int, int, bool]]) -> dict:
-    """The sustained write bound: for each named pattern ((threads, files, early writeback), e.g.
-    ours and DCP's), ``count`` checkpoints of ``nbytes`` written and fsynced back to back, each
-    into new files (the previous one's removed, as a loop keeps the disk from filling). Per
-    pattern: every checkpoint's seconds and their median; ``best`` names the fastest pattern."""
-    import torch
-
+    """The sustained write bound: for each named pattern ((threads, files, early writeback[,
+    O_DIRECT]), e.g. ours and DCP's), ``count`` checkpoints of ``nbytes`` written and fsynced back
+    to back, each into new files (the previous one's removed, as a loop keeps the disk from
+    filling). Per pattern: every checkpoint's seconds and their median; ``best`` names the fastest
+    pattern. A pattern the file system refuses (O_DIRECT on tmpfs) is listed in ``unsupported``
+    with the error."""
     os.makedirs(root, exist_ok=True)
-    src = torch.empty(max(1, nbytes), dtype=torch.uint8)
-    src.fill_(0x5A)
-    mv = memoryview(src.numpy())
-    out: dict = {"bytes": nbytes, "checkpoints": count, "patterns": {}}
+    # Page-aligned (O_DIRECT needs it), the same bytes for every pattern.
+    src = mmap.mmap(-1, max(1, nbytes))
+    block = b"\x5a" * (1 << 20)
+    for off in range(0, len(src), len(block)):
+        src[off:off + len(block)] = block[:len(src) - off]
+    mv = memoryview(src)
+    out: dict = {"bytes": nbytes, "checkpoints": count, "patterns": {}, "unsupported": {}}
     try:
         for name, cfg in patterns.items():
-            runs = [_timed_write(root, mv, nbytes, cfg) for _ in range(count)]
+            try:
+                runs = [_timed_write(root, mv, nbytes, cfg) for _ in range(count)]
+            except OSError as exc:
+                if not (len(cfg) > 3 and cfg[3]):
+                    raise
+                out["unsupported"][name] = f"{_name(cfg)}: {exc}"
+                continue
             out["patterns"][name] = {"config": _name(cfg), "runs_s": runs, "median_s": statistics.median(runs)}
     finally:
-        del mv, src
+        mv.release()
+        src.close()
     out["best"] = min(out["patterns"], key=lambda k: out["patterns"][k]["median_s"]) if out["patterns"] else None
     out["best_s"] = out["patterns"][out["best"]]["median_s"] if out["best"] else None
     return out

@@ -386,7 +386,7 @@ PYBIND11_MODULE(_engine, m) {
       .def(
           "submit_write",
           [](Engine& e, const std::string& path, py::bytes header, int64_t file_size, py::handle items, bool sync,
-             int device, uint64_t stream, bool named, bool direct) {
+             int device, uint64_t stream, bool named, bool direct, bool direct_io) {
             if (e.is_shut_down()) throw std::runtime_error("engine is shut down");
             if (file_size < 0) throw py::value_error("file_size must be >= 0, got " + std::to_string(file_size));
             std::vector<dcpds::WriteItem> parsed = parse_write_items(items);
@@ -394,10 +394,11 @@ PYBIND11_MODULE(_engine, m) {
             // No GIL release: submitting only enqueues (microseconds), and handing the GIL to
             // another thread here would cost the training thread up to a switch interval.
             return e.submit_write(path, std::move(head), static_cast<uint64_t>(file_size), parsed, sync, device, stream,
-                                  named, direct);
+                                  named, direct, direct_io);
           },
           py::arg("path"), py::arg("header"), py::arg("file_size"), py::arg("items"), py::arg("sync") = true,
           py::arg("device") = -1, py::arg("stream") = 0, py::arg("named") = true, py::arg("direct") = false,
+          py::arg("direct_io") = false,
           py::keep_alive<0, 1>(),
           "Queue one file: header at offset 0, items (src_ptr, nbytes, file_offset). Returns a WriteJob at once;\n"
           "errors are reported by WriteJob.error(). The source memory must stay valid until the job is staged.\n"
@@ -523,6 +524,7 @@ PYBIND11_MODULE(_engine, m) {
              d["pinned"] = s.pinned;
              d["d2h_bytes"] = s.d2h_bytes;
              d["direct_bytes"] = s.direct_bytes;
+             d["direct_io_bytes"] = s.direct_io_bytes;
              d["device_waits"] = s.device_waits;
              d["host_waits"] = s.host_waits;
              d["flush_ns"] = s.flush_ns;

@@ -132,7 +132,7 @@ Engine::~Engine() { shutdown(); }
 
 std::shared_ptr<WriteJob> Engine::submit_write(std::string path, std::string header, uint64_t file_size,
                                                const std::vector<WriteItem>& items, bool sync, int device,
-                                               uint64_t stream, bool named, bool direct) {
+                                               uint64_t stream, bool named, bool direct, bool direct_io) {
   if (is_shut_down()) throw std::runtime_error("engine is shut down");
   // A device's memory reaches a file only through the cache (the D2H copy needs a host buffer).
   if (direct && device != kHostDevice)
@@ -140,7 +140,8 @@ std::shared_ptr<WriteJob> Engine::submit_write(std::string path, std::string hea
   check_copy_device(device, cuda_devices_, cuda_status_);
   auto job = std::make_shared<FileJob>(std::move(path), std::move(header), file_size, items, chunk_bytes(), sync, device,
                                        named, direct,
-                                       [this](std::vector<ChunkRef>&& refs) { push_flush_front(std::move(refs)); });
+                                       [this](std::vector<ChunkRef>&& refs) { push_flush_front(std::move(refs)); },
+                                       sync && !direct && direct_io);
   if (!named) {
     std::lock_guard<std::mutex> g(unnamed_mu_);
     unnamed_.erase(std::remove_if(unnamed_.begin(), unnamed_.end(),
@@ -462,7 +463,8 @@ void Engine::flush_chunk(FileJob& job, Chunk& c) {
       return;
     }
     if (job.failed()) return;  // aborted meanwhile: the rest of the chunk was dropped
-    if (job.sync()) start_writeback(job.fd(), c.file_off, c.span);  // io_util.h
+    // (Pages written past the page cache have nothing to write back.)
+    if (job.sync() && job.direct_io_fd() < 0) start_writeback(job.fd(), c.file_off, c.span);
     bytes_flushed_.fetch_add(c.data_bytes, std::memory_order_relaxed);
     if (job.direct()) direct_bytes_.fetch_add(c.data_bytes, std::memory_order_relaxed);
     job.add_bytes_done(c.data_bytes);
@@ -482,6 +484,9 @@ std::string Engine::write_from_slot(FileJob& job, const Chunk& c, FaultKind faul
   const char* base = cache_->slot_ptr(c.slot);
   size_t first = c.piece_begin;
   const uint64_t end = c.file_off + c.span;
+  if (job.direct_io_fd() >= 0 && c.file_off % kDirectIoAlign == 0 &&
+      reinterpret_cast<uintptr_t>(base) % kDirectIoAlign == 0 && c.span >= kDirectIoAlign)
+    return write_slot_direct_io(job, c, fault, crc_ns);
   for (uint64_t pos = c.file_off; pos < end;) {
     if (job.failed()) return "";  // aborted (or failed elsewhere): drop the rest of the chunk
     const uint64_t stop = std::min(end, pos + kFlushBlock);
@@ -489,6 +494,29 @@ std::string Engine::write_from_slot(FileJob& job, const Chunk& c, FaultKind faul
     std::string err = pwrite_full(job.fd(), base + (pos - c.file_off), static_cast<size_t>(stop - pos), pos, fault);
     if (!err.empty()) return err;
     pos = stop;
+  }
+  return "";
+}
+
+// A chunk that starts on a page of its file and of its slot, past the page cache: its checksums
+// first (the whole slot: the device reads it, not the core), then its whole pages in one O_DIRECT
+// write, which leaves the kernel no copy to make and no dirty pages to write back, and the last
+// partial page, if any, through the page cache (the final fsync covers both). Whole pages only:
+// no page of the file is written both ways.
+std::string Engine::write_slot_direct_io(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns) {
+  const char* base = cache_->slot_ptr(c.slot);
+  size_t first = c.piece_begin;
+  const uint64_t end = c.file_off + c.span;
+  *crc_ns += checksum_range(job, c, base, c.file_off, end, &first);
+  if (job.failed()) return "";
+  const uint64_t pages_end = c.file_off + c.span / kDirectIoAlign * kDirectIoAlign;
+  std::string err = pwrite_full(job.direct_io_fd(), base, static_cast<size_t>(pages_end - c.file_off), c.file_off, fault);
+  if (!err.empty()) return err;
+  direct_io_bytes_.fetch_add(pages_end - c.file_off, std::memory_order_relaxed);
+  if (pages_end < end) {
+    err = pwrite_full(job.fd(), base + (pages_end - c.file_off), static_cast<size_t>(end - pages_end), pages_end, fault);
+    if (!err.empty()) return err;
+    if (job.sync()) start_writeback(job.fd(), pages_end, end - pages_end);
   }
   return "";
 }
@@ -704,6 +732,7 @@ EngineStats Engine::stats() const {
   s.pinned = pinned_.load(std::memory_order_acquire) ? 1 : 0;
   s.d2h_bytes = d2h_bytes_.load();
   s.direct_bytes = direct_bytes_.load();
+  s.direct_io_bytes = direct_io_bytes_.load();
   s.device_waits = device_waits_.load();
   s.host_waits = host_waits_.load();
   s.flush_ns = flush_ns_.load();

@@ -79,6 +79,7 @@ struct EngineStats {
   uint64_t cuda, pinned, d2h_bytes, device_waits, host_waits;
   // Bytes direct file jobs wrote from their sources (no cache slot; not in bytes_staged).
   uint64_t direct_bytes;
+  uint64_t direct_io_bytes;  // written past the page cache (O_DIRECT)
   // Wall time flush workers spent on chunks, and the part of it spent checksumming.
   uint64_t flush_ns, checksum_ns;
 };
@@ -107,7 +108,8 @@ class Engine {
   // the whole file is written.
   std::shared_ptr<WriteJob> submit_write(std::string path, std::string header, uint64_t file_size,
                                          const std::vector<WriteItem>& items, bool sync = true, int device = -1,
-                                         uint64_t stream = 0, bool named = true, bool direct = false);
+                                         uint64_t stream = 0, bool named = true, bool direct = false,
+                                         bool direct_io = false);
 
   // A streaming job: the same layout, grid, copies and per-piece CRC32C as submit_write, but
   // nothing is written: each chunk, once in its cache slot and checksummed, is handed to one
@@ -182,6 +184,7 @@ class Engine {
   // direct job from each piece's source. Returns "" or the write's error; *crc_ns gets the
   // checksum time. Stops early (returning "") once the job fails.
   std::string write_from_slot(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns);
+  std::string write_slot_direct_io(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns);
   std::string write_from_sources(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns);
   // Returns the nanoseconds spent (0 with checksums off).
   uint64_t checksum_range(WriteJob& job, const Chunk& c, const char* base, uint64_t from, uint64_t to,
@@ -229,7 +232,8 @@ class Engine {
   std::atomic<uint64_t> bytes_staged_{0}, bytes_flushed_{0}, bytes_read_{0};
   std::atomic<uint64_t> chunks_staged_{0}, chunks_flushed_{0};
   std::atomic<uint64_t> jobs_submitted_{0}, jobs_done_{0}, jobs_failed_{0}, backpressure_waits_{0};
-  std::atomic<uint64_t> d2h_bytes_{0}, device_waits_{0}, host_waits_{0}, direct_bytes_{0};
+  std::atomic<uint64_t> d2h_bytes_{0}, device_waits_{0}, host_waits_{0}, direct_bytes_{0},
+      direct_io_bytes_{0};
   std::atomic<uint64_t> flush_ns_{0}, checksum_ns_{0};
   // Chunks submitted and not yet handled by a copy worker: the prefault waits while any are.
   std::atomic<int64_t> copies_pending_{0};

@@ -166,6 +166,20 @@ int open_regular_for_write(const std::string& path, std::string* err) {
   return fd;
 }
 
+int reopen_for_direct_io(int fd) {
+#if defined(__linux__)
+  const std::string self = "/proc/self/fd/" + std::to_string(fd);
+  int d;
+  do {
+    d = ::open(self.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
+  } while (d < 0 && errno == EINTR);
+  return d;
+#else
+  (void)fd;
+  return -1;
+#endif
+}
+
 // Starts the disk write of a chunk just written to the page cache, without waiting for it, so the
 // file's final fsync finds little left to write: without this the disk idles while the whole file
 // sits dirty, and the fsync alone took a large share of the time to durable (issue 26). Only a

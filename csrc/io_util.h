@@ -33,6 +33,15 @@ int open_regular_for_read(const std::string& path, std::string* err, int* errnum
 // change another checkpoint that shares the inode). -1 with *err on failure.
 int open_regular_for_write(const std::string& path, std::string* err);
 
+// Opens the file `fd` refers to again, for writes that bypass the page cache (Linux O_DIRECT,
+// through /proc/self/fd: the same inode, never a path looked up again). -1 where the file system
+// or the platform refuses it; the caller then writes through `fd`.
+int reopen_for_direct_io(int fd);
+
+// O_DIRECT's alignment of memory, file offset and length: the page size, a multiple of every
+// block device's logical block size.
+constexpr uint64_t kDirectIoAlign = 4096;
+
 // Starts the disk write of [off, off + len) of fd, just written, without waiting (Linux
 // sync_file_range; a no-op elsewhere): a hint, errors ignored, the final fsync reports real ones.
 void start_writeback(int fd, uint64_t off, uint64_t len);

@@ -159,10 +159,11 @@ void WriteJob::release(uint64_t) { throw std::logic_error(path_ + ": release on 
 
 FileJob::FileJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
                  uint64_t grid, bool sync, int device, bool named, bool direct,
-                 std::function<void(std::vector<ChunkRef>&&)> requeue)
+                 std::function<void(std::vector<ChunkRef>&&)> requeue, bool direct_io)
     : WriteJob(std::move(path), std::move(header), file_size, items, grid, device),
       sync_(sync),
       direct_(direct),
+      want_direct_io_(direct_io),
       file_path_(named ? path_ : std::string()),
       named_(named),
       requeue_(std::move(requeue)) {}
@@ -209,7 +210,9 @@ void FileJob::requeue_parked_locked() {
 }
 
 FileJob::~FileJob() {
-  if (fd_ >= 0) ::close(fd_);  // only reachable if a job is dropped unfinished (engine failure)
+  // Only reachable if a job is dropped unfinished (engine failure).
+  if (fd_ >= 0) ::close(fd_);
+  if (direct_io_fd_ >= 0) ::close(direct_io_fd_);
 }
 
 bool FileJob::open_once() {
@@ -223,6 +226,8 @@ bool FileJob::open_once() {
       return false;
     }
     fd_ = fd;
+    // Refused (tmpfs before Linux 6.6, some network file systems): written through fd_.
+    if (want_direct_io_) direct_io_fd_ = reopen_for_direct_io(fd);
     // The header goes first, before any data chunk of this job.
     if (!header_.empty() && !failed()) {
       std::string werr = pwrite_full(fd, header_.data(), header_.size(), 0);
@@ -234,6 +239,11 @@ bool FileJob::open_once() {
 
 void FileJob::close_file() {
   std::lock_guard<std::mutex> g(open_mu_);
+  if (direct_io_fd_ >= 0) {
+    // (Its writes are durable only with fd_'s fsync, made before this; errors show there.)
+    ::close(direct_io_fd_);
+    direct_io_fd_ = -1;
+  }
   if (fd_ >= 0) {
     // No retry on EINTR: Linux always releases the descriptor.
     if (::close(fd_) != 0 && !failed()) WriteJob::fail(file_path_ + ": close failed: " + errno_text(errno));

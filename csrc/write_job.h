@@ -226,7 +226,7 @@ class FileJob final : public WriteJob {
   // order, the written prefix (what the local tier's drain may copy) would stall behind them.
   FileJob(std::string path, std::string header, uint64_t file_size, const std::vector<WriteItem>& items,
           uint64_t grid, bool sync, int device, bool named, bool direct,
-          std::function<void(std::vector<ChunkRef>&&)> requeue);
+          std::function<void(std::vector<ChunkRef>&&)> requeue, bool direct_io = false);
   ~FileJob() override;
 
   bool sync() const { return sync_; }
@@ -249,6 +249,9 @@ class FileJob final : public WriteJob {
   bool open_once();
   // The descriptor open_once opened (-1 before).
   int fd() const { return fd_; }
+  // The same file opened for O_DIRECT writes by open_once, for a synced job whose engine asks
+  // for it and whose file system accepts it; -1 otherwise (every write then goes through fd()).
+  int direct_io_fd() const { return direct_io_fd_; }
   // Closes the descriptor; a failure fails the job.
   void close_file();
 
@@ -257,9 +260,11 @@ class FileJob final : public WriteJob {
 
   const bool sync_;
   const bool direct_;
+  const bool want_direct_io_;
   mutable std::mutex open_mu_;
   bool open_attempted_ = false;
   int fd_ = -1;
+  int direct_io_fd_ = -1;
   std::string file_path_;  // guarded by open_mu_ until named_
   bool named_;             // guarded by open_mu_
   std::vector<ChunkRef> parked_;  // guarded by open_mu_

@@ -85,6 +85,14 @@ class DataStatesConfig:
             and the cache's copy doubled the work; on a disk the cache lets training go on while
             the disk is slower than memory. True: for every local folder; False: never. CUDA
             tensors and object stores always go through the host cache.
+        direct_io: write synced data files (``sync_files``) from the host cache past the page
+            cache (O_DIRECT): each chunk's whole pages go to the device with no kernel copy and
+            no dirty pages left for the kernel to write back, which otherwise take CPU and memory
+            bandwidth from training; its last partial page goes through the page cache. For
+            checkpoints that follow each other (every step); a load right after the save then
+            reads from the device, not from memory. Local folders that refuse O_DIRECT, direct
+            writes, unsynced saves and object stores write through the page cache as before.
+            Default False.
         overwrite: allow saving into a folder that already holds a committed checkpoint.
         verify: verify item checksums on load.
         cache_wait_timeout: seconds a copy may wait for cache space before the save fails.
@@ -152,6 +160,7 @@ class DataStatesConfig:
     read_threads: int = field(default_factory=default_read_threads)
     sync_files: bool = True
     direct_writes: bool | None = None
+    direct_io: bool = False
     overwrite: bool = True
     verify: bool = True
     cache_wait_timeout: float = 600.0
@@ -209,7 +218,7 @@ class DataStatesConfig:
         if not (self.cache_wait_timeout > 0):
             raise ValueError(f"cache_wait_timeout: expected seconds > 0, got {self.cache_wait_timeout!r}")
         for name in ("pin_host_cache", "sync_files", "overwrite", "verify", "dedup_replicated", "hierarchical_consolidation",
-                     "incremental"):
+                     "incremental", "direct_io"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
         for name in ("prefault_host_cache", "direct_writes"):

@@ -158,7 +158,10 @@ void run_phase(const std::string& dir, int phase, double cache_wait_timeout, boo
         const bool named = !(mode == 1 || mode == 4 || mode == 5);
         // A third written straight from the sources (no cache slot), among jobs that wait for slots.
         const bool direct = rng() % 3 == 0;
-        p.job = eng->submit_write(p.path, p.header, p.expected.size(), p.items, rng() % 2 == 0, -1, 0, named, direct);
+        // Half synced; half of those past the page cache (O_DIRECT where the file system takes it).
+        const bool sync = rng() % 2 == 0;
+        const bool direct_io = sync && rng() % 2 == 0;
+        p.job = eng->submit_write(p.path, p.header, p.expected.size(), p.items, sync, -1, 0, named, direct, direct_io);
         if (!named) {
           const auto delay = std::chrono::microseconds(rng() % 3000);
           std::lock_guard<std::mutex> g(namers_mu);

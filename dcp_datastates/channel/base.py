@@ -36,23 +36,26 @@ class DataChannel(ABC):
 
     @abstractmethod
     def start_data_file(self, engine, label: str, header: bytes, file_size: int, spans: list, *, sync: bool,
-                        device: int, stream: int, direct_writes: bool | None = None) -> StartedDataFile:
+                        device: int, stream: int, direct_writes: bool | None = None,
+                        direct_io: bool = False) -> StartedDataFile:
         """Hand one data file to the engine before its name is known (the folder is prepared off
         the training thread): the copies into the host cache start now, nothing is written until
         ``name_it(name, defer)`` names it; failing the job (``job.fail``) instead frees what it
         holds. ``label`` names the file in messages until then. (``write_data_file`` is this,
-        named at once.) ``direct_writes`` is the option of that name: local files of host
-        memory may skip the host cache (None: where the folder is memory-backed); object
-        stores ignore it."""
+        named at once.) ``direct_writes`` and ``direct_io`` are the options of those names: local
+        files of host memory may skip the host cache (None: where the folder is memory-backed);
+        synced local files written from the cache may skip the page cache; object stores ignore
+        both."""
 
     def write_data_file(self, engine, name: str, header: bytes, file_size: int, spans: list, *, sync: bool,
-                        device: int, stream: int, defer=None, direct_writes: bool | None = None) -> DataFileJob:
+                        device: int, stream: int, defer=None, direct_writes: bool | None = None,
+                        direct_io: bool = False) -> DataFileJob:
         """Hand one data file to the engine, named at once. Local: an engine file job writing a
         new inode (an old file there is moved aside and freed through ``defer(fn, *args)``, which
         runs cleanup off the caller's thread; default: at once). Object stores: an engine
         streaming job whose bytes an uploader thread appends to one object."""
         job, upload, name_it = self.start_data_file(engine, name, header, file_size, spans, sync=sync, device=device,
-                                                    stream=stream, direct_writes=direct_writes)
+                                                    stream=stream, direct_writes=direct_writes, direct_io=direct_io)
         name_it(name, defer)
         return job, upload
 

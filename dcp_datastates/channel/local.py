@@ -24,12 +24,13 @@ class LocalChannel(DataChannel):
         return self.memory_backed if direct_writes is None else direct_writes
 
     def start_data_file(self, engine, label: str, header: bytes, file_size: int, spans: list, *, sync: bool,
-                        device: int, stream: int, direct_writes: bool | None = None) -> StartedDataFile:
+                        device: int, stream: int, direct_writes: bool | None = None,
+                        direct_io: bool = False) -> StartedDataFile:
         # Host memory to a memory-backed folder: the write is a memory copy, so the cache's copy
         # in front of it would only double the work (the engine writes from the sources).
         direct = device < 0 and self.writes_direct(direct_writes)
         job = engine.submit_write(self.storage.where(label), header, file_size, spans, sync, device, stream,
-                                  named=False, direct=direct)
+                                  named=False, direct=direct, direct_io=direct_io)
 
         def name_it(name: str, defer=None) -> None:
             # Never write into a shared inode.

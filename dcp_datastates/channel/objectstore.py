@@ -63,7 +63,8 @@ class ObjectChannel(DataChannel):
     storage: ObjectStorage
 
     def start_data_file(self, engine, label: str, header: bytes, file_size: int, spans: list, *, sync: bool,
-                        device: int, stream: int, direct_writes: bool | None = None) -> StartedDataFile:
+                        device: int, stream: int, direct_writes: bool | None = None,
+                        direct_io: bool = False) -> StartedDataFile:
         named: Future = Future()
         # Uploads start in the order the engine grants their jobs cache slots; each waits for its name.
         with _submit_lock:

@@ -114,8 +114,9 @@ class DataFileWork(Protocol):
 
 
 class _Destination:
-    def __init__(self, storage: Storage, name: str, sync: bool, direct_writes: bool | None) -> None:
+    def __init__(self, storage: Storage, name: str, sync: bool, direct_writes: bool | None, direct_io: bool) -> None:
         self.storage, self.name, self.sync, self.direct_writes = storage, name, sync, direct_writes
+        self.direct_io = direct_io
 
 
 class HeldFile:
@@ -152,9 +153,10 @@ class HeldFile:
         threading.Thread(target=self._run, name="dcp-datastates-held", daemon=True).start()
 
     # ------------------------------------------------------------------------------ decisions
-    def set_destination(self, storage: Storage, name: str, *, sync: bool, direct_writes: bool | None = None) -> None:
+    def set_destination(self, storage: Storage, name: str, *, sync: bool, direct_writes: bool | None = None,
+                        direct_io: bool = False) -> None:
         with self._ready:
-            self._dest = _Destination(storage, name, sync, direct_writes)
+            self._dest = _Destination(storage, name, sync, direct_writes, direct_io)
             self.name = name
             self._ready.notify_all()
 
@@ -313,7 +315,8 @@ class HeldFile:
     def _submit(self, dest: _Destination, final, items: list):
         """(engine job, upload future or None) writing the final file at its destination."""
         return channel_for(dest.storage).write_data_file(self.engine, dest.name, final.header, final.file_size,
-                                                         items, sync=dest.sync, device=-1, stream=0, direct_writes=dest.direct_writes)
+                                                         items, sync=dest.sync, device=-1, stream=0,
+                                                         direct_writes=dest.direct_writes, direct_io=dest.direct_io)
 
 
 def _segments(taken: list[tuple[int, int, int]], offset: int, nbytes: int) -> list[tuple[int, int]]:

@@ -230,7 +230,7 @@ def name_folder(staged: StagedSave, path: str, storage: Storage, config, tier) -
     for k, h in enumerate(staged.held, start=len(staged.files)):
         if h.name is None:
             h.set_destination(storage, data_file_name(staged.request.rank, k, staged.tag), sync=config.sync_files,
-                              direct_writes=config.direct_writes)
+                              direct_writes=config.direct_writes, direct_io=config.direct_io)
 
 
 def sync_save(path: str, storage: Storage, rank: int, config, tier) -> StagedSave:
@@ -282,7 +282,7 @@ def start_file(engine, staged: StagedSave, pf: PlannedFile, side_buffer, config)
     untagged = pf.untagged or data_file_name(staged.request.rank, pf.index)
     job, upload, name_it = channel_for(staged.storage).start_data_file(
         engine, untagged, pf.layout.header, pf.layout.file_size, pf.spans, sync=config.sync_files, device=pf.device,
-        stream=stream, direct_writes=config.direct_writes)
+        stream=stream, direct_writes=config.direct_writes, direct_io=config.direct_io)
     locations = pf.locations(untagged, job.piece_size())
     return FileJob(pf.index, None, job, pf.keys, locations, pf.keepalive, engine, pf.layout.file_size, upload, name_it,
                    side_buffer, mirrors=pf.mirrors, mirror_of=pf.mirror_of)
