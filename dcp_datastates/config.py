@@ -89,8 +89,8 @@ class DataStatesConfig:
             cache (O_DIRECT): each chunk's whole pages go to the device with no kernel copy and
             no dirty pages left for the kernel to write back, which otherwise take CPU and memory
             bandwidth from training; its last partial page goes through the page cache. For
-            checkpoints that follow each other (every step); a load right after the save then
-            reads from the device, not from memory. Local folders that refuse O_DIRECT, direct
+            checkpoints that follow each other (every step); a single save takes longer to
+            durable, and a load right after it reads from the device, not from memory. Local folders that refuse O_DIRECT, direct
             writes, unsynced saves and object stores write through the page cache as before.
             Default False.
         overwrite: allow saving into a folder that already holds a committed checkpoint.

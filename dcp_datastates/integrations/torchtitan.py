@@ -93,9 +93,10 @@ if TORCHTITAN_AVAILABLE:
     class DataStatesCheckpointManager(CheckpointManager):
         """TorchTitan ``CheckpointManager`` that checkpoints through DataStates.
 
-        Overrides only the storage hooks: ``dcp_save`` (DataStatesWriter, lazy staging with
+        Overrides the storage hooks, ``dcp_save`` (DataStatesWriter, lazy staging with
         ``async_mode="async"``), ``dcp_load`` (DataStatesReader; stock DCP and Hugging Face
-        checkpoints still load through TorchTitan's code) and ``_maybe_wait_for_staging``.
+        checkpoints still load through TorchTitan's code) and ``_maybe_wait_for_staging``, and
+        besides them ``_find_load_step`` and ``close``.
         """
 
         @dataclass(kw_only=True, slots=True)
