@@ -463,8 +463,8 @@ void Engine::flush_chunk(FileJob& job, Chunk& c) {
       return;
     }
     if (job.failed()) return;  // aborted meanwhile: the rest of the chunk was dropped
-    // (Pages written past the page cache have nothing to write back.)
-    if (job.sync() && job.direct_io_fd() < 0) start_writeback(job.fd(), c.file_off, c.span);
+    // (A chunk written past the page cache started the writeback of its last page itself.)
+    if (job.sync() && !past_page_cache(job, c)) start_writeback(job.fd(), c.file_off, c.span);
     bytes_flushed_.fetch_add(c.data_bytes, std::memory_order_relaxed);
     if (job.direct()) direct_bytes_.fetch_add(c.data_bytes, std::memory_order_relaxed);
     job.add_bytes_done(c.data_bytes);
@@ -484,9 +484,7 @@ std::string Engine::write_from_slot(FileJob& job, const Chunk& c, FaultKind faul
   const char* base = cache_->slot_ptr(c.slot);
   size_t first = c.piece_begin;
   const uint64_t end = c.file_off + c.span;
-  if (job.direct_io_fd() >= 0 && c.file_off % kDirectIoAlign == 0 &&
-      reinterpret_cast<uintptr_t>(base) % kDirectIoAlign == 0 && c.span >= kDirectIoAlign)
-    return write_slot_direct_io(job, c, fault, crc_ns);
+  if (past_page_cache(job, c)) return write_slot_direct_io(job, c, fault, crc_ns);
   for (uint64_t pos = c.file_off; pos < end;) {
     if (job.failed()) return "";  // aborted (or failed elsewhere): drop the rest of the chunk
     const uint64_t stop = std::min(end, pos + kFlushBlock);
@@ -496,6 +494,11 @@ std::string Engine::write_from_slot(FileJob& job, const Chunk& c, FaultKind faul
     pos = stop;
   }
   return "";
+}
+
+bool Engine::past_page_cache(const FileJob& job, const Chunk& c) const {
+  return job.direct_io_fd() >= 0 && c.slot >= 0 && c.span >= kDirectIoAlign && c.file_off % kDirectIoAlign == 0 &&
+         reinterpret_cast<uintptr_t>(cache_->slot_ptr(c.slot)) % kDirectIoAlign == 0;
 }
 
 // A chunk that starts on a page of its file and of its slot, past the page cache: its checksums
@@ -516,7 +519,7 @@ std::string Engine::write_slot_direct_io(FileJob& job, const Chunk& c, FaultKind
   if (pages_end < end) {
     err = pwrite_full(job.fd(), base + (pages_end - c.file_off), static_cast<size_t>(end - pages_end), pages_end, fault);
     if (!err.empty()) return err;
-    if (job.sync()) start_writeback(job.fd(), pages_end, end - pages_end);
+    start_writeback(job.fd(), pages_end, end - pages_end);
   }
   return "";
 }

@@ -184,6 +184,9 @@ class Engine {
   // direct job from each piece's source. Returns "" or the write's error; *crc_ns gets the
   // checksum time. Stops early (returning "") once the job fails.
   std::string write_from_slot(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns);
+  // Whether write_from_slot writes chunk `c` of `job` past the page cache (direct_io): an O_DIRECT
+  // descriptor, and the chunk starts on a page of its file and of its slot.
+  bool past_page_cache(const FileJob& job, const Chunk& c) const;
   std::string write_slot_direct_io(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns);
   std::string write_from_sources(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns);
   // Returns the nanoseconds spent (0 with checksums off).
