@@ -88,11 +88,13 @@ class DataStatesConfig:
         direct_io: write synced data files (``sync_files``) from the host cache past the page
             cache (O_DIRECT): each chunk's whole pages go to the device with no kernel copy and
             no dirty pages left for the kernel to write back, which otherwise take CPU and memory
-            bandwidth from training; its last partial page goes through the page cache. For
-            checkpoints that follow each other (every step); a single save takes longer to
-            durable, and a load right after it reads from the device, not from memory. Local folders that refuse O_DIRECT, direct
-            writes, unsynced saves and object stores write through the page cache as before.
-            Default False.
+            bandwidth from training; its last partial page goes through the page cache. None
+            (default): for saves that recur, i.e. whose request comes within 8 times the last
+            save's duration after the previous request (checkpoints every few steps); a save
+            that does not recur goes through the page cache, durable a little sooner and read
+            from memory by a load right after it (``save/rhythm.py``). True: every synced save;
+            False: never. Local folders that refuse O_DIRECT, direct writes, unsynced saves and
+            object stores write through the page cache as before.
         overwrite: allow saving into a folder that already holds a committed checkpoint.
         verify: verify item checksums on load.
         cache_wait_timeout: seconds a copy may wait for cache space before the save fails.
@@ -160,7 +162,7 @@ class DataStatesConfig:
     read_threads: int = field(default_factory=default_read_threads)
     sync_files: bool = True
     direct_writes: bool | None = None
-    direct_io: bool = False
+    direct_io: bool | None = None
     overwrite: bool = True
     verify: bool = True
     cache_wait_timeout: float = 600.0
@@ -218,10 +220,10 @@ class DataStatesConfig:
         if not (self.cache_wait_timeout > 0):
             raise ValueError(f"cache_wait_timeout: expected seconds > 0, got {self.cache_wait_timeout!r}")
         for name in ("pin_host_cache", "sync_files", "overwrite", "verify", "dedup_replicated", "hierarchical_consolidation",
-                     "incremental", "direct_io"):
+                     "incremental"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: expected true or false, got {getattr(self, name)!r}")
-        for name in ("prefault_host_cache", "direct_writes"):
+        for name in ("prefault_host_cache", "direct_writes", "direct_io"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name}: expected true, false or null, got {value!r}")

@@ -2,16 +2,19 @@
 O_DIRECT): every chunk that starts on a page writes its whole pages with
 O_DIRECT and its last partial page through the page cache. The bytes load back equal and match
 their checksums, whatever the tensors' sizes; unsynced saves and file systems that refuse
-O_DIRECT write through the page cache as before."""
+O_DIRECT write through the page cache as before. The default (``direct_io=None``) writes past
+the page cache only the saves that recur (save/rhythm.py)."""
 
 import os
+import time
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from dcp_datastates import DataStatesReader, DataStatesWriter, engine_stats
+from dcp_datastates import DataStatesConfig, DataStatesReader, DataStatesWriter, engine_stats
 from dcp_datastates.runtime import current_engine
+from dcp_datastates.save import rhythm
 
 from conftest import assert_state_equal, raises_through_dcp, zeros_like_state
 
@@ -82,13 +85,69 @@ def test_the_same_state_saved_both_ways_gives_the_same_files(tmp_path):
         assert (tmp_path / "cached" / name).read_bytes() == (tmp_path / "direct" / name).read_bytes(), name
 
 
-def test_unsynced_saves_and_the_default_stay_in_the_page_cache(tmp_path):
+def test_unsynced_saves_and_a_save_that_does_not_recur_stay_in_the_page_cache(tmp_path):
     state = _odd_state(2)
+    rhythm.forget()  # the first save of a process
     before = _direct_io_bytes()
     _save(state, tmp_path / "default")
     _direct(state, tmp_path / "unsynced", sync_files=False)
     assert _direct_io_bytes() == before
+    assert_state_equal(state, _load(state, tmp_path / "default"))
     assert_state_equal(state, _load(state, tmp_path / "unsynced"))
+
+
+def test_by_default_saves_that_follow_each_other_go_past_the_page_cache(tmp_path):
+    _skip_unless_o_direct(tmp_path)
+    rhythm.forget()
+    states = [_odd_state(10 + k) for k in range(3)]
+    written = []
+    for k, state in enumerate(states):
+        before = _direct_io_bytes()
+        _save(state, tmp_path / f"ck{k}")
+        written.append(_direct_io_bytes() - before)
+    # The first save does not recur; the next ones come right after the last one ended.
+    assert written[0] == 0
+    assert written[1] >= states[1]["big"].nbytes - (16 << 20)
+    assert written[2] >= states[2]["big"].nbytes - (16 << 20)
+    for k, state in enumerate(states):
+        assert_state_equal(state, _load(state, tmp_path / f"ck{k}"))
+
+
+def test_what_decides_the_automatic_mode():
+    auto, unsynced = DataStatesConfig(), DataStatesConfig(sync_files=False)
+    rhythm.forget()
+    assert rhythm.direct_io_for(auto, 100.0) is False  # nothing before it
+    assert rhythm.direct_io_for(auto, 100.5) is False  # the first one has not ended
+    rhythm.save_ended(100.0, ended=101.0)  # it took 1 s
+    assert rhythm.direct_io_for(auto, 101.2) is True  # 0.7 s after the last request
+    assert rhythm.direct_io_for(unsynced, 101.4) is False  # nothing to write past the cache
+    assert rhythm.direct_io_for(auto, 101.4 + rhythm.RECURRING - 0.01) is True
+    assert rhythm.direct_io_for(auto, 200.0) is False  # long after the last request: single saves
+    # An explicit choice decides alone, and still counts as a request.
+    assert rhythm.direct_io_for(DataStatesConfig(direct_io=True), 900.0) is True
+    assert rhythm.direct_io_for(DataStatesConfig(direct_io=False), 900.1) is False
+    assert rhythm.direct_io_for(auto, 900.2) is True
+    rhythm.forget()
+
+
+def test_a_failed_save_does_not_make_the_next_one_recur(tmp_path):
+    _save({"warm": torch.zeros(4)}, tmp_path / "warm")  # the engine runs
+    rhythm.forget()
+    engine = current_engine()
+    engine.set_fault("enospc", 0, str(tmp_path / "bad"))
+    try:
+        with raises_through_dcp("No space left on device"):
+            _save(_odd_state(6), tmp_path / "bad")
+    finally:
+        engine.set_fault("none", 0, "")
+    # No save ended well: no duration to compare with.
+    assert rhythm.direct_io_for(DataStatesConfig(), time.monotonic()) is False
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0.5])
+def test_direct_io_takes_true_false_or_null(value):
+    with pytest.raises(ValueError, match=r"direct_io: expected true, false or null, got"):
+        DataStatesConfig(direct_io=value)
 
 
 def test_a_full_disk_during_a_direct_write_fails_the_save_and_keeps_the_last_checkpoint(tmp_path):

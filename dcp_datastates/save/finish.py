@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import time
 
-from . import checkpoint_stats
+from . import checkpoint_stats, rhythm
 from .in_flight import StagedSave
 from .request import global_rank_world
 
@@ -24,6 +24,8 @@ def close_save(staged: StagedSave, *, path: str | None, coordinator: bool, error
     # DCP's plans and metadata are freed when its save returns, right after this: the collector
     # resumes a moment later, so that it never sees them (runtime/inflight.py).
     staged.close(collector_after=0.25)
+    if error is None:
+        rhythm.save_ended(staged.request.requested)
     rank, world = global_rank_world()
     try:
         checkpoint_stats.record(checkpoint_stats.CheckpointStats(

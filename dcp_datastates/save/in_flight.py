@@ -127,6 +127,7 @@ class SaveRequest:
       decision gives to other ranks.
     - ``decision_key``, ``learn``, ``plain_keys``: who writes a replicated value (ownership);
       ``learn``: no decision was known, learn it from this save's plan.
+    - ``direct_io``: its synced data files are written past the page cache (``rhythm``).
     """
 
     rank: int = 0
@@ -138,6 +139,7 @@ class SaveRequest:
     decision_key: DecisionKey | None = None
     learn: bool = False
     plain_keys: frozenset = frozenset()
+    direct_io: bool = False
 
     def with_plan(self, plan) -> "SaveRequest":
         """This request with the decisions of ``plan`` (``plan.StagePlan``)."""

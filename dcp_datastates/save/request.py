@@ -37,6 +37,7 @@ from ..forking import ThreadPool
 from ..format.layout import data_file_name, new_tag
 from ..runtime import gc_pause, get_engine, inflight
 from ..storage import Storage, open_storage
+from . import rhythm
 from .copy_at_request import CopyAtRequest
 from .file_groups import on_one_device
 from .held_file import HeldFile
@@ -109,7 +110,8 @@ def request_save(state_dict: dict, *, path: str | None, storage: Storage | None,
 def _request(state_dict: dict, path: str | None, storage: Storage | None, config, tier, dest: Destination,
              requested: float, check_launch) -> tuple[StagedSave, Future]:
     future: Future = Future()
-    staged = StagedSave(path=path, storage=storage, request=SaveRequest(requested=requested))
+    staged = StagedSave(path=path, storage=storage, request=SaveRequest(
+        requested=requested, direct_io=rhythm.direct_io_for(config, requested)))
     _decide_incrementally(staged, config, tier)
     flat, mappings = None, None
     try:
@@ -230,7 +232,7 @@ def name_folder(staged: StagedSave, path: str, storage: Storage, config, tier) -
     for k, h in enumerate(staged.held, start=len(staged.files)):
         if h.name is None:
             h.set_destination(storage, data_file_name(staged.request.rank, k, staged.tag), sync=config.sync_files,
-                              direct_writes=config.direct_writes, direct_io=config.direct_io)
+                              direct_writes=config.direct_writes, direct_io=staged.request.direct_io)
 
 
 def sync_save(path: str, storage: Storage, rank: int, config, tier) -> StagedSave:
@@ -244,7 +246,8 @@ def sync_save(path: str, storage: Storage, rank: int, config, tier) -> StagedSav
     except BaseException:
         pause.release()
         raise
-    staged = StagedSave(path=path, storage=storage, request=SaveRequest(rank=rank), tag=tag, collector_pause=pause)
+    staged = StagedSave(path=path, storage=storage, tag=tag, collector_pause=pause,
+                        request=SaveRequest(rank=rank, direct_io=rhythm.direct_io_for(config, time.monotonic())))
     _decide_incrementally(staged, config, tier)
     return staged
 
@@ -282,7 +285,7 @@ def start_file(engine, staged: StagedSave, pf: PlannedFile, side_buffer, config)
     untagged = pf.untagged or data_file_name(staged.request.rank, pf.index)
     job, upload, name_it = channel_for(staged.storage).start_data_file(
         engine, untagged, pf.layout.header, pf.layout.file_size, pf.spans, sync=config.sync_files, device=pf.device,
-        stream=stream, direct_writes=config.direct_writes, direct_io=config.direct_io)
+        stream=stream, direct_writes=config.direct_writes, direct_io=staged.request.direct_io)
     locations = pf.locations(untagged, job.piece_size())
     return FileJob(pf.index, None, job, pf.keys, locations, pf.keepalive, engine, pf.layout.file_size, upload, name_it,
                    side_buffer, mirrors=pf.mirrors, mirror_of=pf.mirror_of)

@@ -148,7 +148,7 @@ def _write_late(staged: StagedSave, late: list, planner: SavePlanner, config, na
         held = hold(engine, sources, known=True, config=config, label=staged.path, incremental=staged.request.incremental,
                     copy_limit=config.copy_at_request_max_bytes)
         held.set_destination(staged.storage, data_file_name(staged.request.rank, index, staged.tag), sync=config.sync_files,
-                             direct_writes=config.direct_writes, direct_io=config.direct_io)
+                             direct_writes=config.direct_writes, direct_io=staged.request.direct_io)
         staged.held.append(held)
         return
     staged.files.append(submit_file(engine, staged, planned(engine, index, sources), config, named))
