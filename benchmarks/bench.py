@@ -11,7 +11,9 @@ way (medians of ``--reps`` repetitions):
   wait at the next request, every moment the training thread gives to one checkpoint.
 * durable: from the request until the checkpoint is durable and committed (``upload_completion``
   for the DCP methods; the call itself for the synchronous ones), measured with nothing else
-  running. Durable means fsync'ed for every method: where a peer does not fsync
+  running, each a single save: it starts ``RECURRING`` times the last one's duration after that
+  one ended (saves that follow each other closer recur: ours then writes past the page cache,
+  ``dcp_datastates.save.rhythm``; the training loop above measures that regime). Durable means fsync'ed for every method: where a peer does not fsync
   (torch_checkpointing, torchsnapshot), the bench fsyncs its files and folders once the peer says
   the checkpoint is complete, and counts that pass in its durable time.
 * load: into preallocated tensors of the same structure, every first load compared bitwise with
@@ -1150,6 +1152,10 @@ def run_method(
         durables = []
         for _ in range(args.reps):
             remove(last_path)
+            if durables:
+                from dcp_datastates.save.rhythm import RECURRING
+
+                time.sleep(RECURRING * durables[-1])
             last_path = new_path()
             p = method.save(state, last_path)
             p.wait_staged()

@@ -92,7 +92,8 @@ class DataStatesConfig:
             (default): for saves that recur, i.e. whose request comes within 8 times the last
             save's duration after the previous request (checkpoints every few steps); a save
             that does not recur goes through the page cache, durable a little sooner and read
-            from memory by a load right after it (``save/rhythm.py``). True: every synced save;
+            from memory by a load right after it; so does every save into a ``local_tier``, whose
+            drain reads the files back at once (``save/rhythm.py``). True: every synced save;
             False: never. Local folders that refuse O_DIRECT, direct writes, unsynced saves and
             object stores write through the page cache as before.
         overwrite: allow saving into a folder that already holds a committed checkpoint.

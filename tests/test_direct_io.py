@@ -121,6 +121,8 @@ def test_what_decides_the_automatic_mode():
     rhythm.save_ended(100.0, ended=101.0)  # it took 1 s
     assert rhythm.direct_io_for(auto, 101.2) is True  # 0.7 s after the last request
     assert rhythm.direct_io_for(unsynced, 101.4) is False  # nothing to write past the cache
+    # The drain reads a local tier's files back at once.
+    assert rhythm.direct_io_for(DataStatesConfig(local_tier="/tmp/local-tier"), 101.4) is False
     assert rhythm.direct_io_for(auto, 101.4 + rhythm.RECURRING - 0.01) is True
     assert rhythm.direct_io_for(auto, 200.0) is False  # long after the last request: single saves
     # An explicit choice decides alone, and still counts as a request.

@@ -8,8 +8,9 @@ gives nothing a reader will use before the next checkpoint replaces it, and writ
 costs the training loop a second pass over memory and the kernel's writeback; past it (O_DIRECT)
 the bytes go from the host cache to the device. A save that does not recur (the first of a
 process, or one long after the last) goes through the page cache: it is durable a little sooner
-and a load right after it reads from memory. docs/benchmarks.md, "Training loop", has the
-measurements behind the threshold.
+and a load right after it reads from memory. So does every save into a ``local_tier``: the drain
+reads its files back at once. docs/benchmarks.md, "Training loop", has the measurements behind
+the threshold.
 
 The decision is this rank's, made once at the request: it picks a write path, never what is
 written, so ranks may differ.
@@ -44,7 +45,7 @@ def direct_io_for(config, requested: float) -> bool:
         _last_requested = requested if _last_requested is None else max(_last_requested, requested)
     if config.direct_io is not None:
         return bool(config.direct_io)
-    return bool(config.sync_files) and recurring
+    return bool(config.sync_files) and config.local_tier is None and recurring
 
 
 def save_ended(requested: float, ended: float | None = None) -> None:
