@@ -525,6 +525,7 @@ PYBIND11_MODULE(_engine, m) {
              d["d2h_bytes"] = s.d2h_bytes;
              d["direct_bytes"] = s.direct_bytes;
              d["direct_io_bytes"] = s.direct_io_bytes;
+             d["direct_io_refused"] = s.direct_io_refused;
              d["device_waits"] = s.device_waits;
              d["host_waits"] = s.host_waits;
              d["flush_ns"] = s.flush_ns;
@@ -534,7 +535,7 @@ PYBIND11_MODULE(_engine, m) {
       .def("set_checksums", &Engine::set_checksums, py::arg("on"),
            "Benchmark hook: False skips the per-piece CRC32C (checksums then read 0), to measure its cost.")
       .def("set_fault", &Engine::set_fault, py::arg("kind"), py::arg("after_bytes") = 0,
-           py::arg("path_substring") = "", "Test hook: none, eio, enospc, short_write or fsync_eio.")
+           py::arg("path_substring") = "", "Test hook: none, eio, enospc, short_write, fsync_eio, stall or direct_einval.")
       .def("shutdown", &Engine::shutdown, py::call_guard<NoGil>(),
            "Idempotent: finish every submitted job, then stop the threads.")
       .def_property_readonly("is_shut_down", &Engine::is_shut_down);

@@ -454,8 +454,9 @@ void Engine::flush_chunk(FileJob& job, Chunk& c) {
     while (fault == FaultKind::kStall && !job.failed() &&
            faults_.active_for(job.file_path(), bytes_flushed_.load(std::memory_order_relaxed)) == FaultKind::kStall)
       std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    const std::string err =
-        job.direct() ? write_from_sources(job, c, fault, &crc_ns) : write_from_slot(job, c, fault, &crc_ns);
+    bool written_back = false;  // the chunk's writeback was started (or needs none) where it was written
+    const std::string err = job.direct() ? write_from_sources(job, c, fault, &crc_ns)
+                                         : write_from_slot(job, c, fault, &crc_ns, &written_back);
     checksum_ns_.fetch_add(crc_ns, std::memory_order_relaxed);
     flush_ns_.fetch_add(now_ns() - t0, std::memory_order_relaxed);
     if (!err.empty()) {
@@ -463,8 +464,7 @@ void Engine::flush_chunk(FileJob& job, Chunk& c) {
       return;
     }
     if (job.failed()) return;  // aborted meanwhile: the rest of the chunk was dropped
-    // (A chunk written past the page cache started the writeback of its last page itself.)
-    if (job.sync() && !past_page_cache(job, c)) start_writeback(job.fd(), c.file_off, c.span);
+    if (job.sync() && !written_back) start_writeback(job.fd(), c.file_off, c.span);
     bytes_flushed_.fetch_add(c.data_bytes, std::memory_order_relaxed);
     if (job.direct()) direct_bytes_.fetch_add(c.data_bytes, std::memory_order_relaxed);
     job.add_bytes_done(c.data_bytes);
@@ -480,11 +480,16 @@ void Engine::flush_chunk(FileJob& job, Chunk& c) {
 // the kernel's copy into the page cache reads it from there, so the checksum costs no extra pass
 // over memory (a few percent over the bare pwrite, several times less than checksumming the
 // whole slot after one pwrite; measured with scripts/crc_cost.py).
-std::string Engine::write_from_slot(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns) {
+std::string Engine::write_from_slot(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns,
+                                    bool* written_back) {
   const char* base = cache_->slot_ptr(c.slot);
   size_t first = c.piece_begin;
   const uint64_t end = c.file_off + c.span;
-  if (past_page_cache(job, c)) return write_slot_direct_io(job, c, fault, crc_ns);
+  if (past_page_cache(job, c)) {
+    *written_back = true;
+    return write_slot_direct_io(job, c, fault, crc_ns);
+  }
+  fault = through_page_cache(fault);
   for (uint64_t pos = c.file_off; pos < end;) {
     if (job.failed()) return "";  // aborted (or failed elsewhere): drop the rest of the chunk
     const uint64_t stop = std::min(end, pos + kFlushBlock);
@@ -497,7 +502,7 @@ std::string Engine::write_from_slot(FileJob& job, const Chunk& c, FaultKind faul
 }
 
 bool Engine::past_page_cache(const FileJob& job, const Chunk& c) const {
-  return job.direct_io_fd() >= 0 && c.slot >= 0 && c.span >= kDirectIoAlign && c.file_off % kDirectIoAlign == 0 &&
+  return job.direct_io_fd() >= 0 && !job.direct_io_refused() && c.slot >= 0 && c.span >= kDirectIoAlign && c.file_off % kDirectIoAlign == 0 &&
          reinterpret_cast<uintptr_t>(cache_->slot_ptr(c.slot)) % kDirectIoAlign == 0;
 }
 
@@ -505,7 +510,9 @@ bool Engine::past_page_cache(const FileJob& job, const Chunk& c) const {
 // first (the whole slot: the device reads it, not the core), then its whole pages in one O_DIRECT
 // write, which leaves the kernel no copy to make and no dirty pages to write back, and the last
 // partial page, if any, through the page cache (the final fsync covers both). Whole pages only:
-// no page of the file is written both ways.
+// no page of the file is written both ways. A file system that opened the file with O_DIRECT may
+// still refuse the writes (EINVAL: it wants another alignment): the chunk is then written again
+// through the page cache, and so are the job's later chunks.
 std::string Engine::write_slot_direct_io(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns) {
   const char* base = cache_->slot_ptr(c.slot);
   size_t first = c.piece_begin;
@@ -513,14 +520,27 @@ std::string Engine::write_slot_direct_io(FileJob& job, const Chunk& c, FaultKind
   *crc_ns += checksum_range(job, c, base, c.file_off, end, &first);
   if (job.failed()) return "";
   const uint64_t pages_end = c.file_off + c.span / kDirectIoAlign * kDirectIoAlign;
-  std::string err = pwrite_full(job.direct_io_fd(), base, static_cast<size_t>(pages_end - c.file_off), c.file_off, fault);
-  if (!err.empty()) return err;
-  direct_io_bytes_.fetch_add(pages_end - c.file_off, std::memory_order_relaxed);
-  if (pages_end < end) {
-    err = pwrite_full(job.fd(), base + (pages_end - c.file_off), static_cast<size_t>(end - pages_end), pages_end, fault);
-    if (!err.empty()) return err;
-    start_writeback(job.fd(), pages_end, end - pages_end);
+  int errnum = 0;
+  std::string err = pwrite_full(job.direct_io_fd(), base, static_cast<size_t>(pages_end - c.file_off), c.file_off,
+                                fault, &errnum);
+  uint64_t cached_from = pages_end;  // the part written through the page cache
+  if (err.empty()) {
+    direct_io_bytes_.fetch_add(pages_end - c.file_off, std::memory_order_relaxed);
+  } else if (errnum == EINVAL) {
+    if (job.refuse_direct_io()) direct_io_refused_.fetch_add(1, std::memory_order_relaxed);
+    cached_from = c.file_off;
+  } else {
+    return err;
   }
+  fault = through_page_cache(fault);
+  for (uint64_t pos = cached_from; pos < end;) {
+    if (job.failed()) return "";
+    const uint64_t stop = std::min(end, pos + kFlushBlock);
+    err = pwrite_full(job.fd(), base + (pos - c.file_off), static_cast<size_t>(stop - pos), pos, fault);
+    if (!err.empty()) return err;
+    pos = stop;
+  }
+  if (cached_from < end) start_writeback(job.fd(), cached_from, end - cached_from);
   return "";
 }
 
@@ -540,7 +560,8 @@ std::string Engine::write_from_sources(FileJob& job, const Chunk& c, FaultKind f
           return source_gone(p);
         *crc_ns += now_ns() - t0;
       }
-      std::string err = pwrite_full(job.fd(), p.src + done, static_cast<size_t>(n), p.file_off + done, fault);
+      std::string err =
+          pwrite_full(job.fd(), p.src + done, static_cast<size_t>(n), p.file_off + done, through_page_cache(fault));
       if (!err.empty()) return err;
       done += n;
     }
@@ -736,6 +757,7 @@ EngineStats Engine::stats() const {
   s.d2h_bytes = d2h_bytes_.load();
   s.direct_bytes = direct_bytes_.load();
   s.direct_io_bytes = direct_io_bytes_.load();
+  s.direct_io_refused = direct_io_refused_.load();
   s.device_waits = device_waits_.load();
   s.host_waits = host_waits_.load();
   s.flush_ns = flush_ns_.load();

@@ -80,6 +80,8 @@ struct EngineStats {
   // Bytes direct file jobs wrote from their sources (no cache slot; not in bytes_staged).
   uint64_t direct_bytes;
   uint64_t direct_io_bytes;  // written past the page cache (O_DIRECT)
+  // Jobs whose O_DIRECT writes the file system refused (EINVAL): written through the page cache.
+  uint64_t direct_io_refused;
   // Wall time flush workers spent on chunks, and the part of it spent checksumming.
   uint64_t flush_ns, checksum_ns;
 };
@@ -183,9 +185,11 @@ class Engine {
   // The bytes of chunk c, checksummed block by block as they go: from its cache slot, or for a
   // direct job from each piece's source. Returns "" or the write's error; *crc_ns gets the
   // checksum time. Stops early (returning "") once the job fails.
-  std::string write_from_slot(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns);
+  // *written_back: the chunk's writeback was started where it was written (past the page cache).
+  std::string write_from_slot(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns, bool* written_back);
   // Whether write_from_slot writes chunk `c` of `job` past the page cache (direct_io): an O_DIRECT
-  // descriptor, and the chunk starts on a page of its file and of its slot.
+  // descriptor whose writes were not refused, and the chunk starts on a page of its file and of
+  // its slot.
   bool past_page_cache(const FileJob& job, const Chunk& c) const;
   std::string write_slot_direct_io(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns);
   std::string write_from_sources(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns);
@@ -236,7 +240,7 @@ class Engine {
   std::atomic<uint64_t> chunks_staged_{0}, chunks_flushed_{0};
   std::atomic<uint64_t> jobs_submitted_{0}, jobs_done_{0}, jobs_failed_{0}, backpressure_waits_{0};
   std::atomic<uint64_t> d2h_bytes_{0}, device_waits_{0}, host_waits_{0}, direct_bytes_{0},
-      direct_io_bytes_{0};
+      direct_io_bytes_{0}, direct_io_refused_{0};
   std::atomic<uint64_t> flush_ns_{0}, checksum_ns_{0};
   // Chunks submitted and not yet handled by a copy worker: the prefault waits while any are.
   std::atomic<int64_t> copies_pending_{0};

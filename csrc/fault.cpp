@@ -11,8 +11,9 @@ FaultKind parse_fault_kind(const std::string& name) {
   if (name == "short_write") return FaultKind::kShortWrite;
   if (name == "fsync_eio") return FaultKind::kFsyncEio;
   if (name == "stall") return FaultKind::kStall;
+  if (name == "direct_einval") return FaultKind::kDirectEinval;
   throw std::invalid_argument("unknown fault kind '" + name +
-                              "' (expected none, eio, enospc, short_write, fsync_eio or stall)");
+                              "' (expected none, eio, enospc, short_write, fsync_eio, stall or direct_einval)");
 }
 
 void FaultState::set(FaultKind kind, uint64_t after_bytes, std::string path_substring, uint64_t flushed_total) {

@@ -10,10 +10,16 @@ namespace dcpds {
 // kStall: flushes of matching files wait (writing nothing) until the fault is cleared or their
 // job fails: a hung device, or a checkpoint held in flight for as long as a test needs (abort,
 // Ctrl-C, cache-full timeouts).
-enum class FaultKind { kNone, kEio, kEnospc, kShortWrite, kFsyncEio, kStall };
+// kDirectEinval: O_DIRECT writes fail with EINVAL, as on a file system that opens files with
+// O_DIRECT but refuses the page alignment of the writes; every other write goes through.
+enum class FaultKind { kNone, kEio, kEnospc, kShortWrite, kFsyncEio, kStall, kDirectEinval };
 
-// Parses "none", "eio", "enospc", "short_write", "fsync_eio", "stall"; throws std::invalid_argument.
+// Parses "none", "eio", "enospc", "short_write", "fsync_eio", "stall", "direct_einval"; throws
+// std::invalid_argument.
 FaultKind parse_fault_kind(const std::string& name);
+
+// The fault a write through the page cache sees: kDirectEinval is for O_DIRECT writes only.
+inline FaultKind through_page_cache(FaultKind f) { return f == FaultKind::kDirectEinval ? FaultKind::kNone : f; }
 
 class FaultState {
  public:

@@ -26,13 +26,17 @@ std::string errno_text(int err) {
   return std::string(msg) + " (errno " + std::to_string(err) + ")";
 }
 
-std::string pwrite_full(int fd, const void* buf, size_t n, uint64_t off, FaultKind fault) {
+std::string pwrite_full(int fd, const void* buf, size_t n, uint64_t off, FaultKind fault, int* errnum) {
   const char* p = static_cast<const char*>(buf);
   size_t done = 0;
   bool first_call = true;
+  if (errnum != nullptr) *errnum = 0;
   auto head = [&] { return "pwrite of " + std::to_string(n) + " bytes at offset " + std::to_string(off); };
-  if (fault == FaultKind::kEio || fault == FaultKind::kEnospc)
-    return head() + " failed: " + errno_text(fault == FaultKind::kEio ? EIO : ENOSPC);
+  if (fault == FaultKind::kEio || fault == FaultKind::kEnospc || fault == FaultKind::kDirectEinval) {
+    const int e = fault == FaultKind::kEio ? EIO : fault == FaultKind::kEnospc ? ENOSPC : EINVAL;
+    if (errnum != nullptr) *errnum = e;
+    return head() + " failed: " + errno_text(e);
+  }
   while (done < n) {
     size_t want = n - done;
     if (want > kMaxIo) want = kMaxIo;
@@ -47,6 +51,7 @@ std::string pwrite_full(int fd, const void* buf, size_t n, uint64_t off, FaultKi
     if (w < 0) {
       int e = errno;
       if (e == EINTR) continue;
+      if (errnum != nullptr) *errnum = e;
       return head() + " failed after " + std::to_string(done) + " bytes: " + errno_text(e);
     }
     if (w == 0)

@@ -15,9 +15,12 @@ std::string errno_text(int err);
 // Writes all n bytes of buf at file offset off, retrying partial writes and EINTR.
 // Returns "" on success, otherwise a message like
 // "pwrite of 1048576 bytes at offset 4096 failed: No space left on device (errno 28)".
-// `fault` simulates the failure of that name (kEio, kEnospc, kShortWrite); others are ignored
-// here (kStall holds the flush before it gets here, see Engine::flush_chunk).
-std::string pwrite_full(int fd, const void* buf, size_t n, uint64_t off, FaultKind fault = FaultKind::kNone);
+// `fault` simulates the failure of that name (kEio, kEnospc, kShortWrite, kDirectEinval: the
+// caller passes it for O_DIRECT writes only); others are ignored here (kStall holds the flush
+// before it gets here, see Engine::flush_chunk). `errnum`, when given, gets the errno of a failed
+// write (0 otherwise, and for a short write).
+std::string pwrite_full(int fd, const void* buf, size_t n, uint64_t off, FaultKind fault = FaultKind::kNone,
+                        int* errnum = nullptr);
 
 // Reads up to n bytes at off into buf, retrying partial reads and EINTR, stopping at EOF.
 // Returns 0 and sets *got (< n only at end of file), or returns the errno of a failed pread.

@@ -252,6 +252,10 @@ class FileJob final : public WriteJob {
   // The same file opened for O_DIRECT writes by open_once, for a synced job whose engine asks
   // for it and whose file system accepts it; -1 otherwise (every write then goes through fd()).
   int direct_io_fd() const { return direct_io_fd_; }
+  // The file system refused an O_DIRECT write (EINVAL): the job's chunks go through fd() from now
+  // on (direct_io_fd stays open until close_file for writes already under way). True the first time.
+  bool refuse_direct_io() { return !direct_io_refused_.exchange(true); }
+  bool direct_io_refused() const { return direct_io_refused_.load(std::memory_order_relaxed); }
   // Closes the descriptor; a failure fails the job.
   void close_file();
 
@@ -265,6 +269,7 @@ class FileJob final : public WriteJob {
   bool open_attempted_ = false;
   int fd_ = -1;
   int direct_io_fd_ = -1;
+  std::atomic<bool> direct_io_refused_{false};
   std::string file_path_;  // guarded by open_mu_ until named_
   bool named_;             // guarded by open_mu_
   std::vector<ChunkRef> parked_;  // guarded by open_mu_

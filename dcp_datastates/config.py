@@ -94,8 +94,9 @@ class DataStatesConfig:
             that does not recur goes through the page cache, durable a little sooner and read
             from memory by a load right after it; so does every save into a ``local_tier``, whose
             drain reads the files back at once (``save/rhythm.py``). True: every synced save;
-            False: never. Local folders that refuse O_DIRECT, direct writes, unsynced saves and
-            object stores write through the page cache as before.
+            False: never. Local folders that refuse O_DIRECT (at the open, or its writes with
+            EINVAL), direct writes, unsynced saves and object stores write through the page cache
+            as before.
         overwrite: allow saving into a folder that already holds a committed checkpoint.
         verify: verify item checksums on load.
         cache_wait_timeout: seconds a copy may wait for cache space before the save fails.

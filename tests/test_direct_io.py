@@ -179,3 +179,33 @@ def test_files_held_until_dcp_names_the_folder_are_written_past_the_page_cache_t
     written = _direct_io_bytes() - before
     assert written >= state["big"].nbytes - (16 << 20)
     assert_state_equal(state, _load(state, tmp_path / "ck"))
+
+
+def test_a_file_system_that_refuses_the_direct_writes_gets_them_through_the_page_cache(tmp_path):
+    """O_DIRECT opens, but its writes fail with EINVAL (an alignment the file system does not
+    take): each refused chunk is written again through the page cache, and so are the job's
+    later chunks; the save succeeds with the same files as one through the page cache."""
+    _skip_unless_o_direct(tmp_path)
+    state = _odd_state(7)
+    _save(state, tmp_path / "cached", direct_io=False)
+    engine = current_engine()
+    before = engine_stats()
+    engine.set_fault("direct_einval", 0, str(tmp_path / "refused"))
+    try:
+        _direct(state, tmp_path / "refused")
+    finally:
+        engine.set_fault("none", 0, "")
+    after = engine_stats()
+    assert after["direct_io_bytes"] == before["direct_io_bytes"]
+    assert after["direct_io_refused"] > before["direct_io_refused"]
+    names = sorted(n for n in os.listdir(tmp_path / "cached") if not n.startswith("."))
+    for name in names:
+        assert (tmp_path / "refused" / name).read_bytes() == (tmp_path / "cached" / name).read_bytes(), name
+    assert_state_equal(state, _load(state, tmp_path / "refused"))
+    # The fault is for O_DIRECT writes only: a save through the page cache does not see it.
+    engine.set_fault("direct_einval", 0, str(tmp_path / "plain"))
+    try:
+        _save(state, tmp_path / "plain", direct_io=False)
+    finally:
+        engine.set_fault("none", 0, "")
+    assert_state_equal(state, _load(state, tmp_path / "plain"))

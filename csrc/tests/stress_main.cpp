@@ -132,10 +132,10 @@ void run_phase(const std::string& dir, int phase, double cache_wait_timeout, boo
   std::atomic<bool> stop_faults{false};
   std::thread fault_thread([&] {
     std::mt19937_64 rng(1000 + phase);
-    const char* kinds[] = {"none", "eio", "enospc", "short_write", "fsync_eio", "none", "none"};
+    const char* kinds[] = {"none", "eio", "enospc", "short_write", "fsync_eio", "direct_einval", "none", "none"};
     while (faults && !stop_faults.load()) {
       std::string sub = (rng() % 2) ? "" : ("_" + std::to_string(rng() % 4) + "_");
-      eng->set_fault(kinds[rng() % 7], rng() % 200000, sub);
+      eng->set_fault(kinds[rng() % 8], rng() % 200000, sub);
       std::this_thread::sleep_for(std::chrono::microseconds(200 + rng() % 2000));
     }
   });
