@@ -288,6 +288,9 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
     keys, ndims = layout.keys(check), _ints([len(s) for s in layout.sizes])
     _engine.place_chunks(_view(keys), _view(layout.counts), _view(ndims), _view(layout.offsets), _view(key), _view(pos),
                          _view(ndim), _view(offs), _view(src), _view(status))
+    # Columns over every result are each as large as the chunk table: each goes once used, so that
+    # rank 0's peak at scale holds as few of them at once as the step needs.
+    del key, pos, ndim, offs, status
     missing: dict[int, list[int]] = {}
     for slot in torch.nonzero(src < 0).flatten().tolist():
         missing.setdefault(bisect.bisect_right(layout.starts, slot) - 1, []).append(slot)
@@ -318,6 +321,7 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
     row_hash, row_has = rows[4:] if hashed else (torch.zeros(0, dtype=i64),) * 2
     moved = _engine.gather_chunks(*map(_view, (src, record, offset, length, crc_count, crcs, hashes, has, *rows[:4],
                                                row_hash, row_has)))
+    del src, record, offset, length, crc_count, crcs, hashes, has
     # The data files, as their records are used; each file as large as its items need.
     rec_file = torch.full((record_base[-1],), -1, dtype=i64)
     used = torch.zeros(record_base[-1], dtype=torch.bool)
