@@ -84,10 +84,17 @@ def _frozen_mid_save(rank, world, root, where):
     out = {"seconds": time.monotonic() - t0, "type": type(error).__name__, "text": str(error),
            "recorded": recent_checkpoints(1)[0].error}
     # Only the survivor gets here. Nothing new is committed durably; the previous checkpoint loads.
-    out["committed"] = commit.checkpoint_id(durable) == first_id
+    now_id = commit.checkpoint_id(durable)
+    out["committed"] = now_id == first_id
     back = zeros_like_state(first)
     dcp.load(back, storage_reader=DataStatesReader(durable), no_dist=True)
-    assert_state_equal(first, back)
+    try:
+        assert_state_equal(first, back)
+    except AssertionError as exc:
+        # Which checkpoint loaded, and how the survivor's save ended: what tells a second save
+        # committed after all from a first one damaged.
+        raise AssertionError(f"{exc}; durable commit {now_id} (first {first_id}), second save: {out}, "
+                             f"loaded step {back.get('step')}, folder {sorted(os.listdir(durable))}") from exc
     out["previous_loads"] = True
     out["trains_on"] = bool(torch.isfinite((torch.randn(64, 64) @ torch.randn(64, 64)).sum()))
     with open(os.path.join(root, "survivor.json"), "w") as f:
