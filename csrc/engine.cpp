@@ -482,18 +482,23 @@ void Engine::flush_chunk(FileJob& job, Chunk& c) {
 // whole slot after one pwrite; measured with scripts/crc_cost.py).
 std::string Engine::write_from_slot(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns,
                                     bool* written_back) {
-  const char* base = cache_->slot_ptr(c.slot);
-  size_t first = c.piece_begin;
-  const uint64_t end = c.file_off + c.span;
   if (past_page_cache(job, c)) {
     *written_back = true;
     return write_slot_direct_io(job, c, fault, crc_ns);
   }
+  size_t first = c.piece_begin;
+  return write_slot_cached(job, c, c.file_off, fault, &first, crc_ns);
+}
+
+std::string Engine::write_slot_cached(FileJob& job, const Chunk& c, uint64_t from, FaultKind fault, size_t* first,
+                                      uint64_t* crc_ns) {
+  const char* base = cache_->slot_ptr(c.slot);
+  const uint64_t end = c.file_off + c.span;
   fault = through_page_cache(fault);
-  for (uint64_t pos = c.file_off; pos < end;) {
+  for (uint64_t pos = from; pos < end;) {
     if (job.failed()) return "";  // aborted (or failed elsewhere): drop the rest of the chunk
     const uint64_t stop = std::min(end, pos + kFlushBlock);
-    *crc_ns += checksum_range(job, c, base, pos, stop, &first);
+    if (first != nullptr) *crc_ns += checksum_range(job, c, base, pos, stop, first);
     std::string err = pwrite_full(job.fd(), base + (pos - c.file_off), static_cast<size_t>(stop - pos), pos, fault);
     if (!err.empty()) return err;
     pos = stop;
@@ -502,8 +507,8 @@ std::string Engine::write_from_slot(FileJob& job, const Chunk& c, FaultKind faul
 }
 
 bool Engine::past_page_cache(const FileJob& job, const Chunk& c) const {
-  return job.direct_io_fd() >= 0 && !job.direct_io_refused() && c.slot >= 0 && c.span >= kDirectIoAlign && c.file_off % kDirectIoAlign == 0 &&
-         reinterpret_cast<uintptr_t>(cache_->slot_ptr(c.slot)) % kDirectIoAlign == 0;
+  return job.direct_io_fd() >= 0 && !job.direct_io_refused() && c.slot >= 0 && c.span >= kDirectIoAlign &&
+         c.file_off % kDirectIoAlign == 0 && reinterpret_cast<uintptr_t>(cache_->slot_ptr(c.slot)) % kDirectIoAlign == 0;
 }
 
 // A chunk that starts on a page of its file and of its slot, past the page cache: its checksums
@@ -532,16 +537,10 @@ std::string Engine::write_slot_direct_io(FileJob& job, const Chunk& c, FaultKind
   } else {
     return err;
   }
-  fault = through_page_cache(fault);
-  for (uint64_t pos = cached_from; pos < end;) {
-    if (job.failed()) return "";
-    const uint64_t stop = std::min(end, pos + kFlushBlock);
-    err = pwrite_full(job.fd(), base + (pos - c.file_off), static_cast<size_t>(stop - pos), pos, fault);
-    if (!err.empty()) return err;
-    pos = stop;
-  }
-  if (cached_from < end) start_writeback(job.fd(), cached_from, end - cached_from);
-  return "";
+  if (cached_from == end) return "";
+  err = write_slot_cached(job, c, cached_from, fault, nullptr, crc_ns);  // already checksummed
+  if (err.empty() && !job.failed()) start_writeback(job.fd(), cached_from, end - cached_from);
+  return err;
 }
 
 // The same blocks, read from the pieces' sources; the gaps between pieces stay holes, which read

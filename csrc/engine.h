@@ -192,6 +192,10 @@ class Engine {
   // its slot.
   bool past_page_cache(const FileJob& job, const Chunk& c) const;
   std::string write_slot_direct_io(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns);
+  // Bytes [from, end of c) of c's slot through the page cache, block by block, each block
+  // checksummed first unless `first` (the next piece to checksum) is null.
+  std::string write_slot_cached(FileJob& job, const Chunk& c, uint64_t from, FaultKind fault, size_t* first,
+                                uint64_t* crc_ns);
   std::string write_from_sources(FileJob& job, const Chunk& c, FaultKind fault, uint64_t* crc_ns);
   // Returns the nanoseconds spent (0 with checksums off).
   uint64_t checksum_range(WriteJob& job, const Chunk& c, const char* base, uint64_t from, uint64_t to,

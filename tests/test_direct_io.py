@@ -5,6 +5,7 @@ their checksums, whatever the tensors' sizes; unsynced saves and file systems th
 O_DIRECT write through the page cache as before. The default (``direct_io=None``) writes past
 the page cache only the saves that recur (save/rhythm.py)."""
 
+import contextlib
 import os
 import time
 
@@ -52,6 +53,17 @@ def _save(state, path, **options):
 
 def _direct(state, path, **options):
     _save(state, path, direct_io=True, **options)
+
+
+@contextlib.contextmanager
+def _fault(kind, path):
+    """The engine's fault ``kind`` armed for files under ``path`` from the first byte, then cleared."""
+    engine = current_engine()
+    engine.set_fault(kind, 0, str(path))
+    try:
+        yield
+    finally:
+        engine.set_fault("none", 0, "")
 
 
 def _load(like, path):
@@ -135,13 +147,8 @@ def test_what_decides_the_automatic_mode():
 def test_a_failed_save_does_not_make_the_next_one_recur(tmp_path):
     _save({"warm": torch.zeros(4)}, tmp_path / "warm")  # the engine runs
     rhythm.forget()
-    engine = current_engine()
-    engine.set_fault("enospc", 0, str(tmp_path / "bad"))
-    try:
-        with raises_through_dcp("No space left on device"):
-            _save(_odd_state(6), tmp_path / "bad")
-    finally:
-        engine.set_fault("none", 0, "")
+    with _fault("enospc", tmp_path / "bad"), raises_through_dcp("No space left on device"):
+        _save(_odd_state(6), tmp_path / "bad")
     # No save ended well: no duration to compare with.
     assert rhythm.direct_io_for(DataStatesConfig(), time.monotonic()) is False
 
@@ -156,15 +163,10 @@ def test_a_full_disk_during_a_direct_write_fails_the_save_and_keeps_the_last_che
     _skip_unless_o_direct(tmp_path)
     first = _odd_state(3)
     _direct(first, tmp_path / "ck")
-    engine = current_engine()
     # From the first chunk on, which starts on the file's (aligned) data region: a direct write.
     before = _direct_io_bytes()
-    engine.set_fault("enospc", 0, str(tmp_path / "ck"))
-    try:
-        with raises_through_dcp("No space left on device"):
-            _direct(_odd_state(4), tmp_path / "ck")
-    finally:
-        engine.set_fault("none", 0, "")
+    with _fault("enospc", tmp_path / "ck"), raises_through_dcp("No space left on device"):
+        _direct(_odd_state(4), tmp_path / "ck")
     assert _direct_io_bytes() == before
     assert_state_equal(first, _load(first, tmp_path / "ck"))
 
@@ -188,13 +190,9 @@ def test_a_file_system_that_refuses_the_direct_writes_gets_them_through_the_page
     _skip_unless_o_direct(tmp_path)
     state = _odd_state(7)
     _save(state, tmp_path / "cached", direct_io=False)
-    engine = current_engine()
     before = engine_stats()
-    engine.set_fault("direct_einval", 0, str(tmp_path / "refused"))
-    try:
+    with _fault("direct_einval", tmp_path / "refused"):
         _direct(state, tmp_path / "refused")
-    finally:
-        engine.set_fault("none", 0, "")
     after = engine_stats()
     assert after["direct_io_bytes"] == before["direct_io_bytes"]
     assert after["direct_io_refused"] > before["direct_io_refused"]
@@ -203,9 +201,6 @@ def test_a_file_system_that_refuses_the_direct_writes_gets_them_through_the_page
         assert (tmp_path / "refused" / name).read_bytes() == (tmp_path / "cached" / name).read_bytes(), name
     assert_state_equal(state, _load(state, tmp_path / "refused"))
     # The fault is for O_DIRECT writes only: a save through the page cache does not see it.
-    engine.set_fault("direct_einval", 0, str(tmp_path / "plain"))
-    try:
+    with _fault("direct_einval", tmp_path / "plain"):
         _save(state, tmp_path / "plain", direct_io=False)
-    finally:
-        engine.set_fault("none", 0, "")
     assert_state_equal(state, _load(state, tmp_path / "plain"))
