@@ -47,6 +47,12 @@ def _freeze_when(where: str, durable: str) -> None:
     def stop() -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
+    # Out of the test's process group: when that group becomes orphaned while this process is
+    # stopped (the shell that started pytest exits first, e.g. under nohup), the kernel sends
+    # the group SIGHUP then SIGCONT (POSIX), which would resume this "frozen node" and let its
+    # save finish. In a session of its own, no such group event reaches it.
+    os.setsid()
+
     if where == "drain":
         def frozen(*args, **kwargs):
             deadline = time.monotonic() + 60
