@@ -725,45 +725,28 @@ PYBIND11_MODULE(_engine, m) {
   }, py::arg("tensor_keys"), py::arg("counts"), py::arg("ndims"), py::arg("table_offsets"), py::arg("key"),
         py::arg("position"), py::arg("ndim"), py::arg("offsets"), py::arg("src"), py::arg("status"),
         "Place chunk results in the table by name key and position hint (chunk_table.h); int64 buffers.");
-  m.def("gather_chunks", [](py::handle src, py::handle record, py::handle offset, py::handle length,
-                            py::handle crc_count, py::handle crcs, py::handle hash, py::handle has_hash,
-                            py::handle row_record, py::handle row_offset, py::handle row_length, py::handle row_count,
-                            py::handle row_hash, py::handle row_has) {
-    const Int64Buffer b_src(src, "src", false), b_rec(record, "record", false), b_off(offset, "offset", false),
-        b_len(length, "length", false), b_cnt(crc_count, "crc_count", false), b_crcs(crcs, "crcs", false),
-        b_hash(hash, "hash", false), b_has(has_hash, "has_hash", false), o_rec(row_record, "row_record", true),
-        o_off(row_offset, "row_offset", true), o_len(row_length, "row_length", true),
-        o_cnt(row_count, "row_count", true), o_hash(row_hash, "row_hash", true), o_has(row_has, "row_has", true);
-    const size_t N = b_rec.size(), C = b_src.size();
-    for (const Int64Buffer* b : {&b_off, &b_len, &b_cnt}) require_size(*b, N, "a result column");
-    for (const Int64Buffer* b : {&o_rec, &o_off, &o_len, &o_cnt}) require_size(*b, C, "a row column");
-    if (b_has.size() > 0) {
-      require_size(b_hash, N, "hash");
-      require_size(b_has, N, "has_hash");
-      require_size(o_hash, C, "row_hash");
-      require_size(o_has, C, "row_has");
-    }
-    size_t total = 0;
+  m.def("gather_pieces", [](py::handle src, py::handle crc_count, py::handle crcs, py::handle out) {
+    const Int64Buffer b_src(src, "src", false), b_cnt(crc_count, "crc_count", false), b_crcs(crcs, "crcs", false),
+        o_out(out, "out", true);
+    const size_t N = b_cnt.size();
+    std::vector<int64_t> first(N + 1, 0);
     for (size_t i = 0; i < N; ++i) {
       if (b_cnt.in()[i] < 0) throw py::value_error("result " + std::to_string(i) + ": negative checksum count");
-      total += static_cast<size_t>(b_cnt.in()[i]);
+      first[i + 1] = first[i] + b_cnt.in()[i];
     }
-    require_size(b_crcs, total, "crcs");
-    for (size_t r = 0; r < C; ++r)
-      if (b_src.in()[r] < 0 || static_cast<size_t>(b_src.in()[r]) >= N)
-        throw py::value_error("row " + std::to_string(r) + ": no result " + std::to_string(b_src.in()[r]));
-    std::vector<int64_t> out;
-    {
-      NoGil nogil;
-      out = dcpds::gather_chunks(b_src.in(), b_rec.in(), b_off.in(), b_len.in(), b_cnt.in(), b_crcs.in(), b_hash.in(),
-                                 b_has.in(), o_rec.out(), o_off.out(), o_len.out(), o_cnt.out(), o_hash.out(),
-                                 o_has.out());
+    require_size(b_crcs, static_cast<size_t>(first[N]), "crcs");
+    size_t total = 0;
+    for (size_t r = 0; r < b_src.size(); ++r) {
+      const int64_t i = b_src.in()[r];
+      if (i < 0 || static_cast<size_t>(i) >= N)
+        throw py::value_error("row " + std::to_string(r) + ": no result " + std::to_string(i));
+      total += static_cast<size_t>(b_cnt.in()[static_cast<size_t>(i)]);
     }
-    return py::bytearray(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t));
-  }, py::arg("src"), py::arg("record"), py::arg("offset"), py::arg("length"), py::arg("crc_count"), py::arg("crcs"),
-        py::arg("hash"), py::arg("has_hash"), py::arg("row_record"), py::arg("row_offset"), py::arg("row_length"),
-        py::arg("row_count"), py::arg("row_hash"), py::arg("row_has"),
-        "The placed table's location columns (chunk_table.h); returns the checksums in row order (int64).");
+    require_size(o_out, total, "out");
+    NoGil nogil;
+    dcpds::gather_pieces(b_src.in(), {first.data(), first.size()}, b_crcs.in(), o_out.out());
+  }, py::arg("src"), py::arg("crc_count"), py::arg("crcs"), py::arg("out"),
+        "The placed rows' checksums in row order (chunk_table.h); int64 buffers, `out` sized to them.");
   m.def("find_bad_tilings", [](py::handle counts, py::handle ndims, py::handle dims, py::handle offsets,
                                py::handle sizes, bool check_covered) {
     const Int64Buffer b_counts(counts, "counts", false), b_ndims(ndims, "ndims", false), b_dims(dims, "dims", false),

@@ -276,29 +276,15 @@ void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key,
   }
 }
 
-std::vector<int64_t> gather_chunks(In src, In record, In offset, In length, In crc_count, In crcs, In hash,
-                                   In has_hash, Out row_record, Out row_offset, Out row_length, Out row_count,
-                                   Out row_hash, Out row_has) {
-  std::vector<int64_t> first(crc_count.size + 1, 0);
-  for (size_t i = 0; i < crc_count.size; ++i) first[i + 1] = first[i] + crc_count[i];
-  size_t total = 0;
-  for (size_t r = 0; r < src.size; ++r) total += static_cast<size_t>(crc_count[static_cast<size_t>(src[r])]);
-  std::vector<int64_t> out;
-  out.reserve(total);
-  const bool hashed = has_hash.size > 0;
+void gather_pieces(In src, In first, In crcs, Out out) {
+  size_t at = 0;
   for (size_t r = 0; r < src.size; ++r) {
     const size_t i = static_cast<size_t>(src[r]);
-    row_record[r] = record[i];
-    row_offset[r] = offset[i];
-    row_length[r] = length[i];
-    row_count[r] = crc_count[i];
-    out.insert(out.end(), crcs.data + first[i], crcs.data + first[i + 1]);
-    if (hashed) {
-      row_has[r] = has_hash[i];
-      row_hash[r] = has_hash[i] ? hash[i] : 0;
-    }
+    const int64_t* begin = crcs.data + first[i];
+    const int64_t* end = crcs.data + first[i + 1];
+    std::copy(begin, end, out.data + at);
+    at += static_cast<size_t>(end - begin);
   }
-  return out;
 }
 
 }  // namespace dcpds

@@ -68,12 +68,10 @@ bool find_shared_bytes(In fid, In start, In length, int64_t files, size_t ordere
 void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key, In position, In ndim, In offsets,
                   Out src, Out status);
 
-// The placed table's location columns: for each row r (src[r]: its result), that result's
-// record, offset, length, checksum count and (where has_hash is given) hash; its checksums are
-// appended to the returned column in row order. `crcs` holds every result's checksums back to
-// back. Every src[r] is a valid result index.
-std::vector<int64_t> gather_chunks(In src, In record, In offset, In length, In crc_count, In crcs, In hash,
-                                   In has_hash, Out row_record, Out row_offset, Out row_length, Out row_count,
-                                   Out row_hash, Out row_has);
+// The placed rows' checksums, in row order: for each row r, the crc_count[src[r]] checksums of
+// result src[r] (`crcs` holds every result's back to back, `first` where each result's start,
+// with one more entry: the total). `out` holds exactly as many as the rows take. Every src[r] is
+// a valid result index. (The rows' other columns are plain index gathers: format/packed_encode.py.)
+void gather_pieces(In src, In first, In crcs, Out out);
 
 }  // namespace dcpds

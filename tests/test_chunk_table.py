@@ -62,7 +62,7 @@ def test_find_shared_bytes_refuses_a_file_index_out_of_range():
 
 
 @pytest.mark.parametrize("seed", range(60))
-def test_place_and_gather_chunks_are_the_python_statement(seed):
+def test_place_chunks_and_gather_pieces_are_the_python_statement(seed):
     rng = random.Random(seed)
     T = rng.randint(1, 5)
     counts = [rng.randint(0, 4) for _ in range(T)]
@@ -113,23 +113,48 @@ def test_place_and_gather_chunks_are_the_python_statement(seed):
     crcs = [rng.getrandbits(32) for _ in range(sum(crc_count))]
     first = [sum(crc_count[:i]) for i in range(N)]
     rows = [rng.randrange(N) for _ in range(sum(counts))]
-    record, offset, length = ([rng.randrange(1000) for _ in range(N)] for _ in range(3))
-    hashes, has = [rng.getrandbits(63) for _ in range(N)], [rng.randint(0, 1) for _ in range(N)]
-    out = [q([0] * len(rows)) for _ in range(6)]
-    moved = _engine.gather_chunks(q(rows), q(record), q(offset), q(length), q(crc_count), q(crcs), q(hashes), q(has),
-                                  *out)
-    assert [list(o) for o in out] == [[v[i] for i in rows] for v in (record, offset, length, crc_count)] + [
-        [hashes[i] if has[i] else 0 for i in rows], [has[i] for i in rows]]
-    assert list(array("q", bytes(moved))) == [c for i in rows for c in crcs[first[i]:first[i] + crc_count[i]]]
+    moved = q([-1] * sum(crc_count[i] for i in rows))
+    _engine.gather_pieces(q(rows), q(crc_count), q(crcs), moved)
+    assert list(moved) == [c for i in rows for c in crcs[first[i]:first[i] + crc_count[i]]]
 
 
 def test_the_routines_refuse_columns_that_disagree():
     with pytest.raises(ValueError, match="offsets holds 1 values, 2 expected"):
         _engine.place_chunks(q([5]), q([1]), q([2]), q([0]), q([]), q([]), q([]), q([]), q([0]), q([]))
     with pytest.raises(ValueError, match="row 0: no result 4"):
-        _engine.gather_chunks(q([4]), q([0]), q([0]), q([0]), q([0]), q([]), q([]), q([]), *[q([0])] * 4, q([]), q([]))
+        _engine.gather_pieces(q([4]), q([0]), q([]), q([]))
+    with pytest.raises(ValueError, match="result 0: negative checksum count"):
+        _engine.gather_pieces(q([0]), q([-1]), q([]), q([]))
+    with pytest.raises(ValueError, match="crcs holds 1 values, 2 expected"):
+        _engine.gather_pieces(q([0]), q([2]), q([7]), q([0, 0]))
+    with pytest.raises(ValueError, match="out holds 1 values, 2 expected"):
+        _engine.gather_pieces(q([0]), q([2]), q([7, 8]), q([0]))
     with pytest.raises(ValueError, match="not a buffer of int64 values"):
         _engine.find_shared_bytes(b"123", q([]), q([]), 1)
     empty = [q([])] * 6
     with pytest.raises(ValueError, match="crc_starts holds 0 values, 1 expected"):
         _engine.check_chunk_table(*empty, *[q([])] * 7, q([]), q([]), q([]))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_column_packed_a_block_at_a_time_reads_back_equal(seed, monkeypatch):
+    """_pack delta-codes and narrows a block at a time (its temporaries stay small at scale):
+    across block edges, every value and the narrowest type that holds them come back."""
+    import torch
+
+    from dcp_datastates.format import chunk_table
+    from dcp_datastates.format.checks import _Check
+
+    monkeypatch.setattr(chunk_table, "_PACK_BLOCK", 7)
+    rng = random.Random(seed)
+    n = rng.choice([0, 1, 6, 7, 8, 14, 15, 50])
+    scale = rng.choice([100, 1 << 20, 1 << 40])
+    values = torch.tensor([rng.randrange(-scale, scale) for _ in range(n)], dtype=torch.int64)
+    for delta in (True, False):
+        packed = chunk_table._pack(values, delta=delta)
+        back = chunk_table._unpack(_Check("test"), {"c": packed}, "c", n)
+        assert back.tolist() == values.tolist()
+        coded = values.tolist() if not delta else values[:1].tolist() + (values[1:] - values[:-1]).tolist()
+        lo, hi = min(coded, default=0), max(coded, default=0)
+        assert packed["int"] == next(name for name, bits in (("i1", 7), ("i2", 15), ("i4", 31), ("i8", 63))
+                                     if -(1 << bits) <= lo and hi < (1 << bits)), (lo, hi)

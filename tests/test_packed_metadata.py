@@ -289,7 +289,7 @@ def test_two_items_sharing_bytes_are_refused():
     doc, md, locs = _doc()
     doc["values"]["step"]["file"] = "__0_0.safetensors"
     doc["values"]["step"]["offset"] = locs[MetadataIndex("w", torch.Size([0, 0]), 0)].offset
-    _refused(doc, "share bytes", "'step'")
+    _refused(doc, "share bytes", "'step'", "'w chunk 0'")  # the chunk named by its own index
 
 
 def test_bad_tensor_entries_are_refused():

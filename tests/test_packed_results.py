@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import pickle
 import random
+from array import array
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from dcp_datastates import CheckpointFormatError
 from dcp_datastates.format.locations import ItemLocation
 from dcp_datastates.format.metadata import encode_commit
-from dcp_datastates.format.results import PACKED_RESULTS, CommitLocations, PackedResults, pack_write_results
+from dcp_datastates.format.results import NARROWED, PACKED_RESULTS, CommitLocations, PackedResults, pack_write_results
 
 
 def per_rank(locs: dict) -> list[list[WriteResult]]:
@@ -95,6 +96,34 @@ def test_damage_is_refused_naming_the_item_as_from_each_result(damage, message):
     for source in (locs, gathered(md, locs)):
         with pytest.raises(CheckpointFormatError, match=message):
             encode_commit(md, source, "test", packed=True)
+
+
+def test_columns_that_fit_travel_as_32_bit_items_and_a_mix_of_widths_commits_the_same():
+    md, locs = sharded(SHAPES, 4, grid=(2, 2), hashed=hashes)
+    ranks = [pack_write_results(r) for r in per_rank(locs)]
+    blocks = [r.storage_data for rr in ranks for r in rr if isinstance(r.storage_data, PackedResults)]
+    assert {getattr(b, name).typecode for b in blocks for name in NARROWED} == {"i"}
+    assert {b.key.typecode for b in blocks} == {"q"}  # a 64-bit name key stays 64-bit
+    expected = encode_commit(md, locs, "test", packed=True)
+    assert encode_commit(md, CommitLocations(ranks, md), "test", packed=True) == expected
+    # One rank's values do not fit (a file past 2 GiB): its offsets stay 64-bit, the others' not.
+    far = {i: (loc._replace(offset=loc.offset + (3 << 30), file_size=loc.file_size + (3 << 30))
+               if loc.file == blocks[1].files[0][0] else loc) for i, loc in locs.items()}
+    ranks = [pickle.loads(pickle.dumps(pack_write_results(r))) for r in per_rank(far)]
+    codes = [r.storage_data.offset.typecode for rr in ranks for r in rr if isinstance(r.storage_data, PackedResults)]
+    assert sorted(codes) == ["i", "i", "i", "q"]
+    results = CommitLocations(ranks, md)
+    assert encode_commit(md, results, "test", packed=True) == encode_commit(md, far, "test", packed=True)
+    assert dict(results) == far
+
+
+def test_a_packed_column_of_another_item_type_is_refused_naming_it():
+    md, locs = sharded(SHAPES, 2)
+    ranks = [pack_write_results(r) for r in per_rank(locs)]
+    block = ranks[0][-1].storage_data
+    block.length = array("d", block.length)
+    with pytest.raises(CheckpointFormatError, match="column 'length' holds items of type 'd', not integers"):
+        encode_commit(md, CommitLocations(ranks, md), "test", packed=True)
 
 
 def test_a_rank_sends_one_small_object():

@@ -35,24 +35,43 @@ _U64 = (1 << 64) - 1
 
 
 # ------------------------------------------------------------------------------- columns
-def _tensor_bytes(t: torch.Tensor) -> bytearray:
-    """The bytes of a 1-D tensor (little-endian: the hosts torch runs on)."""
-    buf = bytearray(t.numel() * t.element_size())
-    if t.numel():
-        torch.frombuffer(buf, dtype=t.dtype).copy_(t)
-    return buf
+# Values delta-coded at a time by _pack: its temporaries stay this small whatever the column's size
+# (a commit at scale packs columns of millions of values).
+_PACK_BLOCK = 1 << 20
+
+
+def _coded(values: torch.Tensor, a: int, b: int, delta: bool) -> torch.Tensor:
+    """Values ``a:b`` of the column, delta-coded when ``delta`` (each minus the one before it;
+    the first value as it is)."""
+    block = values[a:b]
+    if not delta:
+        return block
+    out = block.clone()
+    if a == 0:
+        out[1:] -= values[:b - 1]
+    else:
+        out -= values[a - 1:b - 1]
+    return out
 
 
 def _pack(values: torch.Tensor, *, delta: bool = True, level: int = 1) -> dict:
-    """A column: int64 values, delta-coded (unless ``delta`` is off), narrowed, deflated (at
+    """A column: integer values, delta-coded (unless ``delta`` is off), narrowed, deflated (at
     ``level`` 0, stored as deflate's raw blocks: checksums and hashes do not compress)."""
-    v = values
-    if delta and v.numel() > 1:
-        v = torch.cat((v[:1], v[1:] - v[:-1]))
-    lo, hi = (int(v.min()), int(v.max())) if v.numel() else (0, 0)
+    n = values.numel()
+    blocks = [(a, min(a + _PACK_BLOCK, n)) for a in range(0, n, _PACK_BLOCK)]
+    lo = hi = 0
+    for i, (a, b) in enumerate(blocks):
+        block = _coded(values, a, b, delta)
+        lo, hi = (int(block.min()), int(block.max())) if i == 0 else (min(lo, int(block.min())), max(hi, int(block.max())))
     name, dtype = next((n, d) for n, d in _INT_TYPES if torch.iinfo(d).min <= lo and hi <= torch.iinfo(d).max)
-    raw = _tensor_bytes(v.to(dtype))
-    return {"int": name, "delta": delta, "n": int(v.numel()), "crc32": zlib.crc32(raw),
+    if not delta and values.dtype == dtype and values.is_contiguous():
+        narrow = values
+    else:
+        narrow = torch.empty(n, dtype=dtype)
+        for a, b in blocks:
+            narrow[a:b] = _coded(values, a, b, delta)
+    raw = _view(narrow) if n else b""
+    return {"int": name, "delta": delta, "n": n, "crc32": zlib.crc32(raw),
             "data": base64.b64encode(zlib.compress(raw, level)).decode("ascii")}
 
 
@@ -89,11 +108,13 @@ def _unpack(c: _Check, columns: Any, key: str, count: int | None = None) -> torc
     return torch.cumsum(values, 0) if delta else values
 
 
-def _ints(values: list) -> torch.Tensor:
-    """Python ints as an int64 tensor (through an array: several times faster than torch.tensor)."""
+def _ints(values) -> torch.Tensor:
+    """Python ints (a list, or an ``array("q")`` taken as it is) as an int64 tensor (through an
+    array: several times faster than torch.tensor)."""
     if not values:
         return torch.zeros(0, dtype=torch.int64)
-    return torch.frombuffer(array("q", values), dtype=torch.int64)
+    held = values if isinstance(values, array) and values.typecode == "q" else array("q", values)
+    return torch.frombuffer(held, dtype=torch.int64)
 
 
 # ------------------------------------------------------------------------------- the table
@@ -224,22 +245,31 @@ def _check_shared(c: _Check, fid: torch.Tensor, start: torch.Tensor, length: tor
 
 
 def _check_items_apart(c: _Check, table: _Table, values: list[tuple[str, ItemLocation]]) -> None:
-    """No two items (the table's chunks, then the values) share bytes of a file."""
-    index = {name: i for i, name in enumerate(table.file_names)}
-    i64 = torch.int64
-    fid = torch.cat((table.file, torch.tensor([index[loc.file] for _, loc in values], dtype=i64)))
-    start = torch.cat((table.offset, torch.tensor([loc.offset for _, loc in values], dtype=i64)))
-    length = torch.cat((table.length, torch.tensor([loc.length for _, loc in values], dtype=i64)))
+    """No two items (the table's chunks, then the values) share bytes of a file: the chunks among
+    themselves, then the values with each other and with the chunks of their files (never a copy
+    of the table's columns: millions of values each, at scale)."""
     C = len(table.offset)
     cstarts = table.chunk_starts()
 
-    def name(i: int) -> str:
-        if i >= C:
-            return values[i - C][0]
+    def chunk_name(i: int) -> str:
         t = int(torch.searchsorted(cstarts, torch.tensor([i]), right=True)[0]) - 1
         return f"{table.fqns[t]} chunk {i - int(cstarts[t])}"
 
-    _check_shared(c, fid, start, length, name, table.file_names, ordered=C)
+    _check_shared(c, table.file, table.offset, table.length, chunk_name, table.file_names, ordered=C)
+    if not values:
+        return
+    index = {name: i for i, name in enumerate(table.file_names)}
+    i64 = torch.int64
+    value_files = torch.tensor([index[loc.file] for _, loc in values], dtype=i64)
+    near = torch.nonzero(torch.isin(table.file, value_files)).flatten()
+    fid = torch.cat((table.file[near], value_files))
+    start = torch.cat((table.offset[near], torch.tensor([loc.offset for _, loc in values], dtype=i64)))
+    length = torch.cat((table.length[near], torch.tensor([loc.length for _, loc in values], dtype=i64)))
+
+    def name(i: int) -> str:
+        return chunk_name(int(near[i])) if i < len(near) else values[i - len(near)][0]
+
+    _check_shared(c, fid, start, length, name, table.file_names, ordered=len(near))
 
 
 def _require_little_endian(c: _Check) -> None:

@@ -26,7 +26,7 @@ from .layout import dtype_to_name
 from .locations import FileInfo, ItemLocation
 from .results import CommitLocations, PackedResults, name_key
 
-# The engine places results (csrc/chunk_table.cpp).
+# The engine places results and moves their checksums (csrc/chunk_table.cpp).
 _engine = engine_module()
 
 # ------------------------------------------------------------------------------- encode
@@ -43,8 +43,8 @@ class _Layout:
         self.chunk_lists: list = []
         self.value_names: list[str] = []
         counts: list[int] = []
-        offsets: list[int] = []
-        chunk_sizes: list[int] = []
+        # (arrays, not lists: no Python int object per value, millions of them at scale)
+        offsets, chunk_sizes = array("q"), array("q")
         for fqn, smd in items.items():
             if isinstance(smd, BytesStorageMetadata):
                 self.value_names.append(fqn)
@@ -192,7 +192,7 @@ def encode_packed(md: Metadata, locations: Mapping[MetadataIndex, ItemLocation],
     columns = {
         "chunks": _pack(table.counts), "offsets": _pack(table.offsets), "sizes": _pack(table.chunk_sizes),
         "file": _pack(table.file), "offset": _pack(table.offset), "length": _pack(table.length),
-        "crc_count": _pack(table.crc_count), "crc32c": _pack(table.crcs.to(torch.int32).to(torch.int64), delta=False, level=0),
+        "crc_count": _pack(table.crc_count), "crc32c": _pack(table.crcs.to(torch.int32), delta=False, level=0),
     }
     if table.hash64 is not None:
         columns["hash64"] = _pack(table.hash64, delta=False, level=0)
@@ -259,10 +259,18 @@ def _column(a, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(a, dtype=dtype).to(torch.int64)
 
 
-def _joined(blocks: list[PackedResults], name: str, dtype: torch.dtype) -> torch.Tensor:
-    """Column ``name`` of every block, one after the other, as int64 (one copy of the bytes)."""
-    raw = bytearray().join(getattr(b, name) for b in blocks)
-    return _column(raw, dtype)
+# The torch type of an array's items, by its type code (signed: unsigned checksums are masked).
+_ITEM_TYPES = {"b": torch.int8, "i": torch.int32, "I": torch.int32, "q": torch.int64, "Q": torch.int64}
+
+
+def _joined(blocks: list[PackedResults], name: str) -> torch.Tensor:
+    """Column ``name`` of every block, one after the other, as int64: one copy of the bytes when
+    every block sent it with one item type (``PackedResults.narrow``), else block by block."""
+    columns = [getattr(b, name) for b in blocks]
+    codes = {c.typecode for c in columns}
+    if len(codes) <= 1:
+        return _column(bytearray().join(columns), _ITEM_TYPES[codes.pop() if codes else "q"])
+    return torch.cat([_column(c, _ITEM_TYPES[c.typecode]) for c in columns])
 
 
 def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, check: _Check) -> _Placed:
@@ -273,14 +281,17 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
     is left out; chunks sharing their offsets share one result."""
     if any(array(code).itemsize != size for code, size in (("b", 1), ("i", 4), ("I", 4), ("q", 8), ("Q", 8))):
         raise check.fail("packed write results need 1-, 4- and 8-byte array items")
+    for b in blocks:
+        for name in ("key", "position", "ndim", "offsets", "offset", "length", "crc_count", "crcs"):
+            if getattr(b, name).typecode not in _ITEM_TYPES:
+                raise check.fail(f"packed write results: column {name!r} holds items of type "
+                                 f"{getattr(b, name).typecode!r}, not integers")
     i64 = torch.int64
-    key, pos = _joined(blocks, "key", torch.int64), _joined(blocks, "position", torch.int64)
-    ndim, offs = _joined(blocks, "ndim", torch.int8), _joined(blocks, "offsets", torch.int64)
-    offset, length = _joined(blocks, "offset", torch.int64), _joined(blocks, "length", torch.int64)
-    crc_count, crcs = _joined(blocks, "crc_count", torch.int32), _joined(blocks, "crcs", torch.int32) & _U32
-    record_base = list(itertools.accumulate((len(b.files) for b in blocks), initial=0))
-    record = torch.cat([_column(b.record, torch.int32) + base for b, base in zip(blocks, record_base)]) \
-        if blocks else torch.zeros(0, dtype=i64)
+    # Columns over every result are each as large as the chunk table: each is joined when its step
+    # needs it and goes once used, so that rank 0's peak at scale holds as few of them at once as
+    # the step needs.
+    key, pos = _joined(blocks, "key"), _joined(blocks, "position")
+    ndim, offs = _joined(blocks, "ndim"), _joined(blocks, "offsets")
     # Each result's chunk, by its tensor's name key and its position hint (checked against its
     # offsets; without one, or a wrong one, by its offsets); a later result for one chunk wins.
     C = layout.starts[-1]
@@ -288,8 +299,6 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
     keys, ndims = layout.keys(check), _ints([len(s) for s in layout.sizes])
     _engine.place_chunks(_view(keys), _view(layout.counts), _view(ndims), _view(layout.offsets), _view(key), _view(pos),
                          _view(ndim), _view(offs), _view(src), _view(status))
-    # Columns over every result are each as large as the chunk table: each goes once used, so that
-    # rank 0's peak at scale holds as few of them at once as the step needs.
     del key, pos, ndim, offs, status
     missing: dict[int, list[int]] = {}
     for slot in torch.nonzero(src < 0).flatten().tolist():
@@ -308,20 +317,25 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
                 raise check.fail(f"no write result for item {layout.fqns[tt]!r} at offset "
                                  f"{list(chunks[slot - base].offsets)}")
             src[slot] = found
-    # Each row's location, its checksums moved with it.
-    hashed = any(len(b.has_hash64) for b in blocks)
-    hashes = has = torch.zeros(0, dtype=i64)
-    if hashed:
-        hashes = torch.cat([_column(b.hash64, torch.int64) if len(b.has_hash64) else torch.zeros(len(b), dtype=i64)
-                            for b in blocks])
-        has = torch.cat([_column(b.has_hash64, torch.int8) if len(b.has_hash64) else torch.zeros(len(b), dtype=i64)
-                         for b in blocks])
-    rows = [torch.empty(C, dtype=i64) for _ in range(6 if hashed else 4)]
-    row_record, row_offset, row_length, row_count = rows[:4]
-    row_hash, row_has = rows[4:] if hashed else (torch.zeros(0, dtype=i64),) * 2
-    moved = _engine.gather_chunks(*map(_view, (src, record, offset, length, crc_count, crcs, hashes, has, *rows[:4],
-                                               row_hash, row_has)))
-    del src, record, offset, length, crc_count, crcs, hashes, has
+    # Each row's location, its checksums moved with it (one result column at a time, from here on:
+    # each joined, gathered into its rows and dropped).
+    crc_count = _joined(blocks, "crc_count")
+    row_count = crc_count[src]
+    moved = torch.empty(int(row_count.sum()), dtype=i64)
+    crcs = _joined(blocks, "crcs").bitwise_and_(_U32)
+    _engine.gather_pieces(_view(src), _view(crc_count), _view(crcs), _view(moved))
+    del crc_count, crcs
+    row_offset, row_length = _joined(blocks, "offset")[src], _joined(blocks, "length")[src]
+    record_base = list(itertools.accumulate((len(b.files) for b in blocks), initial=0))
+    row_record = (torch.cat([_column(b.record, torch.int32) + base for b, base in zip(blocks, record_base)])
+                  if blocks else torch.zeros(0, dtype=i64))[src]
+    row_hash = row_has = None
+    if any(len(b.has_hash64) for b in blocks):
+        row_has = torch.cat([_column(b.has_hash64, torch.int8) if len(b.has_hash64) else torch.zeros(len(b), dtype=i64)
+                             for b in blocks])[src]
+        row_hash = torch.cat([_column(b.hash64, torch.int64) if len(b.has_hash64) else torch.zeros(len(b), dtype=i64)
+                              for b in blocks])[src].masked_fill_(row_has == 0, 0)
+    del src
     # The data files, as their records are used; each file as large as its items need.
     rec_file = torch.full((record_base[-1],), -1, dtype=i64)
     used = torch.zeros(record_base[-1], dtype=torch.bool)
@@ -340,12 +354,12 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
                     f"{list(blocks[b].offsets[o:o + blocks[b].ndim[j]])}")
         rec_file[r] = files.index(name, data_start, piece_size, file_size, 0, where)
     fid = rec_file[row_record]
+    del row_record, rec_file, used
     if C:
         ends = torch.zeros(len(files.files), dtype=i64).scatter_reduce_(0, fid, row_offset + row_length, "amax")
         for info, end in zip(files.files.values(), ends.tolist()):
             info[1] = max(info[1], end)
-    return _Placed(fid, row_offset, row_length, row_count, _column(moved, torch.int64),
-                   row_hash if hashed else None, row_has if hashed else None)
+    return _Placed(fid, row_offset, row_length, row_count, moved, row_hash, row_has)
 
 
 def _value_json(loc: ItemLocation) -> str:
