@@ -144,8 +144,24 @@ def test_the_layout_of_a_metadata_reused_is_made_once_and_again_when_it_changes(
     md, locs = sharded(SHAPES, 4)
     first = encode_commit(md, gathered(md, locs), "test", packed=True)
     layout = packed_codec._last_layout[1]
-    assert encode_commit(md, gathered(md, locs), "test", packed=True) == first
+    packed = []
+    real_pack = packed_codec._pack
+
+    def counting(values, **kwargs):
+        packed.append(values)
+        return real_pack(values, **kwargs)
+
+    packed_codec._pack = counting
+    try:
+        assert encode_commit(md, gathered(md, locs), "test", packed=True) == first
+        again = packed_codec.pack_items(md.state_dict_metadata)
+    finally:
+        packed_codec._pack = real_pack
     assert packed_codec._last_layout[1] is layout  # the steady state: DCP's cached metadata again
+    # ... whose chunk grid is packed once: a commit packs its locations alone (file, offset,
+    # length, checksum counts, checksums), the metadata broadcast after it nothing.
+    assert len(packed) == 5 and not any(v is layout.offsets or v is layout.chunk_sizes for v in packed)
+    assert again[2] == layout.packed_columns() and set(again[2]) == {"chunks", "offsets", "sizes"}
     # The same metadata object, one tensor's chunks changed in place: laid out anew, and the
     # commit is what a fresh copy of that metadata commits (here: refused, two chunks share bytes).
     big = md.state_dict_metadata["big"]

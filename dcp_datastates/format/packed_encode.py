@@ -65,6 +65,15 @@ class _Layout:
         self.fingerprint: list = []
         self._keys: torch.Tensor | None = None
         self._by_offsets: dict[int, dict[tuple, int]] = {}
+        self._packed: dict | None = None
+
+    def packed_columns(self) -> dict:
+        """The chunk grid's columns as the document stores them (``chunks``, ``offsets``,
+        ``sizes``), packed once: every steady-state commit, and the broadcast of the metadata
+        after it, write the same ones."""
+        if self._packed is None:
+            self._packed = {"chunks": _pack(self.counts), "offsets": _pack(self.offsets), "sizes": _pack(self.chunk_sizes)}
+        return dict(self._packed)
 
     def by_offsets(self, t: int) -> dict[tuple, int]:
         """Tensor ``t``'s chunks by their offsets (their first position)."""
@@ -115,8 +124,7 @@ def pack_items(items: Mapping) -> tuple[list, list, dict]:
     layout = _layout_of(items)
     tensors = [[f, dtype_to_name(d), g, list(s)] for f, d, g, s in zip(layout.fqns, layout.dtypes, layout.grads,
                                                                       layout.sizes)]
-    return tensors, list(layout.value_names), {"chunks": _pack(layout.counts), "offsets": _pack(layout.offsets),
-                                               "sizes": _pack(layout.chunk_sizes)}
+    return tensors, list(layout.value_names), layout.packed_columns()
 
 
 class _Files:
@@ -190,7 +198,7 @@ def encode_packed(md: Metadata, locations: Mapping[MetadataIndex, ItemLocation],
             _fail_chunk(c, table, torch.arange(len(table.file)) == ci, table.chunk_starts(),
                         "crc32c must be a list of 32-bit integers")
     columns = {
-        "chunks": _pack(table.counts), "offsets": _pack(table.offsets), "sizes": _pack(table.chunk_sizes),
+        **layout.packed_columns(),  # (the table's own: _Table holds the layout's grid)
         "file": _pack(table.file), "offset": _pack(table.offset), "length": _pack(table.length),
         "crc_count": _pack(table.crc_count), "crc32c": _pack(table.crcs.to(torch.int32), delta=False, level=0),
     }
