@@ -59,10 +59,8 @@ def _pack(values: torch.Tensor, *, delta: bool = True, level: int = 1) -> dict:
     ``level`` 0, stored as deflate's raw blocks: checksums and hashes do not compress)."""
     n = values.numel()
     blocks = [(a, min(a + _PACK_BLOCK, n)) for a in range(0, n, _PACK_BLOCK)]
-    lo = hi = 0
-    for i, (a, b) in enumerate(blocks):
-        block = _coded(values, a, b, delta)
-        lo, hi = (int(block.min()), int(block.max())) if i == 0 else (min(lo, int(block.min())), max(hi, int(block.max())))
+    bounds = [(int(x.min()), int(x.max())) for x in (_coded(values, a, b, delta) for a, b in blocks)]
+    lo, hi = min((m for m, _ in bounds), default=0), max((m for _, m in bounds), default=0)
     name, dtype = next((n, d) for n, d in _INT_TYPES if torch.iinfo(d).min <= lo and hi <= torch.iinfo(d).max)
     if not delta and values.dtype == dtype and values.is_contiguous():
         narrow = values

@@ -287,7 +287,7 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
     offsets; a result without a hint that holds is found by its offsets (in the engine). As in a dict of all
     results, a later result for one chunk wins; a result for a tensor the metadata does not list
     is left out; chunks sharing their offsets share one result."""
-    if any(array(code).itemsize != size for code, size in (("b", 1), ("i", 4), ("I", 4), ("q", 8), ("Q", 8))):
+    if any(array(code).itemsize != t.itemsize for code, t in _ITEM_TYPES.items()):
         raise check.fail("packed write results need 1-, 4- and 8-byte array items")
     for b in blocks:
         for name in ("key", "position", "ndim", "offsets", "offset", "length", "crc_count", "crcs"):
