@@ -56,30 +56,53 @@ class NoGil {
   PyThreadState* state_;
 };
 
-// A buffer of int64 values held for one call (any buffer-protocol object: bytearray, array('q'),
-// a ctypes view of a tensor's memory).
-class Int64Buffer {
+// A buffer of integers held for one call (any buffer-protocol object that names its item type:
+// array('q'), array('i'), a typed ctypes view of a tensor's memory, a memoryview cast). An input
+// may hold items of any type `dcpds::In` reads (its values are read as int64); an output must
+// hold int64. An empty buffer of any type is an empty column.
+class IntBuffer {
  public:
-  Int64Buffer(py::handle obj, const char* name, bool writable) {
-    if (PyObject_GetBuffer(obj.ptr(), &view_, writable ? (PyBUF_SIMPLE | PyBUF_WRITABLE) : PyBUF_SIMPLE) != 0)
+  IntBuffer(py::handle obj, const char* name, bool writable) {
+    if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) != 0)
       throw py::error_already_set();
-    if (view_.len % 8 != 0) {
+    const char* format = view_.format != nullptr ? view_.format : "B";
+    if (*format == '@' || *format == '=' || *format == '<') ++format;  // native = little-endian here
+    type_ = item_type(*format, format[0] != '\0' ? format[1] : '\0', view_.itemsize);
+    if (view_.len > 0 && (type_ == 0 || (writable && type_ != 'q'))) {
+      const std::string what = std::string(name) + ": not a buffer of " + (writable ? "int64" : "integer") +
+                               " values (item type '" + (view_.format != nullptr ? view_.format : "B") + "', " +
+                               std::to_string(view_.itemsize) + " bytes)";
       PyBuffer_Release(&view_);
-      throw py::value_error(std::string(name) + ": not a buffer of int64 values (" + std::to_string(view_.len) + " bytes)");
+      throw py::value_error(what);
     }
   }
-  ~Int64Buffer() { PyBuffer_Release(&view_); }
-  Int64Buffer(const Int64Buffer&) = delete;
-  Int64Buffer& operator=(const Int64Buffer&) = delete;
-  size_t size() const { return static_cast<size_t>(view_.len / 8); }
-  dcpds::In in() const { return {static_cast<const int64_t*>(view_.buf), size()}; }
+  ~IntBuffer() { PyBuffer_Release(&view_); }
+  IntBuffer(const IntBuffer&) = delete;
+  IntBuffer& operator=(const IntBuffer&) = delete;
+  size_t size() const { return view_.len > 0 ? static_cast<size_t>(view_.len / view_.itemsize) : 0; }
+  // Refuses a non-empty column whose items are not one of `types` (In's letters).
+  void require_type(const char* types, const char* name) const {
+    if (size() > 0 && std::string(types).find(type_) == std::string::npos)
+      throw py::value_error(std::string(name) + ": items of type '" + type_ + "', one of '" + types + "' expected");
+  }
+  dcpds::In in() const { return {view_.buf, size(), type_ != 0 ? type_ : 'q'}; }
   dcpds::Out out() const { return {static_cast<int64_t*>(view_.buf), size()}; }
 
  private:
+  // The In type of a one-letter struct format of `itemsize` bytes; 0 for any other.
+  static char item_type(char code, char next, Py_ssize_t itemsize) {
+    if (next != '\0') return 0;
+    if (code == 'b' || code == 'h' || code == 'i' || code == 'l' || code == 'q')
+      return itemsize == 1 ? 'b' : itemsize == 4 ? 'i' : itemsize == 8 ? 'q' : 0;
+    if ((code == 'I' || code == 'L') && itemsize == 4) return 'I';
+    return 0;
+  }
+
   Py_buffer view_{};
+  char type_ = 0;
 };
 
-void require_size(const Int64Buffer& b, size_t n, const char* name) {
+void require_size(const IntBuffer& b, size_t n, const char* name) {
   if (b.size() != n)
     throw py::value_error(std::string(name) + " holds " + std::to_string(b.size()) + " values, " + std::to_string(n) +
                           " expected");
@@ -648,7 +671,7 @@ PYBIND11_MODULE(_engine, m) {
                                 py::handle length, py::handle crc_count, py::handle file_size, py::handle data_start,
                                 py::handle piece_size, py::handle crc_starts, py::handle sorted0,
                                 py::handle widest0) -> py::object {
-    const Int64Buffer b_counts(counts, "counts", false), b_ndims(ndims, "ndims", false),
+    const IntBuffer b_counts(counts, "counts", false), b_ndims(ndims, "ndims", false),
         b_items(itemsizes, "itemsizes", false), b_dims(dims, "dims", false), b_offsets(offsets, "offsets", false),
         b_sizes(sizes, "sizes", false), b_file(file, "file", false), b_offset(offset, "offset", false),
         b_length(length, "length", false), b_crc(crc_count, "crc_count", false),
@@ -671,13 +694,16 @@ PYBIND11_MODULE(_engine, m) {
     require_size(b_dims, ndim_total, "dims");
     require_size(b_offsets, values, "offsets");
     require_size(b_sizes, values, "sizes");
-    for (const Int64Buffer* b : {&b_file, &b_offset, &b_length, &b_crc}) require_size(*b, chunks, "a chunk column");
+    for (const IntBuffer* b : {&b_file, &b_offset, &b_length, &b_crc}) require_size(*b, chunks, "a chunk column");
     require_size(o_crc, chunks + 1, "crc_starts");
     require_size(b_fstart, b_fsize.size(), "data_start");
     require_size(b_fstep, b_fsize.size(), "piece_size");
     dcpds::ChunkTable table{b_counts.in(), b_ndims.in(), b_items.in(), b_dims.in(), b_offsets.in(), b_sizes.in(),
                             b_file.in(), b_offset.in(), b_length.in(), b_crc.in(), b_fsize.in(), b_fstart.in(),
                             b_fstep.in()};
+    if (!dcpds::typed_alike(table))
+      throw py::value_error("offsets and sizes, and file, offset, length and crc_count, must each share one item "
+                            "type, int32 or int64");
     dcpds::TableError error;
     bool ok;
     {
@@ -689,12 +715,13 @@ PYBIND11_MODULE(_engine, m) {
   }, py::arg("counts"), py::arg("ndims"), py::arg("itemsizes"), py::arg("dims"), py::arg("offsets"), py::arg("sizes"),
         py::arg("file"), py::arg("offset"), py::arg("length"), py::arg("crc_count"), py::arg("file_size"),
         py::arg("data_start"), py::arg("piece_size"), py::arg("crc_starts"), py::arg("sorted0"), py::arg("widest0"),
-        "Check a packed chunk table (int64 buffers). None, filling the outputs, or the first failure as\n"
+        "Check a packed chunk table (integer buffers, the outputs int64). None, filling the outputs, or\n"
+        "the first failure as "
         "(kind, tensor, chunk, dim, a, b) (chunk_table.h names the kinds).");
   m.def("place_chunks", [](py::handle tensor_keys, py::handle counts, py::handle ndims, py::handle table_offsets,
-                           py::handle key, py::handle position, py::handle ndim, py::handle offsets, py::handle src,
-                           py::handle status) {
-    const Int64Buffer b_keys(tensor_keys, "tensor_keys", false), b_counts(counts, "counts", false),
+                           py::handle key, py::handle position, py::handle ndim, py::handle offsets, int64_t first,
+                           py::handle src, py::handle status) {
+    const IntBuffer b_keys(tensor_keys, "tensor_keys", false), b_counts(counts, "counts", false),
         b_ndims(ndims, "ndims", false), b_toff(table_offsets, "table_offsets", false), b_key(key, "key", false),
         b_pos(position, "position", false), b_ndim(ndim, "ndim", false), b_off(offsets, "offsets", false),
         o_src(src, "src", true), o_status(status, "status", true);
@@ -719,14 +746,18 @@ PYBIND11_MODULE(_engine, m) {
       given += static_cast<size_t>(d);
     }
     require_size(b_off, given, "offsets");
+    if (first < 0) throw py::value_error("first must not be negative, got " + std::to_string(first));
+    b_toff.require_type("iq", "table_offsets");
+    b_off.require_type("iq", "offsets");
     NoGil nogil;
     dcpds::place_chunks(b_keys.in(), b_counts.in(), b_ndims.in(), b_toff.in(), b_key.in(), b_pos.in(), b_ndim.in(),
-                        b_off.in(), o_src.out(), o_status.out());
+                        b_off.in(), first, o_src.out(), o_status.out());
   }, py::arg("tensor_keys"), py::arg("counts"), py::arg("ndims"), py::arg("table_offsets"), py::arg("key"),
-        py::arg("position"), py::arg("ndim"), py::arg("offsets"), py::arg("src"), py::arg("status"),
-        "Place chunk results in the table by name key and position hint (chunk_table.h); int64 buffers.");
+        py::arg("position"), py::arg("ndim"), py::arg("offsets"), py::arg("first"), py::arg("src"), py::arg("status"),
+        "Place chunk results in the table by name key and position hint, numbering them from `first`\n"
+        "(chunk_table.h); integer buffers (the outputs int64), src's other rows left as they are.");
   m.def("gather_pieces", [](py::handle src, py::handle crc_count, py::handle crcs, py::handle out) {
-    const Int64Buffer b_src(src, "src", false), b_cnt(crc_count, "crc_count", false), b_crcs(crcs, "crcs", false),
+    const IntBuffer b_src(src, "src", false), b_cnt(crc_count, "crc_count", false), b_crcs(crcs, "crcs", false),
         o_out(out, "out", true);
     const size_t N = b_cnt.size();
     std::vector<int64_t> first(N + 1, 0);
@@ -746,10 +777,11 @@ PYBIND11_MODULE(_engine, m) {
     NoGil nogil;
     dcpds::gather_pieces(b_src.in(), {first.data(), first.size()}, b_crcs.in(), o_out.out());
   }, py::arg("src"), py::arg("crc_count"), py::arg("crcs"), py::arg("out"),
-        "The placed rows' checksums in row order (chunk_table.h); int64 buffers, `out` sized to them.");
+        "The placed rows' checksums in row order (chunk_table.h); integer buffers, `out` int64 and sized\n"
+        "to them.");
   m.def("find_bad_tilings", [](py::handle counts, py::handle ndims, py::handle dims, py::handle offsets,
                                py::handle sizes, bool check_covered) {
-    const Int64Buffer b_counts(counts, "counts", false), b_ndims(ndims, "ndims", false), b_dims(dims, "dims", false),
+    const IntBuffer b_counts(counts, "counts", false), b_ndims(ndims, "ndims", false), b_dims(dims, "dims", false),
         b_off(offsets, "offsets", false), b_sizes(sizes, "sizes", false);
     require_size(b_ndims, b_counts.size(), "ndims");
     size_t values = 0, ndim_total = 0;
@@ -769,11 +801,11 @@ PYBIND11_MODULE(_engine, m) {
     return bad;
   }, py::arg("counts"), py::arg("ndims"), py::arg("dims"), py::arg("offsets"), py::arg("sizes"),
         py::arg("check_covered"),
-        "The indices of the tensors whose chunks do not tile them (tiling.h); int64 buffers, the\n"
+        "The indices of the tensors whose chunks do not tile them (tiling.h); integer buffers, the\n"
         "chunks' offsets and sizes chunk by chunk.");
   m.def("find_shared_bytes", [](py::handle fid, py::handle start, py::handle length, int64_t files,
                                 int64_t ordered) -> py::object {
-    const Int64Buffer b_fid(fid, "fid", false), b_start(start, "start", false), b_length(length, "length", false);
+    const IntBuffer b_fid(fid, "fid", false), b_start(start, "start", false), b_length(length, "length", false);
     require_size(b_start, b_fid.size(), "start");
     require_size(b_length, b_fid.size(), "length");
     for (size_t i = 0; i < b_fid.size(); ++i)

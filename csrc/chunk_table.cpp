@@ -1,6 +1,7 @@
 #include "chunk_table.h"
 
 #include <algorithm>
+#include <initializer_list>
 #include <limits>
 #include <numeric>
 #include <unordered_map>
@@ -32,9 +33,58 @@ bool fail(TableError* e, const char* kind, int64_t tensor, int64_t chunk, int64_
   return false;
 }
 
+// A column of items T read without a type test per read: the check's loops run over millions of
+// chunks, and a test per read would cost them more than the check itself.
+template <class T>
+struct Typed {
+  const T* data;
+  explicit Typed(const In& c) : data(static_cast<const T*>(c.data)) {}
+  int64_t operator[](size_t i) const { return data[i]; }
+};
+
+// Whether the non-empty columns of `cols` all have one type, 'i' or 'q'.
+bool alike(std::initializer_list<const In*> cols) {
+  char type = 0;
+  for (const In* c : cols) {
+    if (c->size == 0) continue;
+    if ((c->type != 'i' && c->type != 'q') || (type != 0 && c->type != type)) return false;
+    type = c->type;
+  }
+  return true;
+}
+
+// The type of the first non-empty column ('q' when all are empty).
+char type_of(std::initializer_list<const In*> cols) {
+  for (const In* c : cols)
+    if (c->size > 0) return c->type;
+  return 'q';
+}
+
+template <class G, class C>
+bool check_typed(const ChunkTable& t, Out crc_starts, Out sorted0, Out widest0, TableError* error);
+
 }  // namespace
 
+bool typed_alike(const ChunkTable& t) {
+  return alike({&t.offsets, &t.sizes}) && alike({&t.file, &t.offset, &t.length, &t.crc_count});
+}
+
 bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out widest0, TableError* error) {
+  const bool grid32 = type_of({&t.offsets, &t.sizes}) == 'i';
+  const bool chunks32 = type_of({&t.file, &t.offset, &t.length, &t.crc_count}) == 'i';
+  if (grid32)
+    return chunks32 ? check_typed<int32_t, int32_t>(t, crc_starts, sorted0, widest0, error)
+                    : check_typed<int32_t, int64_t>(t, crc_starts, sorted0, widest0, error);
+  return chunks32 ? check_typed<int64_t, int32_t>(t, crc_starts, sorted0, widest0, error)
+                  : check_typed<int64_t, int64_t>(t, crc_starts, sorted0, widest0, error);
+}
+
+namespace {
+
+template <class G, class C>
+bool check_typed(const ChunkTable& t, Out crc_starts, Out sorted0, Out widest0, TableError* error) {
+  const Typed<G> offsets(t.offsets), sizes(t.sizes);
+  const Typed<C> file(t.file), offset(t.offset), length(t.length), crc_count(t.crc_count);
   const size_t T = t.counts.size;
   // Each tensor's first value (in offsets/sizes), first chunk and first dimension.
   std::vector<size_t> vstart(T + 1, 0), cstart(T + 1, 0), dstart(T + 1, 0);
@@ -49,7 +99,7 @@ bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out wid
     for (int64_t d = 0; d < t.ndims[k]; ++d)
       for (int64_t q = 0; q < n; ++q) {
         const size_t v = vstart[k] + static_cast<size_t>(d * n + q);
-        if (t.offsets[v] < 0 || t.sizes[v] < 0) return fail(error, "negative", k, q, d);
+        if (offsets[v] < 0 || sizes[v] < 0) return fail(error, "negative", k, q, d);
       }
   }
   for (size_t k = 0; k < T; ++k) {
@@ -58,7 +108,7 @@ bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out wid
       const int64_t limit = t.dims[dstart[k] + d];
       for (int64_t q = 0; q < n; ++q) {
         const size_t v = vstart[k] + static_cast<size_t>(d * n + q);
-        if (t.offsets[v] > limit || t.sizes[v] > limit - t.offsets[v]) return fail(error, "exceeds", k, q, d);
+        if (offsets[v] > limit || sizes[v] > limit - offsets[v]) return fail(error, "exceeds", k, q, d);
       }
     }
   }
@@ -68,10 +118,10 @@ bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out wid
     const int64_t n = t.counts[k];
     for (int64_t q = 0; q < n; ++q) {
       int64_t e = 1;
-      for (int64_t d = 0; d < t.ndims[k]; ++d) e = mul_sat(e, t.sizes[vstart[k] + static_cast<size_t>(d * n + q)]);
+      for (int64_t d = 0; d < t.ndims[k]; ++d) e = mul_sat(e, sizes[vstart[k] + static_cast<size_t>(d * n + q)]);
       const size_t c = cstart[k] + static_cast<size_t>(q);
       numel[c] = e;
-      if (t.length[c] != mul_sat(e, t.itemsizes[k])) return fail(error, "length", k, q);
+      if (length[c] != mul_sat(e, t.itemsizes[k])) return fail(error, "length", k, q);
     }
   }
   for (size_t k = 0; k < T; ++k) {
@@ -84,26 +134,26 @@ bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out wid
   const int64_t F = static_cast<int64_t>(t.file_size.size);
   for (size_t k = 0; k < T; ++k)
     for (size_t c = cstart[k]; c < cstart[k + 1]; ++c)
-      if (t.file[c] < 0 || t.file[c] >= F) return fail(error, "file", k, static_cast<int64_t>(c - cstart[k]));
+      if (file[c] < 0 || file[c] >= F) return fail(error, "file", k, static_cast<int64_t>(c - cstart[k]));
   for (size_t k = 0; k < T; ++k)
     for (size_t c = cstart[k]; c < cstart[k + 1]; ++c)
-      if (t.offset[c] < t.data_start[static_cast<size_t>(t.file[c])])
+      if (offset[c] < t.data_start[static_cast<size_t>(file[c])])
         return fail(error, "before", k, static_cast<int64_t>(c - cstart[k]));
   for (size_t k = 0; k < T; ++k)
     for (size_t c = cstart[k]; c < cstart[k + 1]; ++c) {
-      const int64_t size = t.file_size[static_cast<size_t>(t.file[c])], off = t.offset[c], len = t.length[c];
+      const int64_t size = t.file_size[static_cast<size_t>(file[c])], off = offset[c], len = length[c];
       if (off > size || len < 0 || len > size - off) return fail(error, "outside", k, static_cast<int64_t>(c - cstart[k]));
     }
   int64_t crcs = 0;
   for (size_t k = 0; k < T; ++k)
     for (size_t c = cstart[k]; c < cstart[k + 1]; ++c) {
-      const size_t f = static_cast<size_t>(t.file[c]);
-      const int64_t start = t.data_start[f], step = t.piece_size[f], off = t.offset[c], len = t.length[c];
+      const size_t f = static_cast<size_t>(file[c]);
+      const int64_t start = t.data_start[f], step = t.piece_size[f], off = offset[c], len = length[c];
       const int64_t pieces = len > 0 && step > 0 ? (off + len - 1 - start) / step - (off - start) / step + 1 : 0;
-      if (t.crc_count[c] != 0 && t.crc_count[c] != pieces)
-        return fail(error, "checksums", k, static_cast<int64_t>(c - cstart[k]), -1, t.crc_count[c], pieces);
+      if (crc_count[c] != 0 && crc_count[c] != pieces)
+        return fail(error, "checksums", k, static_cast<int64_t>(c - cstart[k]), -1, crc_count[c], pieces);
       crc_starts[c] = crcs;
-      crcs = add_sat(crcs, t.crc_count[c] < 0 ? kMax : t.crc_count[c]);
+      crcs = add_sat(crcs, crc_count[c] < 0 ? kMax : crc_count[c]);
     }
   crc_starts[t.file.size] = crcs;
   // What a lookup needs: dim-0 offsets in order (a bisection), and the widest dim-0 chunk.
@@ -113,8 +163,8 @@ bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out wid
       const int64_t n = t.counts[k];
       for (int64_t q = 0; q < n; ++q) {
         const size_t v = vstart[k] + static_cast<size_t>(q);
-        if (q > 0 && t.offsets[v] < t.offsets[v - 1]) sorted = 0;
-        widest = std::max(widest, t.sizes[v]);
+        if (q > 0 && offsets[v] < offsets[v - 1]) sorted = 0;
+        widest = std::max(widest, sizes[v]);
       }
     }
     sorted0[k] = sorted;
@@ -122,6 +172,8 @@ bool check_chunk_table(const ChunkTable& t, Out crc_starts, Out sorted0, Out wid
   }
   return true;
 }
+
+}  // namespace
 
 bool find_shared_bytes(In fid, In start, In length, int64_t files, size_t ordered, int64_t* first, int64_t* second) {
   const size_t n = fid.size, F = static_cast<size_t>(std::max<int64_t>(files, 0));
@@ -195,9 +247,15 @@ bool find_shared_bytes(In fid, In start, In length, int64_t files, size_t ordere
   return false;
 }
 
-void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key, In position, In ndim, In offsets,
-                  Out src, Out status) {
-  const size_t T = tensor_keys.size;
+namespace {
+
+// place_chunks with its table's and its results' offsets read typed (G, O: int32 or int64): the
+// loop runs once per result, millions of them, and reads those most.
+template <class G, class O>
+void place_typed(const std::vector<int64_t>& tensor_keys, const std::vector<int64_t>& counts,
+                 const std::vector<int64_t>& ndims, Typed<G> table_offsets, In key, In position, In ndim,
+                 Typed<O> offsets, int64_t first, Out src, Out status) {
+  const size_t T = tensor_keys.size();
   std::vector<int64_t> vstart(T + 1, 0), cstart(T + 1, 0);
   std::unordered_map<int64_t, int64_t> tensor_of;
   tensor_of.reserve(T * 2);
@@ -221,30 +279,37 @@ void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key,
   auto look_up = [&](int64_t t, size_t o) -> int64_t {
     const int64_t n = counts[t];
     if (ndims[t] == 0) return n > 0 ? 0 : -1;
-    const int64_t* first = table_offsets.data + vstart[t];
+    // Chunk q's dim-0 offset.
+    auto dim0 = [&](int64_t q) { return table_offsets[static_cast<size_t>(vstart[t] + q)]; };
     char& how = state[static_cast<size_t>(t)];
+    std::vector<int64_t>& order = by_dim0[static_cast<size_t>(t)];
     if (how == kUnknown) {
-      how = std::is_sorted(first, first + n) ? kInOrder : kSorted;
+      how = kInOrder;
+      for (int64_t q = 1; q < n && how == kInOrder; ++q)
+        if (dim0(q) < dim0(q - 1)) how = kSorted;
       if (how == kSorted) {
-        std::vector<int64_t>& order = by_dim0[static_cast<size_t>(t)];
         order.resize(static_cast<size_t>(n));
         std::iota(order.begin(), order.end(), 0);
-        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return first[a] < first[b]; });
+        std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return dim0(a) < dim0(b); });
       }
     }
     const int64_t want = offsets[o];
     if (how == kInOrder) {
-      for (const int64_t* q = std::lower_bound(first, first + n, want); q != first + n && *q == want; ++q)
-        if (same(t, q - first, o)) return q - first;
+      // The first chunk whose dim-0 offset is not below `want` (a bisection), then its equals.
+      int64_t lo = 0, hi = n;
+      while (lo < hi) {
+        const int64_t mid = lo + (hi - lo) / 2;
+        if (dim0(mid) < want) lo = mid + 1; else hi = mid;
+      }
+      for (int64_t q = lo; q < n && dim0(q) == want; ++q)
+        if (same(t, q, o)) return q;
       return -1;
     }
-    const std::vector<int64_t>& order = by_dim0[static_cast<size_t>(t)];
-    auto it = std::lower_bound(order.begin(), order.end(), want, [&](int64_t q, int64_t v) { return first[q] < v; });
-    for (; it != order.end() && first[*it] == want; ++it)
+    auto it = std::lower_bound(order.begin(), order.end(), want, [&](int64_t q, int64_t v) { return dim0(q) < v; });
+    for (; it != order.end() && dim0(*it) == want; ++it)
       if (same(t, *it, o)) return *it;
     return -1;
   };
-  for (size_t r = 0; r < src.size; ++r) src[r] = -1;
   size_t o = 0;
   int64_t last = -1;
   for (size_t i = 0; i < key.size; o += static_cast<size_t>(ndim[i]), ++i) {
@@ -271,19 +336,39 @@ void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key,
       continue;
     }
     const int64_t row = cstart[t] + p;
-    src[static_cast<size_t>(row)] = static_cast<int64_t>(i);
+    src[static_cast<size_t>(row)] = first + static_cast<int64_t>(i);
     status[i] = row;
   }
+}
+
+}  // namespace
+
+void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key, In position, In ndim, In offsets,
+                  int64_t first, Out src, Out status) {
+  // The per-tensor columns, read per result: widened once (a few thousand values).
+  std::vector<int64_t> keys(tensor_keys.size), cnt(tensor_keys.size), nd(tensor_keys.size);
+  for (size_t k = 0; k < keys.size(); ++k) {
+    keys[k] = tensor_keys[k];
+    cnt[k] = counts[k];
+    nd[k] = ndims[k];
+  }
+  const bool g32 = table_offsets.type == 'i', o32 = offsets.type == 'i';
+  if (g32 && o32)
+    place_typed(keys, cnt, nd, Typed<int32_t>(table_offsets), key, position, ndim, Typed<int32_t>(offsets), first, src, status);
+  else if (g32)
+    place_typed(keys, cnt, nd, Typed<int32_t>(table_offsets), key, position, ndim, Typed<int64_t>(offsets), first, src, status);
+  else if (o32)
+    place_typed(keys, cnt, nd, Typed<int64_t>(table_offsets), key, position, ndim, Typed<int32_t>(offsets), first, src, status);
+  else
+    place_typed(keys, cnt, nd, Typed<int64_t>(table_offsets), key, position, ndim, Typed<int64_t>(offsets), first, src, status);
 }
 
 void gather_pieces(In src, In first, In crcs, Out out) {
   size_t at = 0;
   for (size_t r = 0; r < src.size; ++r) {
     const size_t i = static_cast<size_t>(src[r]);
-    const int64_t* begin = crcs.data + first[i];
-    const int64_t* end = crcs.data + first[i + 1];
-    std::copy(begin, end, out.data + at);
-    at += static_cast<size_t>(end - begin);
+    for (auto c = static_cast<size_t>(first[i]), end = static_cast<size_t>(first[i + 1]); c < end; ++c)
+      out[at++] = crcs[c];
   }
 }
 

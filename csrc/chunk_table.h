@@ -16,7 +16,23 @@ struct Column {
   size_t size = 0;
   T& operator[](size_t i) const { return data[i]; }
 };
-using In = Column<const int64_t>;
+
+// A column read as int64 values whatever its items' width: the caller hands each column in the
+// narrowest type that holds it (at scale a 64-bit copy of every column is most of rank 0's
+// memory). `type` is the item type as Python's buffer protocol names it: 'q' int64, 'i' int32,
+// 'I' uint32 (checksums), 'b' int8. (Tested in that order, most frequent first: a chain of
+// well-predicted compares costs the hot loops less than a jump table.)
+struct In {
+  const void* data = nullptr;
+  size_t size = 0;
+  char type = 'q';
+  int64_t operator[](size_t i) const {
+    if (type == 'q') return static_cast<const int64_t*>(data)[i];
+    if (type == 'i') return static_cast<const int32_t*>(data)[i];
+    if (type == 'I') return static_cast<const uint32_t*>(data)[i];
+    return static_cast<const int8_t*>(data)[i];
+  }
+};
 using Out = Column<int64_t>;
 
 // The first failure found, in the order the checks run (each over the whole table):
@@ -37,14 +53,20 @@ struct ChunkTable {
   // Per tensor (T): its chunks, dimensions, element size; `dims` its size, tensor by tensor.
   In counts, ndims, itemsizes, dims;
   // Per value (sum of counts * ndims): chunk offsets and sizes, per tensor dimension-major.
+  // Both of one item type, int32 or int64 (the hot loops read them typed: see `Typed`).
   In offsets, sizes;
-  // Per chunk (sum of counts): file index, byte offset, byte length, number of checksums.
+  // Per chunk (sum of counts): file index, byte offset, byte length, number of checksums. All
+  // four of one item type, int32 or int64.
   In file, offset, length, crc_count;
   // Per file: size, first data byte, checksum grid step.
   In file_size, data_start, piece_size;
 };
 
-// Checks `t`. On success fills crc_starts (chunks + 1: each chunk's first checksum, then the
+// Whether the grid columns (offsets, sizes) share one type of 'i' or 'q', and so do the four
+// chunk columns (an empty column takes any type): what check_chunk_table requires.
+bool typed_alike(const ChunkTable& t);
+
+// Checks `t` (typed_alike). On success fills crc_starts (chunks + 1: each chunk's first checksum, then the
 // total), sorted0 (per tensor: 1 when its chunks' dim-0 offsets never decrease) and widest0 (per
 // tensor: its widest dim-0 chunk size) and returns true; otherwise sets `error`. The caller has
 // checked the columns' lengths.
@@ -62,11 +84,12 @@ bool find_shared_bytes(In fid, In start, In length, int64_t files, size_t ordere
 // ChunkTable). Per result: its tensor's key, DCP's position hint (-1: none), its number of
 // dimensions and (back to back) its offsets. A result whose key names a tensor goes to the chunk
 // its hint points at when that chunk has its offsets, else to the first chunk that has them
-// (looked up by dim-0 offset): status = that chunk's row, and src[row] = the result (a later
-// result for one row wins). Otherwise status = -1 (no tensor has the key) or -2 - tensor (no
-// chunk of it has the offsets). src starts at -1.
+// (looked up by dim-0 offset): status = that chunk's row, and src[row] = first + the result's
+// index (a later result for one row wins). Otherwise status = -1 (no tensor has the key) or
+// -2 - tensor (no chunk of it has the offsets). Other rows of src are left as they are: a caller
+// places its results a part at a time (numbering each part's from `first`), src starting at -1.
 void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key, In position, In ndim, In offsets,
-                  Out src, Out status);
+                  int64_t first, Out src, Out status);
 
 // The placed rows' checksums, in row order: for each row r, the crc_count[src[r]] checksums of
 // result src[r] (`crcs` holds every result's back to back, `first` where each result's start,

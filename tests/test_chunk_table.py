@@ -102,11 +102,16 @@ def test_place_chunks_and_gather_pieces_are_the_python_statement(seed):
             else:
                 src_ref[starts[t] + p] = i
                 status_ref.append(starts[t] + p)
-    src, status = q([7] * sum(counts)), q([7] * len(results))
-    _engine.place_chunks(q(keys), q(counts), q(ndims), q(table), q([r[0] for r in results]),
-                         q([r[1] for r in results]), q([len(r[2]) for r in results]),
-                         q([o for r in results for o in r[2]]), src, status)
-    assert list(src) == src_ref and list(status) == status_ref
+    # Placed in two parts, each numbering its results from where the part starts (as the commit
+    # places a group of ranks at a time); src's other rows stay as they were.
+    src, status, cut = q([-1] * sum(counts)), [], rng.randint(0, len(results))
+    for first, part in ((0, results[:cut]), (cut, results[cut:])):
+        out = q([7] * len(part))
+        _engine.place_chunks(q(keys), q(counts), q(ndims), q(table), q([r[0] for r in part]),
+                             q([r[1] for r in part]), q([len(r[2]) for r in part]),
+                             q([o for r in part for o in r[2]]), first, src, out)
+        status.extend(out)
+    assert list(src) == src_ref and status == status_ref
     # Gathering: every row from a result (a random one here), its checksums moved with it.
     N = max(len(results), 1)
     crc_count = [rng.randint(0, 3) for _ in range(N)]
@@ -116,11 +121,24 @@ def test_place_chunks_and_gather_pieces_are_the_python_statement(seed):
     moved = q([-1] * sum(crc_count[i] for i in rows))
     _engine.gather_pieces(q(rows), q(crc_count), q(crcs), moved)
     assert list(moved) == [c for i in rows for c in crcs[first[i]:first[i] + crc_count[i]]]
+    # The same from the columns in the narrow types the commit hands them in (the checksums as
+    # unsigned 32-bit items, half of them past 2**31), and with every input of the placement narrowed.
+    narrow = q([-1] * len(moved))
+    _engine.gather_pieces(array("i", rows), array("b", crc_count), array("I", crcs), narrow)
+    assert narrow == moved
+    src32, out = q([-1] * sum(counts)), q([7] * len(results))
+    _engine.place_chunks(array("q", keys), array("i", counts), array("b", ndims), array("i", table),
+                         q([r[0] for r in results]), array("i", [r[1] for r in results]),
+                         array("b", [len(r[2]) for r in results]), array("i", [o for r in results for o in r[2]]),
+                         0, src32, out)
+    assert list(src32) == src_ref and list(out) == status_ref
 
 
 def test_the_routines_refuse_columns_that_disagree():
     with pytest.raises(ValueError, match="offsets holds 1 values, 2 expected"):
-        _engine.place_chunks(q([5]), q([1]), q([2]), q([0]), q([]), q([]), q([]), q([]), q([0]), q([]))
+        _engine.place_chunks(q([5]), q([1]), q([2]), q([0]), q([]), q([]), q([]), q([]), 0, q([0]), q([]))
+    with pytest.raises(ValueError, match="first must not be negative, got -1"):
+        _engine.place_chunks(q([5]), q([1]), q([2]), q([0, 0]), q([]), q([]), q([]), q([]), -1, q([0]), q([]))
     with pytest.raises(ValueError, match="row 0: no result 4"):
         _engine.gather_pieces(q([4]), q([0]), q([]), q([]))
     with pytest.raises(ValueError, match="result 0: negative checksum count"):
@@ -129,11 +147,24 @@ def test_the_routines_refuse_columns_that_disagree():
         _engine.gather_pieces(q([0]), q([2]), q([7]), q([0, 0]))
     with pytest.raises(ValueError, match="out holds 1 values, 2 expected"):
         _engine.gather_pieces(q([0]), q([2]), q([7, 8]), q([0]))
-    with pytest.raises(ValueError, match="not a buffer of int64 values"):
+    with pytest.raises(ValueError, match=r"fid: not a buffer of integer values \(item type 'B', 1 bytes\)"):
         _engine.find_shared_bytes(b"123", q([]), q([]), 1)
+    with pytest.raises(ValueError, match=r"start: not a buffer of integer values \(item type 'd', 8 bytes\)"):
+        _engine.find_shared_bytes(q([0]), array("d", [0.0]), q([1]), 1)
+    with pytest.raises(ValueError, match=r"out: not a buffer of int64 values \(item type 'i', 4 bytes\)"):
+        _engine.gather_pieces(q([0]), q([1]), q([7]), array("i", [0]))
     empty = [q([])] * 6
     with pytest.raises(ValueError, match="crc_starts holds 0 values, 1 expected"):
         _engine.check_chunk_table(*empty, *[q([])] * 7, q([]), q([]), q([]))
+    # One tensor of one chunk, its chunk columns of two item types: refused (the check reads each
+    # group of columns with one type).
+    tensor = [q([1]), q([1]), q([4]), q([2]), q([0]), q([2])]
+    chunk = [q([0]), q([8]), array("i", [8]), q([1])]
+    files = [q([16]), q([8]), q([8])]
+    with pytest.raises(ValueError, match="file, offset, length and crc_count, must each share one item type"):
+        _engine.check_chunk_table(*tensor, *chunk, *files, q([0, 0]), q([0]), q([0]))
+    assert _engine.check_chunk_table(*tensor, *[array("i", c) for c in chunk], *files, q([0, 0]), q([0]),
+                                     q([0])) is None
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -12,12 +12,19 @@ from array import array
 import pytest
 import torch
 from test_packed_metadata import SHAPES, sharded
-from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 
 from dcp_datastates import CheckpointFormatError
+from dcp_datastates.format import packed_encode
 from dcp_datastates.format.locations import ItemLocation
-from dcp_datastates.format.metadata import encode_commit
+from dcp_datastates.format.metadata import decode_metadata, encode_commit
 from dcp_datastates.format.results import NARROWED, PACKED_RESULTS, CommitLocations, PackedResults, pack_write_results
 
 
@@ -38,9 +45,18 @@ def hashes(i: int):
     return None if i % 3 == 0 else (i * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)
 
 
+@pytest.fixture(params=["one group", "a group per rank"])
+def place_group(request, monkeypatch):
+    """The commit places the ranks' results a group of ranks at a time: all at once, or each
+    rank alone (a later group's result for a chunk must still win, its numbering continue)."""
+    if request.param != "one group":
+        monkeypatch.setattr(packed_encode, "_PLACE_GROUP", 1)
+    return request.param
+
+
 @pytest.mark.parametrize("packed", [True, False])
 @pytest.mark.parametrize("grid", [None, (3, 2)])
-def test_commit_from_packed_results_is_the_commit_from_each_result(grid, packed):
+def test_commit_from_packed_results_is_the_commit_from_each_result(grid, packed, place_group):
     md, locs = sharded(SHAPES, 6, grid=grid, hashed=hashes)
     expected = encode_commit(md, locs, "test", packed=packed)
     results = gathered(md, locs)
@@ -50,7 +66,7 @@ def test_commit_from_packed_results_is_the_commit_from_each_result(grid, packed)
     assert dict(results) == locs  # the mapping a tier reads: every index and location as sent
 
 
-def test_hints_wrong_or_missing_and_duplicates_resolve_as_the_dict_does():
+def test_hints_wrong_or_missing_and_duplicates_resolve_as_the_dict_does(place_group):
     md, locs = sharded(SHAPES, 4, grid=(2, 2))
     rng = random.Random(3)
     changed = {}
@@ -115,6 +131,28 @@ def test_columns_that_fit_travel_as_32_bit_items_and_a_mix_of_widths_commits_the
     results = CommitLocations(ranks, md)
     assert encode_commit(md, results, "test", packed=True) == encode_commit(md, far, "test", packed=True)
     assert dict(results) == far
+
+
+def test_a_chunk_grid_past_32_bits_stays_64_bit_and_commits_the_same():
+    """The metadata's chunk offsets and sizes are kept as 32-bit columns when they fit: a tensor of
+    3 GiB in three 1 GiB chunks (an offset past 2**31) keeps 64-bit ones, committed and read back
+    as from each result."""
+    GiB, start = 1 << 30, 4096
+    chunks = [ChunkStorageMetadata(torch.Size([k * GiB]), torch.Size([GiB])) for k in range(3)]
+    md = Metadata({"huge": TensorStorageMetadata(TensorProperties(dtype=torch.uint8), torch.Size([3 * GiB]), chunks),
+                   "w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4]),
+                                              [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))])})
+    locs = {MetadataIndex("huge", torch.Size([k * GiB]), k): ItemLocation(
+        f"__{k}_0.safetensors", start, GiB, "uint8", (GiB,), (k + 1,), start, GiB, start + GiB + 16, None)
+        for k in range(3)}
+    locs[MetadataIndex("w", torch.Size([0]), 0)] = ItemLocation("__0_0.safetensors", start + GiB, 16, "float32", (4,),
+                                                              (9,), start, GiB, start + GiB + 16, None)
+    assert packed_encode._layout_of(md.state_dict_metadata).offsets.dtype == torch.int64
+    assert packed_encode._layout_of(sharded(SHAPES, 2)[0].state_dict_metadata).offsets.dtype == torch.int32
+    expected = encode_commit(md, locs, "test", packed=True)
+    assert encode_commit(md, gathered(md, locs), "test", packed=True) == expected
+    decoded, _ = decode_metadata(expected[0], "test")
+    assert [list(c.offsets) for c in decoded.state_dict_metadata["huge"].chunks] == [[0], [GiB], [2 * GiB]]
 
 
 def test_a_packed_column_of_another_item_type_is_refused_naming_it():

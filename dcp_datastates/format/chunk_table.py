@@ -42,11 +42,11 @@ _PACK_BLOCK = 1 << 20
 
 def _coded(values: torch.Tensor, a: int, b: int, delta: bool) -> torch.Tensor:
     """Values ``a:b`` of the column, delta-coded when ``delta`` (each minus the one before it;
-    the first value as it is)."""
+    the first value as it is), as int64 (a narrower column's differences may not fit its type)."""
     block = values[a:b]
     if not delta:
         return block
-    out = block.clone()
+    out = block.to(torch.int64, copy=True)
     if a == 0:
         out[1:] -= values[:b - 1]
     else:
@@ -125,7 +125,8 @@ class _Table:
         self.dtypes: list[torch.dtype] = dtypes
         self.requires_grad: list[bool] = requires_grad
         self.sizes: list[tuple[int, ...]] = sizes
-        # counts, offsets and chunk_sizes are tensors (int64).
+        # counts, offsets and chunk_sizes, and the chunk columns, are integer tensors: the
+        # decoder's int64, the encoder's each of the narrowest type that holds it.
         self.counts, self.offsets, self.chunk_sizes = counts, offsets, chunk_sizes
         self.file, self.offset, self.length, self.crc_count, self.crcs = file, offset, length, crc_count, crcs
         self.hash64, self.has_hash64 = hash64, has_hash64
@@ -159,11 +160,21 @@ def _fail_chunk(c: _Check, table: _Table, bad: torch.Tensor, cstarts: torch.Tens
         raise c.fail(f"item {table.fqns[hit[0]]!r} chunk {hit[1]}: {what}")
 
 
+# The ctypes item of each integer dtype: a view names its item type, which the engine reads.
+_C_ITEMS = {torch.int8: ctypes.c_int8, torch.int16: ctypes.c_int16, torch.int32: ctypes.c_int32,
+            torch.int64: ctypes.c_int64}
+
+
 def _view(t: torch.Tensor):
-    """The memory of a contiguous tensor as a buffer (no copy); the tensor must outlive its use."""
+    """The memory of a contiguous tensor as a buffer of its items (no copy); the tensor must
+    outlive its use. An integer tensor's view names its item type (the engine reads every width);
+    any other is seen as bytes."""
     if t.numel() == 0:
         return bytearray()
-    return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    item = _C_ITEMS.get(t.dtype)
+    if item is None:
+        return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
+    return (item * t.numel()).from_address(t.data_ptr())
 
 
 # A read-only memoryview of memory that something else owns (the C API's; a tensor's here).
@@ -173,8 +184,21 @@ _memory_at.restype, _memory_at.argtypes = ctypes.py_object, (ctypes.c_void_p, ct
 _READ_ONLY = 0x100
 
 
-def _int64(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.int64).contiguous()
+def _integers(t: torch.Tensor) -> torch.Tensor:
+    """A column as the engine reads it: integers of any width as they are (no copy of a narrow
+    column), anything else as int64."""
+    if t.dtype not in _C_ITEMS:
+        t = t.to(torch.int64)
+    return t.contiguous()
+
+
+def _alike(*columns: torch.Tensor) -> list[torch.Tensor]:
+    """Columns the engine's table check reads together, of one item type: as they are when all
+    are int32 (or all int64), else all as int64 (a table past 32 bits somewhere: rare)."""
+    types = {c.dtype for c in columns if c.numel()}
+    if types == {torch.int32}:
+        return [c.to(torch.int32).contiguous() for c in columns]
+    return [c.to(torch.int64).contiguous() for c in columns]
 
 
 # What each failure the engine reports says (csrc/chunk_table.h).
@@ -208,9 +232,9 @@ def _check_table(c: _Check, table: _Table) -> tuple[torch.Tensor, torch.Tensor, 
     if len(table.offsets) != n_values or len(table.chunk_sizes) != n_values:
         raise c.fail(f"columns 'offsets'/'sizes' hold {len(table.offsets)}/{len(table.chunk_sizes)} values, the "
                      f"tensors' chunks and dimensions need {n_values}")
-    inputs = [_int64(counts), _ints(ndims), _ints([dt.itemsize for dt in table.dtypes]),
-              _ints([d for s in table.sizes for d in s]), _int64(table.offsets), _int64(table.chunk_sizes),
-              _int64(table.file), _int64(table.offset), _int64(table.length), _int64(table.crc_count),
+    inputs = [_integers(counts), _ints(ndims), _ints([dt.itemsize for dt in table.dtypes]),
+              _ints([d for s in table.sizes for d in s]), *_alike(table.offsets, table.chunk_sizes),
+              *_alike(table.file, table.offset, table.length, table.crc_count),
               _ints([i.size for i in table.file_infos]), _ints([i.data_start for i in table.file_infos]),
               _ints([i.piece_size for i in table.file_infos])]
     crc_starts, sorted0, widest = (torch.empty(C + 1, dtype=torch.int64), torch.empty(T, dtype=torch.int64),
@@ -234,7 +258,7 @@ def _check_shared(c: _Check, fid: torch.Tensor, start: torch.Tensor, length: tor
                   file_names: list[str], ordered: int = -1) -> None:
     """No two items share bytes of a file (``names(i)`` names item i): the engine's
     ``find_shared_bytes``, one pass when each file's items come in order, a sort otherwise."""
-    fid, start, length = _int64(fid), _int64(start), _int64(length)
+    fid, start, length = _integers(fid), _integers(start), _integers(length)
     shared = _engine.find_shared_bytes(_view(fid), _view(start), _view(length), len(file_names), ordered)
     if shared is not None:
         a, b = shared
@@ -258,11 +282,11 @@ def _check_items_apart(c: _Check, table: _Table, values: list[tuple[str, ItemLoc
         return
     index = {name: i for i, name in enumerate(table.file_names)}
     i64 = torch.int64
-    value_files = torch.tensor([index[loc.file] for _, loc in values], dtype=i64)
+    value_files = torch.tensor([index[loc.file] for _, loc in values], dtype=table.file.dtype)
     near = torch.nonzero(torch.isin(table.file, value_files)).flatten()
-    fid = torch.cat((table.file[near], value_files))
-    start = torch.cat((table.offset[near], torch.tensor([loc.offset for _, loc in values], dtype=i64)))
-    length = torch.cat((table.length[near], torch.tensor([loc.length for _, loc in values], dtype=i64)))
+    fid = torch.cat((table.file[near].to(i64), value_files.to(i64)))
+    start = torch.cat((table.offset[near].to(i64), torch.tensor([loc.offset for _, loc in values], dtype=i64)))
+    length = torch.cat((table.length[near].to(i64), torch.tensor([loc.length for _, loc in values], dtype=i64)))
 
     def name(i: int) -> str:
         return chunk_name(int(near[i])) if i < len(near) else values[i - len(near)][0]

@@ -43,29 +43,42 @@ class _Layout:
         self.chunk_lists: list = []
         self.value_names: list[str] = []
         counts: list[int] = []
-        # (arrays, not lists: no Python int object per value, millions of them at scale)
-        offsets, chunk_sizes = array("q"), array("q")
         for fqn, smd in items.items():
             if isinstance(smd, BytesStorageMetadata):
                 self.value_names.append(fqn)
                 continue
-            chunks = smd.chunks
             self.fqns.append(fqn)
             self.dtypes.append(smd.properties.dtype)
             self.grads.append(bool(smd.properties.requires_grad))
             self.sizes.append(tuple(int(d) for d in smd.size))
-            counts.append(len(chunks))
-            self.chunk_lists.append(chunks)
-            for d in range(len(smd.size)):
-                offsets.extend([ch.offsets[d] for ch in chunks])
-                chunk_sizes.extend([ch.sizes[d] for ch in chunks])
-        self.counts, self.offsets, self.chunk_sizes = _ints(counts), _ints(offsets), _ints(chunk_sizes)
+            counts.append(len(smd.chunks))
+            self.chunk_lists.append(smd.chunks)
+        self.counts = _ints(counts)
+        self.offsets, self.chunk_sizes = self._grid("offsets", counts), self._grid("sizes", counts)
         self.starts = list(itertools.accumulate(counts, initial=0))
         # Each item's object and chunk count (compared by _layout_of).
         self.fingerprint: list = []
         self._keys: torch.Tensor | None = None
         self._by_offsets: dict[int, dict[tuple, int]] = {}
         self._packed: dict | None = None
+
+    def _grid(self, field: str, counts: list[int]) -> torch.Tensor:
+        """Every chunk's ``field`` (offsets or sizes), tensor by tensor, dimension-major, as an
+        integer column of 32-bit items when all fit (64-bit otherwise). An array, not a list: no
+        Python int per value, millions of them at scale; made at its final size and filled in
+        place (grown by appends, its reallocations would fragment rank 0's heap)."""
+        total = sum(n * len(s) for n, s in zip(counts, self.sizes))
+        for code, dtype in (("i", torch.int32), ("q", torch.int64)):
+            out, at = array(code, [0]) * total, 0
+            try:
+                for chunks, size in zip(self.chunk_lists, self.sizes):
+                    for d in range(len(size)):
+                        out[at:at + len(chunks)] = array(code, [getattr(ch, field)[d] for ch in chunks])
+                        at += len(chunks)
+            except OverflowError:
+                continue
+            return torch.frombuffer(out, dtype=dtype) if total else torch.zeros(0, dtype=torch.int64)
+        raise OverflowError(f"a chunk's {field} do not fit 64-bit integers")
 
     def packed_columns(self) -> dict:
         """The chunk grid's columns as the document stores them (``chunks``, ``offsets``,
@@ -272,13 +285,38 @@ _ITEM_TYPES = {"b": torch.int8, "i": torch.int32, "I": torch.int32, "q": torch.i
 
 
 def _joined(blocks: list[PackedResults], name: str) -> torch.Tensor:
-    """Column ``name`` of every block, one after the other, as int64: one copy of the bytes when
-    every block sent it with one item type (``PackedResults.narrow``), else block by block."""
+    """Column ``name`` of every block, one after the other: in the type every block sent it with
+    (``PackedResults.narrow``), one copy of the bytes; else as int64, block by block. (The
+    engine reads any width; an unsigned column goes to it as ``_joined_bytes``.)"""
     columns = [getattr(b, name) for b in blocks]
     codes = {c.typecode for c in columns}
     if len(codes) <= 1:
-        return _column(bytearray().join(columns), _ITEM_TYPES[codes.pop() if codes else "q"])
+        code = codes.pop() if codes else "q"
+        joined = bytearray().join(columns)
+        return torch.frombuffer(joined, dtype=_ITEM_TYPES[code]) if joined else torch.zeros(0, dtype=torch.int64)
     return torch.cat([_column(c, _ITEM_TYPES[c.typecode]) for c in columns])
+
+
+def _checksums(blocks: list[PackedResults]) -> memoryview:
+    """Every block's checksums, one after the other, as unsigned 32-bit items (as sent)."""
+    return memoryview(bytearray().join(b.crcs for b in blocks)).cast("I")
+
+
+# Results placed at a time by _place_packed: its temporaries stay group-sized at any scale.
+_PLACE_GROUP = 1 << 18
+
+
+def _groups(blocks: list[PackedResults]) -> list[list[PackedResults]]:
+    """The blocks in order, cut into runs of about ``_PLACE_GROUP`` results (a block is not cut)."""
+    groups: list[list[PackedResults]] = [[]]
+    held = 0
+    for b in blocks:
+        if held >= _PLACE_GROUP:
+            groups.append([])
+            held = 0
+        groups[-1].append(b)
+        held += len(b)
+    return groups
 
 
 def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, check: _Check) -> _Placed:
@@ -294,20 +332,26 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
             if getattr(b, name).typecode not in _ITEM_TYPES:
                 raise check.fail(f"packed write results: column {name!r} holds items of type "
                                  f"{getattr(b, name).typecode!r}, not integers")
+        if b.crcs.typecode != "I":
+            raise check.fail(f"packed write results: column 'crcs' holds items of type {b.crcs.typecode!r}, "
+                             f"not unsigned 32-bit checksums")
     i64 = torch.int64
-    # Columns over every result are each as large as the chunk table: each is joined when its step
-    # needs it and goes once used, so that rank 0's peak at scale holds as few of them at once as
-    # the step needs.
-    key, pos = _joined(blocks, "key"), _joined(blocks, "position")
-    ndim, offs = _joined(blocks, "ndim"), _joined(blocks, "offsets")
+    # Columns over every result are each as large as the chunk table: rank 0's peak at scale is
+    # how many of them live at once. The results are placed a group of ranks at a time (their key,
+    # hint and offsets columns group-sized); after that, each column is joined when its step needs
+    # it and goes once used.
     # Each result's chunk, by its tensor's name key and its position hint (checked against its
     # offsets; without one, or a wrong one, by its offsets); a later result for one chunk wins.
     C = layout.starts[-1]
-    src, status = torch.empty(C, dtype=i64), torch.empty(len(key), dtype=i64)
+    src = torch.full((C,), -1, dtype=i64)
     keys, ndims = layout.keys(check), _ints([len(s) for s in layout.sizes])
-    _engine.place_chunks(_view(keys), _view(layout.counts), _view(ndims), _view(layout.offsets), _view(key), _view(pos),
-                         _view(ndim), _view(offs), _view(src), _view(status))
-    del key, pos, ndim, offs, status
+    first = 0
+    for group in _groups(blocks):
+        key, pos, ndim = _joined(group, "key"), _joined(group, "position"), _joined(group, "ndim")
+        offs, status = _joined(group, "offsets"), torch.empty(len(key), dtype=i64)
+        _engine.place_chunks(_view(keys), _view(layout.counts), _view(ndims), _view(layout.offsets), _view(key),
+                             _view(pos), _view(ndim), _view(offs), first, _view(src), _view(status))
+        first += len(key)
     missing: dict[int, list[int]] = {}
     for slot in torch.nonzero(src < 0).flatten().tolist():
         missing.setdefault(bisect.bisect_right(layout.starts, slot) - 1, []).append(slot)
@@ -330,13 +374,13 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
     crc_count = _joined(blocks, "crc_count")
     row_count = crc_count[src]
     moved = torch.empty(int(row_count.sum()), dtype=i64)
-    crcs = _joined(blocks, "crcs").bitwise_and_(_U32)
-    _engine.gather_pieces(_view(src), _view(crc_count), _view(crcs), _view(moved))
-    del crc_count, crcs
+    _engine.gather_pieces(_view(src), _view(crc_count), _checksums(blocks), _view(moved))
+    del crc_count
     row_offset, row_length = _joined(blocks, "offset")[src], _joined(blocks, "length")[src]
     record_base = list(itertools.accumulate((len(b.files) for b in blocks), initial=0))
-    row_record = (torch.cat([_column(b.record, torch.int32) + base for b, base in zip(blocks, record_base)])
-                  if blocks else torch.zeros(0, dtype=i64))[src]
+    row_record = (torch.cat([torch.frombuffer(b.record, dtype=torch.int32) + base if len(b.record) else
+                             torch.zeros(0, dtype=torch.int32) for b, base in zip(blocks, record_base)])
+                  if blocks else torch.zeros(0, dtype=torch.int32))[src]
     row_hash = row_has = None
     if any(len(b.has_hash64) for b in blocks):
         row_has = torch.cat([_column(b.has_hash64, torch.int8) if len(b.has_hash64) else torch.zeros(len(b), dtype=i64)
@@ -345,7 +389,7 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
                               for b in blocks])[src].masked_fill_(row_has == 0, 0)
     del src
     # The data files, as their records are used; each file as large as its items need.
-    rec_file = torch.full((record_base[-1],), -1, dtype=i64)
+    rec_file = torch.full((record_base[-1],), -1, dtype=torch.int32)
     used = torch.zeros(record_base[-1], dtype=torch.bool)
     used[row_record] = True
     names = None
@@ -364,7 +408,11 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
     fid = rec_file[row_record]
     del row_record, rec_file, used
     if C:
-        ends = torch.zeros(len(files.files), dtype=i64).scatter_reduce_(0, fid, row_offset + row_length, "amax")
+        # (in blocks: the sums need 64 bits, the columns may be narrower)
+        ends = torch.zeros(len(files.files), dtype=i64)
+        for a in range(0, C, _PLACE_GROUP):
+            b = a + _PLACE_GROUP
+            ends.scatter_reduce_(0, fid[a:b].to(i64), row_offset[a:b].to(i64) + row_length[a:b], "amax")
         for info, end in zip(files.files.values(), ends.tolist()):
             info[1] = max(info[1], end)
     return _Placed(fid, row_offset, row_length, row_count, moved, row_hash, row_has)
