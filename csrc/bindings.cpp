@@ -92,7 +92,7 @@ class IntBuffer {
   // The In type of a one-letter struct format of `itemsize` bytes; 0 for any other.
   static char item_type(char code, char next, Py_ssize_t itemsize) {
     if (next != '\0') return 0;
-    if (code == 'b' || code == 'h' || code == 'i' || code == 'l' || code == 'q')
+    if (code == 'b' || code == 'i' || code == 'l' || code == 'q')
       return itemsize == 1 ? 'b' : itemsize == 4 ? 'i' : itemsize == 8 ? 'q' : 0;
     if ((code == 'I' || code == 'L') && itemsize == 4) return 'I';
     return 0;

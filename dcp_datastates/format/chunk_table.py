@@ -160,9 +160,9 @@ def _fail_chunk(c: _Check, table: _Table, bad: torch.Tensor, cstarts: torch.Tens
         raise c.fail(f"item {table.fqns[hit[0]]!r} chunk {hit[1]}: {what}")
 
 
-# The ctypes item of each integer dtype: a view names its item type, which the engine reads.
-_C_ITEMS = {torch.int8: ctypes.c_int8, torch.int16: ctypes.c_int16, torch.int32: ctypes.c_int32,
-            torch.int64: ctypes.c_int64}
+# The ctypes item of each integer dtype the engine reads (csrc/chunk_table.h, In): a view names
+# its item type.
+_C_ITEMS = {torch.int8: ctypes.c_int8, torch.int32: ctypes.c_int32, torch.int64: ctypes.c_int64}
 
 
 def _view(t: torch.Tensor):
