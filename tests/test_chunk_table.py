@@ -189,3 +189,24 @@ def test_a_column_packed_a_block_at_a_time_reads_back_equal(seed, monkeypatch):
         lo, hi = min(coded, default=0), max(coded, default=0)
         assert packed["int"] == next(name for name, bits in (("i1", 7), ("i2", 15), ("i4", 31), ("i8", 63))
                                      if -(1 << bits) <= lo and hi < (1 << bits)), (lo, hi)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_columns_json_is_json_dumps_of_the_columns(seed):
+    """The commit writes its packed columns' data without the JSON encoder's scan: the text is
+    ``json.dumps``'s, byte for byte, and a column whose data is not its last field is refused."""
+    import json
+
+    import torch
+
+    from dcp_datastates.format import chunk_table
+
+    rng = random.Random(seed)
+    columns = {}
+    for name in rng.sample(["file", "offset", "crc32c", "ünïcode", 'quo"te'], rng.randint(0, 5)):
+        n = rng.choice([0, 1, 9, 300])
+        values = torch.tensor([rng.randrange(-(1 << 40), 1 << 40) for _ in range(n)], dtype=torch.int64)
+        columns[name] = chunk_table._pack(values, delta=rng.random() < 0.5, level=rng.choice([0, 1]))
+    assert chunk_table._columns_json(columns) == json.dumps(columns, separators=(",", ":"))
+    with pytest.raises(ValueError, match="column 'x': its data must be its last field"):
+        chunk_table._columns_json({"x": {"data": "AA==", "n": 1}})

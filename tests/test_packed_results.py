@@ -196,9 +196,10 @@ def test_the_layout_of_a_metadata_reused_is_made_once_and_again_when_it_changes(
     finally:
         packed_codec._pack = real_pack
     assert packed_codec._last_layout[1] is layout  # the steady state: DCP's cached metadata again
-    # ... whose chunk grid is packed once: a commit packs its locations alone (file, offset,
-    # length, checksum counts, checksums), the metadata broadcast after it nothing.
-    assert len(packed) == 5 and not any(v is layout.offsets or v is layout.chunk_sizes for v in packed)
+    # ... whose chunk grid is packed once: a commit packs the locations that changed alone (here its
+    # checksums: the file, offset, length and checksum-count columns are the last commit's), the
+    # metadata broadcast after it nothing.
+    assert len(packed) == 1 and packed[0].numel() == sum(len(v.crc32c) for i, v in locs.items() if i.offset is not None)
     assert again[2] == layout.packed_columns() and set(again[2]) == {"chunks", "offsets", "sizes"}
     # The same metadata object, one tensor's chunks changed in place: laid out anew, and the
     # commit is what a fresh copy of that metadata commits (here: refused, two chunks share bytes).
@@ -209,6 +210,38 @@ def test_the_layout_of_a_metadata_reused_is_made_once_and_again_when_it_changes(
     with pytest.raises(CheckpointFormatError) as reused:
         encode_commit(md, gathered(md, locs), "test", packed=True)
     assert packed_codec._last_layout[1] is not layout and str(reused.value) == str(fresh.value)
+
+
+def test_a_steady_state_placement_is_taken_again_only_for_the_same_placement_columns(monkeypatch):
+    """The last commit's placement (which result each chunk takes) is kept with a digest of the
+    results' key, hint, ndim and offsets columns: a save sending the same ones (new checksums)
+    is not placed again; results in another order, or with other offsets, are; every commit
+    equals the one from the results one by one."""
+    md, locs = sharded(SHAPES, 4, grid=(2, 2))
+    # no hints: offsets alone decide where a result goes
+    locs = {dataclasses.replace(i, index=None) if i.offset is not None else i: v for i, v in locs.items()}
+    afresh = []
+    real = packed_encode._place_afresh
+    monkeypatch.setattr(packed_encode, "_place_afresh", lambda *a: afresh.append(1) or real(*a))
+
+    def commit(locations, ranks=None):
+        ranks = ranks or per_rank(locations)
+        packed = CommitLocations([pickle.loads(pickle.dumps(pack_write_results(r))) for r in ranks], md)
+        plain = {r.index: r.storage_data for rr in ranks for r in rr}
+        assert encode_commit(md, packed, "test", packed=True) == encode_commit(md, plain, "test", packed=True)
+        return len(afresh)
+
+    assert commit(locs) == 1
+    rng = random.Random(5)
+    new_sums = {i: v._replace(crc32c=tuple(rng.getrandbits(32) for _ in v.crc32c)) for i, v in locs.items()}
+    assert commit(new_sums) == 1  # the steady state: the same placement, new checksums
+    # Two results of one tensor sent with each other's offsets (their key, hint and ndim alike):
+    # each now holds the other chunk.
+    a, b = (i for i in locs if i.fqn == "big" and list(i.offset) in ([0, 0], [1500, 0]))
+    swapped = {(b if i == a else a if i == b else i): v for i, v in new_sums.items()}
+    assert commit(swapped) == 2
+    assert commit(swapped) == 2
+    assert commit(swapped, per_rank(swapped)[::-1]) == 3  # the ranks' results in another order
 
 
 def test_decoded_packed_metadata_pickles_to_the_same_items_and_locations():
