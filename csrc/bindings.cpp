@@ -62,14 +62,16 @@ class NoGil {
 // hold int64. An empty buffer of any type is an empty column.
 class IntBuffer {
  public:
-  IntBuffer(py::handle obj, const char* name, bool writable) {
+  // A writable buffer must hold `writable_type` items ('q' int64, or 'I' uint32).
+  IntBuffer(py::handle obj, const char* name, bool writable, char writable_type = 'q') {
     if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT | (writable ? PyBUF_WRITABLE : 0)) != 0)
       throw py::error_already_set();
     const char* format = view_.format != nullptr ? view_.format : "B";
     if (*format == '@' || *format == '=' || *format == '<') ++format;  // native = little-endian here
     type_ = item_type(*format, format[0] != '\0' ? format[1] : '\0', view_.itemsize);
-    if (view_.len > 0 && (type_ == 0 || (writable && type_ != 'q'))) {
-      const std::string what = std::string(name) + ": not a buffer of " + (writable ? "int64" : "integer") +
+    if (view_.len > 0 && (type_ == 0 || (writable && type_ != writable_type))) {
+      const std::string what = std::string(name) + ": not a buffer of " +
+                               (writable ? (writable_type == 'q' ? "int64" : "uint32") : "integer") +
                                " values (item type '" + (view_.format != nullptr ? view_.format : "B") + "', " +
                                std::to_string(view_.itemsize) + " bytes)";
       PyBuffer_Release(&view_);
@@ -87,6 +89,7 @@ class IntBuffer {
   }
   dcpds::In in() const { return {view_.buf, size(), type_ != 0 ? type_ : 'q'}; }
   dcpds::Out out() const { return {static_cast<int64_t*>(view_.buf), size()}; }
+  dcpds::Column<uint32_t> out_u32() const { return {static_cast<uint32_t*>(view_.buf), size()}; }
 
  private:
   // The In type of a one-letter struct format of `itemsize` bytes; 0 for any other.
@@ -758,14 +761,28 @@ PYBIND11_MODULE(_engine, m) {
         "(chunk_table.h); integer buffers (the outputs int64), src's other rows left as they are.");
   m.def("gather_pieces", [](py::handle src, py::handle crc_count, py::handle crcs, py::handle out) {
     const IntBuffer b_src(src, "src", false), b_cnt(crc_count, "crc_count", false), b_crcs(crcs, "crcs", false),
-        o_out(out, "out", true);
+        o_out(out, "out", true, 'I');
+    b_crcs.require_type("I", "crcs");
     const size_t N = b_cnt.size();
-    std::vector<int64_t> first(N + 1, 0);
+    int64_t total_crcs = 0;
     for (size_t i = 0; i < N; ++i) {
       if (b_cnt.in()[i] < 0) throw py::value_error("result " + std::to_string(i) + ": negative checksum count");
-      first[i + 1] = first[i] + b_cnt.in()[i];
+      total_crcs += b_cnt.in()[i];
     }
-    require_size(b_crcs, static_cast<size_t>(first[N]), "crcs");
+    require_size(b_crcs, static_cast<size_t>(total_crcs), "crcs");
+    // Where each result's checksums start: 32-bit while they fit (one per result, millions of them).
+    std::vector<uint32_t> first32;
+    std::vector<int64_t> first64;
+    dcpds::In first;
+    if (total_crcs <= static_cast<int64_t>(UINT32_MAX)) {
+      first32.assign(N + 1, 0);
+      for (size_t i = 0; i < N; ++i) first32[i + 1] = first32[i] + static_cast<uint32_t>(b_cnt.in()[i]);
+      first = {first32.data(), first32.size(), 'I'};
+    } else {
+      first64.assign(N + 1, 0);
+      for (size_t i = 0; i < N; ++i) first64[i + 1] = first64[i] + b_cnt.in()[i];
+      first = {first64.data(), first64.size(), 'q'};
+    }
     size_t total = 0;
     for (size_t r = 0; r < b_src.size(); ++r) {
       const int64_t i = b_src.in()[r];
@@ -775,10 +792,10 @@ PYBIND11_MODULE(_engine, m) {
     }
     require_size(o_out, total, "out");
     NoGil nogil;
-    dcpds::gather_pieces(b_src.in(), {first.data(), first.size()}, b_crcs.in(), o_out.out());
+    dcpds::gather_pieces(b_src.in(), first, b_crcs.in(), o_out.out_u32());
   }, py::arg("src"), py::arg("crc_count"), py::arg("crcs"), py::arg("out"),
-        "The placed rows' checksums in row order (chunk_table.h); integer buffers, `out` int64 and sized\n"
-        "to them.");
+        "The placed rows' checksums in row order (chunk_table.h); integer buffers, `crcs` and `out`\n"
+        "uint32, `out` sized to them.");
   m.def("find_bad_tilings", [](py::handle counts, py::handle ndims, py::handle dims, py::handle offsets,
                                py::handle sizes, bool check_covered) {
     const IntBuffer b_counts(counts, "counts", false), b_ndims(ndims, "ndims", false), b_dims(dims, "dims", false),

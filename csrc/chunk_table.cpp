@@ -363,12 +363,12 @@ void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key,
     place_typed(keys, cnt, nd, Typed<int64_t>(table_offsets), key, position, ndim, Typed<int64_t>(offsets), first, src, status);
 }
 
-void gather_pieces(In src, In first, In crcs, Out out) {
+void gather_pieces(In src, In first, In crcs, Column<uint32_t> out) {
   size_t at = 0;
   for (size_t r = 0; r < src.size; ++r) {
     const size_t i = static_cast<size_t>(src[r]);
     for (auto c = static_cast<size_t>(first[i]), end = static_cast<size_t>(first[i + 1]); c < end; ++c)
-      out[at++] = crcs[c];
+      out[at++] = static_cast<uint32_t>(crcs[c]);
   }
 }
 

@@ -94,7 +94,8 @@ void place_chunks(In tensor_keys, In counts, In ndims, In table_offsets, In key,
 // The placed rows' checksums, in row order: for each row r, the crc_count[src[r]] checksums of
 // result src[r] (`crcs` holds every result's back to back, `first` where each result's start,
 // with one more entry: the total). `out` holds exactly as many as the rows take. Every src[r] is
-// a valid result index. (The rows' other columns are plain index gathers: format/packed_encode.py.)
-void gather_pieces(In src, In first, In crcs, Out out);
+// a valid result index. Checksums are 32-bit: `out` holds them as such (at scale, millions of
+// them on rank 0). (The rows' other columns are plain index gathers: format/packed_encode.py.)
+void gather_pieces(In src, In first, In crcs, Column<uint32_t> out);
 
 }  // namespace dcpds

@@ -118,12 +118,12 @@ def test_place_chunks_and_gather_pieces_are_the_python_statement(seed):
     crcs = [rng.getrandbits(32) for _ in range(sum(crc_count))]
     first = [sum(crc_count[:i]) for i in range(N)]
     rows = [rng.randrange(N) for _ in range(sum(counts))]
-    moved = q([-1] * sum(crc_count[i] for i in rows))
-    _engine.gather_pieces(q(rows), q(crc_count), q(crcs), moved)
+    moved = array("I", [7] * sum(crc_count[i] for i in rows))
+    _engine.gather_pieces(q(rows), q(crc_count), array("I", crcs), moved)
     assert list(moved) == [c for i in rows for c in crcs[first[i]:first[i] + crc_count[i]]]
-    # The same from the columns in the narrow types the commit hands them in (the checksums as
-    # unsigned 32-bit items, half of them past 2**31), and with every input of the placement narrowed.
-    narrow = q([-1] * len(moved))
+    # The same from the columns in the narrow types the commit hands them in (the checksums, as
+    # always, unsigned 32-bit items, half of them past 2**31), and with every input of the placement narrowed.
+    narrow = array("I", [7] * len(moved))
     _engine.gather_pieces(array("i", rows), array("b", crc_count), array("I", crcs), narrow)
     assert narrow == moved
     src32, out = q([-1] * sum(counts)), q([7] * len(results))
@@ -144,15 +144,20 @@ def test_the_routines_refuse_columns_that_disagree():
     with pytest.raises(ValueError, match="result 0: negative checksum count"):
         _engine.gather_pieces(q([0]), q([-1]), q([]), q([]))
     with pytest.raises(ValueError, match="crcs holds 1 values, 2 expected"):
-        _engine.gather_pieces(q([0]), q([2]), q([7]), q([0, 0]))
+        _engine.gather_pieces(q([0]), q([2]), array("I", [7]), array("I", [0, 0]))
     with pytest.raises(ValueError, match="out holds 1 values, 2 expected"):
-        _engine.gather_pieces(q([0]), q([2]), q([7, 8]), q([0]))
+        _engine.gather_pieces(q([0]), q([2]), array("I", [7, 8]), array("I", [0]))
+    with pytest.raises(ValueError, match="crcs: items of type 'q', one of 'I' expected"):
+        _engine.gather_pieces(q([0]), q([1]), q([7]), array("I", [0]))
     with pytest.raises(ValueError, match=r"fid: not a buffer of integer values \(item type 'B', 1 bytes\)"):
         _engine.find_shared_bytes(b"123", q([]), q([]), 1)
     with pytest.raises(ValueError, match=r"start: not a buffer of integer values \(item type 'd', 8 bytes\)"):
         _engine.find_shared_bytes(q([0]), array("d", [0.0]), q([1]), 1)
-    with pytest.raises(ValueError, match=r"out: not a buffer of int64 values \(item type 'i', 4 bytes\)"):
-        _engine.gather_pieces(q([0]), q([1]), q([7]), array("i", [0]))
+    with pytest.raises(ValueError, match=r"out: not a buffer of uint32 values \(item type 'q', 8 bytes\)"):
+        _engine.gather_pieces(q([0]), q([1]), array("I", [7]), q([0]))
+    with pytest.raises(ValueError, match=r"src: not a buffer of int64 values \(item type 'i', 4 bytes\)"):
+        _engine.place_chunks(q([5]), q([1]), q([1]), q([0]), q([5]), q([0]), array("b", [1]), q([0]), 0,
+                             array("i", [0]), q([0]))
     empty = [q([])] * 6
     with pytest.raises(ValueError, match="crc_starts holds 0 values, 1 expected"):
         _engine.check_chunk_table(*empty, *[q([])] * 7, q([]), q([]), q([]))
@@ -207,6 +212,18 @@ def test_the_columns_json_is_json_dumps_of_the_columns(seed):
         n = rng.choice([0, 1, 9, 300])
         values = torch.tensor([rng.randrange(-(1 << 40), 1 << 40) for _ in range(n)], dtype=torch.int64)
         columns[name] = chunk_table._pack(values, delta=rng.random() < 0.5, level=rng.choice([0, 1]))
-    assert chunk_table._columns_json(columns) == json.dumps(columns, separators=(",", ":"))
+    assert "".join(chunk_table._columns_json(columns)) == json.dumps(columns, separators=(",", ":"))
     with pytest.raises(ValueError, match="column 'x': its data must be its last field"):
         chunk_table._columns_json({"x": {"data": "AA==", "n": 1}})
+
+
+def test_checksums_are_gathered_into_32_bit_items_only():
+    import torch
+
+    from dcp_datastates.format.chunk_table import _checksum_view
+
+    held = torch.zeros(2, dtype=torch.int32)
+    _engine.gather_pieces(q([1, 0]), q([1, 1]), array("I", [5, (1 << 32) - 1]), _checksum_view(held))
+    assert held.tolist() == [-1, 5]  # the bit patterns of 2**32 - 1 and 5
+    with pytest.raises(ValueError, match="checksums are held in a contiguous int32 tensor, not torch.int64"):
+        _checksum_view(torch.zeros(2, dtype=torch.int64))

@@ -74,17 +74,19 @@ def _pack(values: torch.Tensor, *, delta: bool = True, level: int = 1) -> dict:
             "data": base64.b64encode(zlib.compress(raw, level)).decode("ascii")}
 
 
-def _columns_json(columns: dict[str, dict]) -> str:
-    """``json.dumps(columns)`` of ``_pack``'s columns (compact separators), the same text, with
-    each column's data written as it is: base64 needs no escape, and a commit's columns hold tens
-    of megabytes of it that the encoder would scan character by character."""
-    parts = []
+def _columns_json(columns: dict[str, dict]) -> list[str]:
+    """``json.dumps(columns)`` of ``_pack``'s columns (compact separators) as parts to join: the
+    same text, with each column's data a part as it is (base64 needs no escape, and a commit's
+    columns hold tens of megabytes of it that the encoder would scan and copy)."""
+    parts = ["{"]
     for name, rec in columns.items():
         fields = {k: v for k, v in rec.items() if k != "data"}
         if list(rec)[-1] != "data":
             raise ValueError(f"column {name!r}: its data must be its last field")
-        parts.append(f"{json.dumps(name)}:{json.dumps(fields, separators=(',', ':'))[:-1]},\"data\":\"{rec['data']}\"}}")
-    return "{" + ",".join(parts) + "}"
+        if len(parts) > 1:
+            parts.append(",")
+        parts += [f"{json.dumps(name)}:{json.dumps(fields, separators=(',', ':'))[:-1]},\"data\":\"", rec["data"], "\"}"]
+    return parts + ["}"]
 
 
 def _unpack(c: _Check, columns: Any, key: str, count: int | None = None) -> torch.Tensor:
@@ -189,6 +191,16 @@ def _view(t: torch.Tensor):
     if item is None:
         return (ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())
     return (item * t.numel()).from_address(t.data_ptr())
+
+
+def _checksum_view(t: torch.Tensor):
+    """The memory of a contiguous int32 tensor as unsigned 32-bit items: checksums, which the
+    engine writes as such (the tensor holds their bit patterns)."""
+    if t.dtype != torch.int32 or not t.is_contiguous():
+        raise ValueError(f"checksums are held in a contiguous int32 tensor, not {t.dtype}")
+    if t.numel() == 0:
+        return memoryview(bytearray()).cast("I")
+    return (ctypes.c_uint32 * t.numel()).from_address(t.data_ptr())
 
 
 # A read-only memoryview of memory that something else owns (the C API's; a tensor's here).

@@ -24,6 +24,7 @@ from .chunk_table import (
     _U32,
     _check_items_apart,
     _check_table,
+    _checksum_view,
     _columns_json,
     _fail_chunk,
     _ints,
@@ -238,8 +239,9 @@ def encode_packed(md: Metadata, locations: Mapping[MetadataIndex, ItemLocation],
     if c is not None:
         _check_table(c, table)
         _check_values_and_chunks_apart(c, table, value_spans, files.files)
-        bad = (table.crcs < 0) | (table.crcs > _U32)
-        if bool(bad.any()):
+        # (checksums from packed results are 32-bit already: their bit patterns, int32)
+        bad = (table.crcs < 0) | (table.crcs > _U32) if table.crcs.dtype != torch.int32 else None
+        if bad is not None and bool(bad.any()):
             crc_starts = torch.cumsum(table.crc_count, 0)
             ci = int(torch.searchsorted(crc_starts, torch.nonzero(bad)[:1], right=True)[0])
             _fail_chunk(c, table, torch.arange(len(table.file)) == ci, table.chunk_starts(),
@@ -255,9 +257,11 @@ def encode_packed(md: Metadata, locations: Mapping[MetadataIndex, ItemLocation],
     head = document_head(md, PACKED_VERSION, infos)
     head["tensors"] = [[f, dtype_to_name(d), g, list(s)]
                        for f, d, g, s in zip(layout.fqns, layout.dtypes, layout.grads, layout.sizes)]
-    # (as json.dumps(head) with "columns" and "values" last; one copy of the columns' data)
-    text = "".join((json.dumps(head, separators=(",", ":"))[:-1], ',"columns":', _columns_json(columns),
-                    ',"values":{', ",".join(values), "}}"))
+    # As json.dumps(head) with "columns" and "values" last. The columns' data is most of the
+    # document: each copy of it is a transient of rank 0's peak at scale (joined once, encoded once).
+    text = "".join([json.dumps(head, separators=(",", ":"))[:-1], ',"columns":', *_columns_json(columns),
+                    ',"values":{', ",".join(values), "}}"])
+    del columns
     return text.encode(), infos
 
 
@@ -379,8 +383,8 @@ def _place_packed(layout: _Layout, blocks: list[PackedResults], files: _Files, c
     # each joined, gathered into its rows and dropped).
     crc_count = _joined(blocks, "crc_count")
     row_count = crc_count[src]
-    moved = torch.empty(int(row_count.sum()), dtype=i64)
-    _engine.gather_pieces(_view(src), _view(crc_count), _checksums(blocks), _view(moved))
+    moved = torch.empty(int(row_count.sum()), dtype=torch.int32)  # (the checksums' bit patterns)
+    _engine.gather_pieces(_view(src), _view(crc_count), _checksums(blocks), _checksum_view(moved))
     del crc_count
     row_offset, row_length = _joined(blocks, "offset")[src], _joined(blocks, "length")[src]
     record_base = list(itertools.accumulate((len(b.files) for b in blocks), initial=0))
