@@ -435,7 +435,7 @@ _PLACEMENT_COLUMNS = ("key", "position", "ndim", "offsets")
 def _placement(layout: _Layout, blocks: list[PackedResults], check: _Check) -> torch.Tensor:
     """Each chunk's result: its index among all results (every block's, one after the other).
 
-    A function of the layout and of the results' key, position and offsets columns only. A
+    A function of the layout and of the results' key, position, ndim and offsets columns only. A
     steady state's saves send the same ones every time (the same cached plans, the same items in
     the same order), so the last commit's answer is kept on the layout with a SHA-256 digest of
     those columns, and taken again when the digest is the same: equal digests mean equal bytes
