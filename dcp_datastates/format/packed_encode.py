@@ -111,9 +111,7 @@ class _Layout:
         values are the same (a steady state's saves write each chunk at the same place of its
         file: the file, offset, length and checksum-count columns repeat; the checksums do not).
         Same values: a SHA-256 digest of their type and bytes is the same."""
-        digest = hashlib.sha256(f"{values.dtype}:{values.numel()}:".encode())
-        digest.update(_view(values.contiguous()))
-        seen = digest.digest()
+        seen = _digest([(str(values.dtype), values.numel(), _view(values.contiguous()))])
         last = self._packed_locations.get(name)
         if last is None or last[0] != seen:
             last = self._packed_locations[name] = (seen, _pack(values))
@@ -204,6 +202,16 @@ class _Placed:
     def __init__(self, file, offset, length, crc_count, crcs, hash64=None, has_hash64=None):
         self.file, self.offset, self.length, self.crc_count, self.crcs = file, offset, length, crc_count, crcs
         self.hash64, self.has_hash64 = hash64, has_hash64
+
+
+def _digest(columns) -> bytes:
+    """SHA-256 of integer columns, each given as (its item type, its length, its buffer): equal
+    digests mean the same values in the same types (what the steady-state reuse relies on)."""
+    digest = hashlib.sha256()
+    for item_type, n, buffer in columns:
+        digest.update(f"{item_type}{n}:".encode())
+        digest.update(buffer)
+    return digest.digest()
 
 
 # The document's location columns that a steady state repeats (each a _Table attribute too).
@@ -441,13 +449,7 @@ def _placement(layout: _Layout, blocks: list[PackedResults], check: _Check) -> t
     those columns, and taken again when the digest is the same: equal digests mean equal bytes
     (a collision is not a practical concern), so the answer is the one the placement would give.
     Anything else is placed afresh."""
-    digest = hashlib.sha256()
-    for b in blocks:
-        for name in _PLACEMENT_COLUMNS:
-            col = getattr(b, name)
-            digest.update(f"{col.typecode}{len(col)}:".encode())
-            digest.update(col)
-    seen = digest.digest()
+    seen = _digest((col.typecode, len(col), col) for b in blocks for col in map(b.__getattribute__, _PLACEMENT_COLUMNS))
     if layout.placement is not None and layout.placement[0] == seen:
         return layout.placement[1]
     layout.placement = None
