@@ -29,6 +29,8 @@ of a step, measured through gc.callbacks):
                         DTensors: DataStatesSavePlanner (plan caching) / DefaultSavePlanner()
   global_plan_first_s   rank 0: ``create_global_plan`` of all N plans (each made by the method's
                         planner, prepared as its writer does, pickled + unpickled as gathered)
+  gather_plans_s        rank 0: unpickling every rank's local plan of a first save, as DCP's gather
+                        does (GC off): ours packed by ``wire_plan`` as its writer sends them
   global_plan_steady_s  the next save: ours sends the cached empty, unusable plans (checked on the
                         chosen rank: steady_plan_unusable); stock has no caching (= first)
   gather_results_s      rank 0: unpickling every rank's write results as DCP's gather does (GC off):
@@ -121,6 +123,7 @@ from dcp_datastates.format import layout as ds_layout
 from dcp_datastates.format import locations as ds_locations
 from dcp_datastates.format.metadata import encode_commit
 from dcp_datastates.format.results import CommitLocations, pack_write_results
+from dcp_datastates.format.save_plans import wire_plan
 from dcp_datastates.native import engine_module
 from dcp_datastates.runtime.gc_pause import gc_paused
 from dcp_datastates.save import CommitNotice, skip_replicas
@@ -279,7 +282,8 @@ def chosen_state(case: dict) -> dict:
 # ------------------------------------------------------------------------------ the methods
 def _ds_prepare_local_plan(plan: SavePlan, rank: int, flat: dict, folder: str) -> SavePlan:
     """DataStatesWriter.prepare_local_plan: a replicated DTensor shard stays in the plan of the
-    replica that staged it only (``_dtensor_replicas``, ``skip_replicas``); the rank's report."""
+    replica that staged it only (``_dtensor_replicas``, ``skip_replicas``); the rank's report;
+    packed for the gather (``wire_plan``)."""
     skipped = set()
     if plan.usable:
         for fqn, obj in flat.items():
@@ -289,7 +293,7 @@ def _ds_prepare_local_plan(plan: SavePlan, rank: int, flat: dict, folder: str) -
                 if rep is not None and rep.writer != rep.mine:
                     skipped.add(key)
     plan = skip_replicas(types.SimpleNamespace(request=SaveRequest(skipped=frozenset(skipped))), plan)
-    return dataclasses.replace(plan, storage_data=RankReport(rank, folder))
+    return wire_plan(dataclasses.replace(plan, storage_data=RankReport(rank, folder)))
 
 
 def _ds_location(file, offset, length, dtype, shape, data_start, file_size):
@@ -469,10 +473,11 @@ def step_local_plan(method: Method, state: dict, rank: int, folder: str, repeat:
 
 def step_gather_plans(method: Method, case: dict, folder: str):
     """Every rank's local plan (SimShards, the method's planner and writer), pickled and unpickled
-    as gather_object carries it, and the non-tensor values' serialized sizes. Not a timed step:
-    the cyclic GC is off meanwhile (on, it triples the time: each unpickled plan adds ~15,000
+    as gather_object carries it, and the non-tensor values' serialized sizes. Only the unpickle
+    is timed, with the cyclic GC off (on, it triples the time: each unpickled plan adds ~15,000
     container objects that the collector traverses again and again)."""
     n, plans, nbytes, value_sizes, values = case["n"], [], 0, {}, plain_values(case["model"])
+    unpickle_s = 0.0
     gc.disable()
     for r in range(n):
         planner = method.save_planner("sim-all-ranks")
@@ -488,9 +493,11 @@ def step_gather_plans(method: Method, case: dict, folder: str):
             chosen = plan
         raw = pickle.dumps(plan)
         nbytes += len(raw)
+        t0 = time.perf_counter()
         plans.append(pickle.loads(raw))
+        unpickle_s += time.perf_counter() - t0
     gc.enable()
-    return plans, nbytes, value_sizes, chosen
+    return plans, nbytes, round(unpickle_s, 4), value_sizes, chosen
 
 
 def step_global_plan(method: Method, plans: list, repeat: int):
@@ -594,7 +601,7 @@ def run_case(case: dict) -> dict:
         out["local_setup_s"], out["local_plan_s"], cplanner, cplan = step_local_plan(method, dstate, rank, folder, repeat, ckey)
         # 2. every rank's plan, gathered at rank 0; its global plan
         t0 = time.perf_counter()
-        plans, out["gather_plans_first"], value_sizes, chosen_sim = step_gather_plans(method, case, folder)
+        plans, out["gather_plans_first"], out["gather_plans_s"], value_sizes, chosen_sim = step_gather_plans(method, case, folder)
         out["build_plans_s"] = round(time.perf_counter() - t0, 1)
         out["plan_items"] = sum(len(p.items) for p in plans)
         prepared = method.prepare_local_plan(cplan, rank, cplanner.state_dict, folder)
@@ -817,7 +824,7 @@ def run_child(case: dict, timeout: float) -> dict:
     return dict(case, skipped=f"failed (exit {res.returncode}): {(res.stderr.strip().splitlines() or ['?'])[-1]}")
 
 
-COLUMNS = [("local_plan_s", "lplan_s", 1), ("global_plan_first_s", "gplan1_s", 1), ("global_plan_first_gc_s", "(gc)", 1),
+COLUMNS = [("local_plan_s", "lplan_s", 1), ("gather_plans_s", "unpk1_s", 1), ("global_plan_first_s", "gplan1_s", 1), ("global_plan_first_gc_s", "(gc)", 1),
            ("global_plan_steady_s", "gplanN_s", 1), ("gather_results_s", "unpickle_s", 1), ("commit_s", "commit_s", 1), ("commit_gc_s", "(gc)", 1),
            ("metadata_write_s", "mdwrite_s", 1),
            ("metadata_bytes", "md_MB", 1e-6), ("md_read_s", "mdread_s", 1), ("load_plan_default_s", "ldplanD_s", 1),

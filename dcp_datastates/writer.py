@@ -43,6 +43,7 @@ from . import save
 from .config import DataStatesConfig
 from .errors import CheckpointWriteError
 from .format.results import CommitLocations, pack_write_results
+from .format.save_plans import wire_plan
 from .save.tier_events import FilesNamed, RankEnded
 from .storage import is_supported_url, normalize, open_storage
 from .tiers import tier_for
@@ -252,7 +253,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         report = RankReport(self.rank, self._dest.durable)
         if self.use_collectives:
             plan = save.skip_replicas(staged, plan)
-        return dataclasses.replace(plan, storage_data=report)
+        # DCP gathers it at the coordinator, pickled: packed (format/save_plans.py).
+        return wire_plan(dataclasses.replace(plan, storage_data=report))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: every rank must be saving the same checkpoint."""
@@ -267,7 +269,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 f"the same path (or checkpoint_id). Nothing was committed."
             )
         current = self._current
-        return self.tier.global_plan(plans, self.save_id, current, current is not None and current.moved_from is not None)
+        plans = self.tier.global_plan(plans, self.save_id, current, current is not None and current.moved_from is not None)
+        # DCP scatters them to the ranks, pickled: packed (format/save_plans.py).
+        return [wire_plan(p) for p in plans]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         staged = self._current

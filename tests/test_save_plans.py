@@ -1,0 +1,157 @@
+"""Save plans packed for DCP's gather and scatter (format/save_plans.py): unpickled, a packed plan
+is the plan that was sent, field by field and item by item (index hints and tensor properties
+included); whatever does not fit the columns is sent as it is; a layered model's plan pickles
+far smaller."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import pickle
+
+import pytest
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from dcp_datastates import DataStatesSavePlanner
+from dcp_datastates.format.save_plans import wire_plan
+
+
+def state_dict(layers: int = 3) -> dict:
+    """Tensors of several dtypes, layouts and flags, nested dicts and lists (int keys in the
+    flatten mapping), values that are not tensors, and names outside ASCII."""
+    sd = {
+        "model": {f"layers.{i}.w": torch.randn(4, 3) for i in range(layers)},
+        "scalar": torch.tensor(1.5, dtype=torch.float64),
+        "grad": torch.ones(2, 2, requires_grad=True),
+        "nhwc": torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "ints": torch.arange(6, dtype=torch.int64),
+        "empty": torch.empty(0, 7),
+        "groups": [{"lr": 0.1, "params": [0, 1]}, {"lr": 0.2, "params": [2]}],
+        "step": 7,
+        "name": "x",
+        "größe": torch.ones(3, dtype=torch.bfloat16),
+        "odd\ud800": torch.ones(1),
+    }
+    return sd
+
+
+def local_plan(planner_cls, sd: dict) -> SavePlan:
+    planner = planner_cls()
+    planner.set_up_planner(sd, is_coordinator=True)
+    return planner.create_local_plan()
+
+
+def global_plans(planner_cls, plans: list[SavePlan]) -> list[SavePlan]:
+    return planner_cls().create_global_plan(plans)[0]
+
+
+def sent(plan: SavePlan) -> SavePlan:
+    return pickle.loads(pickle.dumps(wire_plan(plan)))
+
+
+def assert_same(back: SavePlan, plan: SavePlan) -> None:
+    """Equal field by field, and what equality leaves out: the index hints (MetadataIndex does
+    not compare them), the exact types, one properties object per item as DCP's pickle gives."""
+    assert back == plan
+    assert type(back.items) is list and type(back.planner_data) is type(plan.planner_data)
+    assert [i.index.index for i in back.items] == [i.index.index for i in plan.items]
+    assert [type(i.index.offset) for i in back.items] == [type(i.index.offset) for i in plan.items]
+    for a, b in zip(back.items, plan.items):
+        assert type(a) is WriteItem and a.type is b.type
+        if b.tensor_data is not None:
+            assert a.tensor_data.properties.memory_format == b.tensor_data.properties.memory_format
+            assert type(a.tensor_data.size) is torch.Size
+    props = [i.tensor_data.properties for i in back.items if i.tensor_data is not None]
+    assert len({id(p) for p in props}) == len(props)
+
+
+@pytest.mark.parametrize("planner_cls", [DefaultSavePlanner, DataStatesSavePlanner])
+def test_a_local_plan_comes_back_as_it_was_sent(planner_cls):
+    plan = local_plan(planner_cls, state_dict())
+    assert isinstance(plan.planner_data, dict) and any(isinstance(k, int) for p in plan.planner_data.values() for k in p)
+    wired = wire_plan(plan)
+    assert type(wired.items) is not list and type(wired.planner_data) is not dict  # packed
+    assert wired == plan  # before pickling too: the same items and mapping
+    assert_same(sent(plan), plan)
+
+
+def test_global_plans_with_index_hints_come_back_as_they_were_sent():
+    sd = state_dict()
+    plans = [dataclasses.replace(local_plan(DefaultSavePlanner, sd), storage_data=r) for r in range(3)]
+    out = global_plans(DefaultSavePlanner, plans)
+    hints = [i.index.index for p in out for i in p.items]
+    assert any(h is not None for h in hints)
+    for plan in out:
+        assert_same(sent(plan), plan)
+
+
+class MyItem(WriteItem):
+    """A planner's own item type."""
+
+
+def test_items_dcp_does_not_make_round_trip_or_travel_as_they_are():
+    props = TensorProperties(torch.float16, pin_memory=True)
+    chunk = ChunkStorageMetadata(torch.Size([2, 0]), torch.Size([2, 5]))
+    items = [
+        # An index offset other than the chunk's, and a large hint.
+        WriteItem(MetadataIndex("a", [0, 0], 2**40), WriteItemType.SHARD, None,
+                  TensorWriteData(chunk, props, torch.Size([4, 5]))),
+        WriteItem(MetadataIndex("b", None, None), WriteItemType.BYTE_IO, BytesIOWriteData(123), None),
+        WriteItem(MetadataIndex("c", [3], 0), WriteItemType.BYTE_IO, None, None),
+    ]
+    plan = SavePlan(items, storage_data={"x": 1}, planner_data=None)
+    assert_same(sent(plan), plan)
+
+    for odd in (MyItem(MetadataIndex("d"), WriteItemType.BYTE_IO),
+                WriteItem(MetadataIndex("e", [0], -5), WriteItemType.SHARD, None,
+                          TensorWriteData(chunk, props, torch.Size([4, 5]))),
+                WriteItem(MetadataIndex("f", [0]), WriteItemType.SHARD, None,
+                          TensorWriteData(chunk, props, (4, 5)))):
+        plan = SavePlan([*items, odd])
+        wired = wire_plan(plan)
+        assert type(wired.items) is list  # not packed: sent as DCP would
+        back = pickle.loads(pickle.dumps(wired))
+        assert back == plan and type(back.items[-1]) is type(odd)
+
+
+@pytest.mark.parametrize("mapping", [
+    {"a.b": ("a", "c")},  # the path does not spell the name
+    {"a.1": ("a", True)},  # a key of another type
+    {"a": ["a"]},  # not a tuple
+    {"a": ()},
+])
+def test_a_mapping_that_is_not_dcps_flattening_travels_as_it_is(mapping):
+    plan = SavePlan([], planner_data=mapping)
+    wired = wire_plan(plan)
+    assert type(wired.planner_data) is dict and wired.planner_data == mapping
+    assert pickle.loads(pickle.dumps(wired)) == plan
+
+
+def test_a_mapping_with_int_keys_and_empty_names_comes_back():
+    mapping = {"a.0.b": ("a", 0, "b"), "x.-3": ("x", -3), "..y": ("", "", "y"), "": ("",), "12": (12,)}
+    plan = SavePlan([], planner_data=mapping)
+    back = sent(plan)
+    assert back.planner_data == mapping
+    assert [tuple(map(type, p)) for p in back.planner_data.values()] == [tuple(map(type, p)) for p in mapping.values()]
+
+
+def test_a_plan_without_items_or_mapping_is_the_same_object():
+    plan = SavePlan([], usable=False)
+    assert wire_plan(plan) is plan
+    other = SavePlan([], planner_data=object())
+    assert wire_plan(other) is other
+
+
+def test_a_layered_models_plan_pickles_far_smaller():
+    sd = {"model": {f"layers.{i}.{p}": torch.empty(8, 8) for i in range(200) for p in ("wq", "wk", "wv", "wo")}}
+    plan = local_plan(DataStatesSavePlanner, sd)
+    plain = len(pickle.dumps(plan))
+    packed = len(pickle.dumps(wire_plan(plan)))
+    assert packed * 10 < plain, (packed, plain)
+    # The names are sent once for the items and the mapping (both refer to them).
+    buf = io.BytesIO()
+    pickle.dump(wire_plan(plan), buf)
+    assert buf.getvalue().count(b"layers") <= 1
