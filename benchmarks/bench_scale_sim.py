@@ -30,7 +30,7 @@ of a step, measured through gc.callbacks):
   global_plan_first_s   rank 0: ``create_global_plan`` of all N plans (each made by the method's
                         planner, prepared as its writer does, pickled + unpickled as gathered)
   gather_plans_s        rank 0: unpickling every rank's local plan of a first save, as DCP's gather
-                        does (GC off): ours packed by ``wire_plan`` as its writer sends them
+                        does (GC off): ours packed by ``wire_save_plan`` as its writer sends them
   global_plan_steady_s  the next save: ours sends the cached empty, unusable plans (checked on the
                         chosen rank: steady_plan_unusable); stock has no caching (= first)
   gather_results_s      rank 0: unpickling every rank's write results as DCP's gather does (GC off):
@@ -44,6 +44,9 @@ of a step, measured through gc.callbacks):
                         ``.read_metadata()``, then ``set_up_planner`` + ``create_local_plan`` of
                         DefaultLoadPlanner (both) and DataStatesLoadPlanner (ours; our reader pauses
                         the GC for a load); each planner gets a fresh read (decodes may be lazy)
+  load_plan_bytes       the chosen rank's load plan (its method's own planner) pickled as its reader
+                        sends it to the coordinator at every load (DCP gathers every rank's and
+                        scatters them back: about 2 x N x this through rank 0)
   gather_*/scatter_*/broadcast_metadata
                         pickled bytes through rank 0: local plans, scattered plans, write results,
                         and one copy of the metadata DCP broadcasts after finish
@@ -121,9 +124,9 @@ from dcp_datastates import DataStatesConfig, DataStatesLoadPlanner, DataStatesRe
 from dcp_datastates import planners as ds_planners
 from dcp_datastates.format import layout as ds_layout
 from dcp_datastates.format import locations as ds_locations
+from dcp_datastates.format.dcp_plans import wire_save_plan
 from dcp_datastates.format.metadata import encode_commit
 from dcp_datastates.format.results import CommitLocations, pack_write_results
-from dcp_datastates.format.save_plans import wire_plan
 from dcp_datastates.native import engine_module
 from dcp_datastates.runtime.gc_pause import gc_paused
 from dcp_datastates.save import CommitNotice, skip_replicas
@@ -283,7 +286,7 @@ def chosen_state(case: dict) -> dict:
 def _ds_prepare_local_plan(plan: SavePlan, rank: int, flat: dict, folder: str) -> SavePlan:
     """DataStatesWriter.prepare_local_plan: a replicated DTensor shard stays in the plan of the
     replica that staged it only (``_dtensor_replicas``, ``skip_replicas``); the rank's report;
-    packed for the gather (``wire_plan``)."""
+    packed for the gather (``wire_save_plan``)."""
     skipped = set()
     if plan.usable:
         for fqn, obj in flat.items():
@@ -293,7 +296,7 @@ def _ds_prepare_local_plan(plan: SavePlan, rank: int, flat: dict, folder: str) -
                 if rep is not None and rep.writer != rep.mine:
                     skipped.add(key)
     plan = skip_replicas(types.SimpleNamespace(request=SaveRequest(skipped=frozenset(skipped))), plan)
-    return wire_plan(dataclasses.replace(plan, storage_data=RankReport(rank, folder)))
+    return wire_save_plan(dataclasses.replace(plan, storage_data=RankReport(rank, folder)))
 
 
 def _ds_location(file, offset, length, dtype, shape, data_start, file_size):
@@ -342,6 +345,7 @@ class Method:
     broadcast: Callable  # metadata after the commit -> what DCP broadcasts
     read_metadata: Callable  # folder -> (Metadata, end of the load)
     load_planners: dict
+    prepare_load_plan: Callable  # (folder, load plan) -> what the rank sends the coordinator
 
 
 METHODS = {
@@ -353,7 +357,8 @@ METHODS = {
         location=_ds_location, send_results=pack_write_results, commit=_ds_commit,
         write=lambda data, folder: open_storage(folder).put(ds_layout.METADATA_NAME, data, sync=True),
         broadcast=_ds_broadcast, read_metadata=_ds_read,
-        load_planners={"default": DefaultLoadPlanner, "ours": DataStatesLoadPlanner}),
+        load_planners={"default": DefaultLoadPlanner, "ours": DataStatesLoadPlanner},
+        prepare_load_plan=lambda folder, plan: DataStatesReader(folder).prepare_local_plan(plan)),
     "dcp": Method(
         save_planner=lambda key: DefaultSavePlanner(), caching=False,
         prepare_local_plan=lambda plan, rank, flat, folder: plan,  # FileSystemWriter's, with collectives
@@ -362,7 +367,8 @@ METHODS = {
         location=lambda file, offset, length, *_: _StorageInfo(file, offset, length), send_results=lambda r: r,
         commit=_dcp_commit, write=None, broadcast=lambda md: md,
         read_metadata=lambda folder: (FileSystemReader(folder).read_metadata(), lambda: None),
-        load_planners={"default": DefaultLoadPlanner}),
+        load_planners={"default": DefaultLoadPlanner},
+        prepare_load_plan=lambda folder, plan: FileSystemReader(folder).prepare_local_plan(plan)),
 }
 
 
@@ -561,16 +567,18 @@ def step_read_load(method: Method, folder: str, state: dict, repeat: int, prof=N
     each planner: a decode may be lazy), then ``set_up_planner`` + ``create_local_plan``; with
     ``prof``, one more load with the method's own planner, profiled and not timed."""
     reads, plans, items, g0 = [], {k: [] for k in method.load_planners}, {}, GCClock.total
+    sent: dict = {}
 
     def load(cls):
         md, end_load = method.read_metadata(folder)
         t1 = time.perf_counter()
         planner = cls()
         planner.set_up_planner(state, md, is_coordinator=False)
-        count = len(planner.create_local_plan().items)
+        plan = planner.create_local_plan()
         t2 = time.perf_counter()
         end_load()
-        return t1, t2, count
+        sent[cls] = len(pickle.dumps(method.prepare_load_plan(folder, plan)))
+        return t1, t2, len(plan.items)
     for _ in range(repeat):
         for name, cls in method.load_planners.items():
             t0 = time.perf_counter()
@@ -582,7 +590,8 @@ def step_read_load(method: Method, folder: str, state: dict, repeat: int, prof=N
     gc_s = round((GCClock.total - g0) / len(reads), 4)  # a load's mean (a DataStatesReader load pauses it)
     if prof is not None:
         prof.runcall(load, list(method.load_planners.values())[-1])
-    return round(statistics.median(reads), 4), {k: round(statistics.median(v), 4) for k, v in plans.items()}, items, gc_s
+    own = sent.get(list(method.load_planners.values())[-1])
+    return round(statistics.median(reads), 4), {k: round(statistics.median(v), 4) for k, v in plans.items()}, items, gc_s, own
 
 
 # ------------------------------------------------------------------------------ one case
@@ -663,7 +672,8 @@ def run_load(case: dict) -> dict:
     settle()
     peak = Peak()
     peak.reset()
-    out["md_read_s"], load_s, out["load_read_items"], out["load_gc_s"] = step_read_load(method, case["folder"], dstate, case["repeat"], prof)
+    (out["md_read_s"], load_s, out["load_read_items"], out["load_gc_s"],
+     out["load_plan_bytes"]) = step_read_load(method, case["folder"], dstate, case["repeat"], prof)
     out["load_peak_extra_mib"] = peak.extra_mib()
     out["load_plan_default_s"], out["load_plan_ours_s"] = load_s["default"], load_s.get("ours")
     out["load_total_s"] = round(out["md_read_s"] + load_s.get("ours", load_s["default"]), 4)
@@ -830,7 +840,7 @@ COLUMNS = [("local_plan_s", "lplan_s", 1), ("gather_plans_s", "unpk1_s", 1), ("g
            ("metadata_bytes", "md_MB", 1e-6), ("md_read_s", "mdread_s", 1), ("load_plan_default_s", "ldplanD_s", 1),
            ("load_plan_ours_s", "ldplanO_s", 1), ("load_total_s", "load_s", 1), ("gather_bytes_first", "gath1_MB", 1e-6),
            ("gather_bytes_steady", "gathN_MB", 1e-6), ("peak_extra_mib", "peak_MiB", 1),
-           ("load_peak_extra_mib", "ldpeak_MiB", 1)]
+           ("load_peak_extra_mib", "ldpeak_MiB", 1), ("load_plan_bytes", "ldplan_KB", 1e-3)]
 
 
 def print_table(rows: list[dict]) -> None:

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from .commit import by_folder, data_file, file_size_error, is_committed, read_commit
 from .config import DataStatesConfig
 from .errors import CheckpointFormatError, IncompleteCheckpointError, record_metadata_read
+from .format.dcp_plans import wire_load_plan
 from .format.layout import rank_marker_name
 from .format.locations import FileInfo, ItemLocation
 from .load import read
@@ -193,10 +194,12 @@ class DataStatesReader(StorageReader):
             self._storage = open_storage(self.path, self.config.storage_options)
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        # DCP gathers it at the coordinator, pickled: packed (format/dcp_plans.py).
+        return wire_load_plan(plan)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        # DCP scatters them to the ranks, pickled: packed.
+        return [wire_load_plan(p) for p in plans]
 
     def _end_load_pause(self, after: float = 0.0) -> None:
         pause, self._load_pause = self._load_pause, None

@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from . import save
 from .config import DataStatesConfig
 from .errors import CheckpointWriteError
+from .format.dcp_plans import wire_save_plan, wire_save_plans
 from .format.results import CommitLocations, pack_write_results
-from .format.save_plans import wire_plan
 from .save.tier_events import FilesNamed, RankEnded
 from .storage import is_supported_url, normalize, open_storage
 from .tiers import tier_for
@@ -253,8 +253,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         report = RankReport(self.rank, self._dest.durable)
         if self.use_collectives:
             plan = save.skip_replicas(staged, plan)
-        # DCP gathers it at the coordinator, pickled: packed (format/save_plans.py).
-        return wire_plan(dataclasses.replace(plan, storage_data=report))
+        # DCP gathers it at the coordinator, pickled: packed (format/dcp_plans.py).
+        return wire_save_plan(dataclasses.replace(plan, storage_data=report))
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: every rank must be saving the same checkpoint."""
@@ -270,8 +270,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
             )
         current = self._current
         plans = self.tier.global_plan(plans, self.save_id, current, current is not None and current.moved_from is not None)
-        # DCP scatters them to the ranks, pickled: packed (format/save_plans.py).
-        return [wire_plan(p) for p in plans]
+        # DCP scatters them to the ranks, pickled: packed (format/dcp_plans.py).
+        return wire_save_plans(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> torch.futures.Future:
         staged = self._current

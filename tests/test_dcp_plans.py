@@ -1,22 +1,32 @@
-"""Save plans packed for DCP's gather and scatter (format/save_plans.py): unpickled, a packed plan
+"""Save plans packed for DCP's gather and scatter (format/dcp_plans.py): unpickled, a packed plan
 is the plan that was sent, field by field and item by item (index hints and tensor properties
 included); whatever does not fit the columns is sent as it is; a layered model's plan pickles
 far smaller."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import pickle
 
 import pytest
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import BytesIOWriteData, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    BytesIOWriteData,
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 
-from dcp_datastates import DataStatesSavePlanner
-from dcp_datastates.format.save_plans import wire_plan
+from dcp_datastates import DataStatesLoadPlanner, DataStatesSavePlanner
+from dcp_datastates.format.dcp_plans import wire_load_plan, wire_save_plan, wire_save_plans
 
 
 def state_dict(layers: int = 3) -> dict:
@@ -49,7 +59,7 @@ def global_plans(planner_cls, plans: list[SavePlan]) -> list[SavePlan]:
 
 
 def sent(plan: SavePlan) -> SavePlan:
-    return pickle.loads(pickle.dumps(wire_plan(plan)))
+    return pickle.loads(pickle.dumps(wire_save_plan(plan)))
 
 
 def assert_same(back: SavePlan, plan: SavePlan) -> None:
@@ -72,10 +82,12 @@ def assert_same(back: SavePlan, plan: SavePlan) -> None:
 def test_a_local_plan_comes_back_as_it_was_sent(planner_cls):
     plan = local_plan(planner_cls, state_dict())
     assert isinstance(plan.planner_data, dict) and any(isinstance(k, int) for p in plan.planner_data.values() for k in p)
-    wired = wire_plan(plan)
+    wired = wire_save_plan(plan)
     assert type(wired.items) is not list and type(wired.planner_data) is not dict  # packed
     assert wired == plan  # before pickling too: the same items and mapping
     assert_same(sent(plan), plan)
+    assert copy.copy(wired.items) == plan.items and copy.copy(wired.planner_data) == plan.planner_data
+    assert_same(copy.deepcopy(wired), plan)
 
 
 def test_global_plans_with_index_hints_come_back_as_they_were_sent():
@@ -111,7 +123,7 @@ def test_items_dcp_does_not_make_round_trip_or_travel_as_they_are():
                 WriteItem(MetadataIndex("f", [0]), WriteItemType.SHARD, None,
                           TensorWriteData(chunk, props, (4, 5)))):
         plan = SavePlan([*items, odd])
-        wired = wire_plan(plan)
+        wired = wire_save_plan(plan)
         assert type(wired.items) is list  # not packed: sent as DCP would
         back = pickle.loads(pickle.dumps(wired))
         assert back == plan and type(back.items[-1]) is type(odd)
@@ -125,7 +137,7 @@ def test_items_dcp_does_not_make_round_trip_or_travel_as_they_are():
 ])
 def test_a_mapping_that_is_not_dcps_flattening_travels_as_it_is(mapping):
     plan = SavePlan([], planner_data=mapping)
-    wired = wire_plan(plan)
+    wired = wire_save_plan(plan)
     assert type(wired.planner_data) is dict and wired.planner_data == mapping
     assert pickle.loads(pickle.dumps(wired)) == plan
 
@@ -140,18 +152,108 @@ def test_a_mapping_with_int_keys_and_empty_names_comes_back():
 
 def test_a_plan_without_items_or_mapping_is_the_same_object():
     plan = SavePlan([], usable=False)
-    assert wire_plan(plan) is plan
+    assert wire_save_plan(plan) is plan
     other = SavePlan([], planner_data=object())
-    assert wire_plan(other) is other
+    assert wire_save_plan(other) is other
 
 
 def test_a_layered_models_plan_pickles_far_smaller():
     sd = {"model": {f"layers.{i}.{p}": torch.empty(8, 8) for i in range(200) for p in ("wq", "wk", "wv", "wo")}}
     plan = local_plan(DataStatesSavePlanner, sd)
     plain = len(pickle.dumps(plan))
-    packed = len(pickle.dumps(wire_plan(plan)))
+    packed = len(pickle.dumps(wire_save_plan(plan)))
     assert packed * 10 < plain, (packed, plain)
     # The names are sent once for the items and the mapping (both refer to them).
     buf = io.BytesIO()
-    pickle.dump(wire_plan(plan), buf)
+    pickle.dump(wire_save_plan(plan), buf)
     assert buf.getvalue().count(b"layers") <= 1
+
+
+# ---------------------------------------------------------------------------- load plans
+def load_plan(planner_cls, tmp_path, sd: dict) -> LoadPlan:
+    """The load plan of ``sd`` against a checkpoint of ``sd`` saved by DCP's own writer."""
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint import save as dcp_save
+
+    dcp_save(sd, storage_writer=FileSystemWriter(str(tmp_path)), no_dist=True)
+    planner = planner_cls()
+    planner.set_up_planner(sd, FileSystemReader(str(tmp_path)).read_metadata(), True)
+    return planner.create_local_plan()
+
+
+def assert_same_reads(back: LoadPlan, plan: LoadPlan) -> None:
+    assert back == plan and type(back.items) is list
+    for a, b in zip(back.items, plan.items):
+        assert type(a) is ReadItem and a.type is b.type
+        assert (a.dest_index.index, a.storage_index.index) == (b.dest_index.index, b.storage_index.index)
+        assert (a.dest_index.fqn, a.storage_index.fqn) == (b.dest_index.fqn, b.storage_index.fqn)
+        assert all(type(x) is torch.Size for x in (a.dest_offsets, a.storage_offsets, a.lengths))
+
+
+@pytest.mark.parametrize("planner_cls", [DefaultLoadPlanner, DataStatesLoadPlanner])
+def test_a_load_plan_comes_back_as_it_was_sent(tmp_path, planner_cls):
+    sd = {k: v for k, v in state_dict().items() if k != "odd\ud800"}  # DCP's writer names files by keys
+    plan = load_plan(planner_cls, tmp_path, sd)
+    assert any(i.type is LoadItemType.BYTE_IO for i in plan.items) and any(i.storage_index.index is not None for i in plan.items)
+    wired = wire_load_plan(plan)
+    assert type(wired.items) is not list and wired == plan
+    assert_same_reads(pickle.loads(pickle.dumps(wired)), plan)
+    assert copy.copy(wired.items) == plan.items
+    assert_same_reads(copy.deepcopy(wired), plan)
+
+
+def test_read_items_dcp_does_not_make_round_trip_or_travel_as_they_are():
+    size = torch.Size
+    items = [
+        # Another storage name, offsets that differ, no offsets, large hints.
+        ReadItem(LoadItemType.TENSOR, MetadataIndex("a", [4, 0], 2**40), size([1, 0]),
+                 MetadataIndex("b", [0, 0], 3), size([0, 2]), size([3, 3])),
+        ReadItem(LoadItemType.BYTE_IO, MetadataIndex("c"), size([0]), MetadataIndex("c"), size([0]), size([0])),
+        ReadItem(LoadItemType.TENSOR, MetadataIndex("d", [], 0), size([]), MetadataIndex("d", [], None), size([]),
+                 size([])),
+        ReadItem(LoadItemType.TENSOR, MetadataIndex("e", [2]), size([0]), MetadataIndex("e"), size([0]), size([2])),
+    ]
+    plan = LoadPlan(items, storage_data=7, planner_data={"p": 1})
+    assert_same_reads(pickle.loads(pickle.dumps(wire_load_plan(plan))), plan)
+    for odd in (ReadItem(LoadItemType.TENSOR, MetadataIndex("f", [0], -1), size([0]), MetadataIndex("f", [0]),
+                         size([0]), size([1])),  # a hint of -1 is not "none"
+                ReadItem(LoadItemType.TENSOR, MetadataIndex("g", [0]), (0,), MetadataIndex("g", [0]), size([0]),
+                         size([1]))):
+        plan = LoadPlan([*items, odd])
+        wired = wire_load_plan(plan)
+        assert type(wired.items) is list
+        back = pickle.loads(pickle.dumps(wired))
+        assert back == plan and back.items[-1].dest_index.index == odd.dest_index.index
+    assert wire_load_plan(LoadPlan([])).items == []
+
+
+def test_a_layered_models_load_plan_pickles_far_smaller(tmp_path):
+    sd = {f"layers.{i}.{p}": torch.zeros(8, 8) for i in range(200) for p in ("wq", "wk", "wv", "wo")}
+    plan = load_plan(DataStatesLoadPlanner, tmp_path, sd)
+    plain = len(pickle.dumps(plan))
+    assert len(pickle.dumps(wire_load_plan(plan))) * 10 < plain
+
+
+def test_the_coordinators_plans_share_one_packed_mapping_and_each_comes_back():
+    """Every rank's plan under FSDP has the same flatten mapping: the coordinator packs it once.
+    A plan with a name the shared table lacks, or another mapping, gets its own."""
+    sd = state_dict()
+    plans = [pickle.loads(pickle.dumps(dataclasses.replace(local_plan(DefaultSavePlanner, sd), storage_data=r)))
+             for r in range(3)]
+    extra = {**sd, "late": torch.ones(2)}
+    other = local_plan(DefaultSavePlanner, extra)  # its mapping has "late" too
+    odd_items = dataclasses.replace(plans[0], items=[*plans[0].items, WriteItem(
+        MetadataIndex("only.in.items"), WriteItemType.BYTE_IO)])  # a name the mapping lacks
+    tensors = SavePlan(plans[0].items, planner_data={"t": torch.ones(3)})  # a mapping that is not paths
+    sent_plans = [*plans, odd_items, other, plans[1], tensors, tensors]
+    wired = wire_save_plans(sent_plans)
+    assert wired[0].planner_data is wired[1].planner_data is wired[2].planner_data
+    assert wired[3].planner_data is not wired[2].planner_data  # its own names table
+    assert wired[4].planner_data is not wired[3].planner_data and wired[4].planner_data == other.planner_data
+    assert type(wired[6].planner_data) is dict and type(wired[6].items) is not list
+    for w, plan in zip(wired, sent_plans):
+        back = pickle.loads(pickle.dumps(w))
+        if plan.planner_data is tensors.planner_data:
+            assert back.items == plan.items and torch.equal(back.planner_data["t"], plan.planner_data["t"])
+        else:
+            assert_same(back, plan)
