@@ -88,6 +88,9 @@ def test_a_local_plan_comes_back_as_it_was_sent(planner_cls):
     assert_same(sent(plan), plan)
     assert copy.copy(wired.items) == plan.items and copy.copy(wired.planner_data) == plan.planner_data
     assert_same(copy.deepcopy(wired), plan)
+    as_dict = dataclasses.asdict(wired)  # rebuilds each container by its type, from its content
+    assert as_dict == dataclasses.asdict(plan)
+    assert pickle.loads(pickle.dumps(as_dict))["items"] == as_dict["items"]
 
 
 def test_global_plans_with_index_hints_come_back_as_they_were_sent():

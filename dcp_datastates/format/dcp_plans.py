@@ -157,9 +157,11 @@ class _Wire:
 
     plain: type
 
-    def __init__(self, content, decode, wire: tuple) -> None:
+    def __init__(self, content=(), decode=None, wire: tuple = ()) -> None:
         super().__init__(content)
-        self._wire = (decode, wire)
+        # Made from content alone (``dataclasses.asdict`` rebuilds a container by its type): no
+        # columns, pickled as the plain container.
+        self._wire = (decode, wire) if decode is not None else (self.plain, (self.plain(self),))
 
     def __reduce__(self):
         return self._wire
