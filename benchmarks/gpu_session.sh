@@ -8,6 +8,11 @@
 # "sidebyside" (not in "all", which with it would pass a call's 600 s: a second call) runs
 # `bench --device cuda` cut to 512 MiB with every method, the peers included (wheels from .whl/),
 # stopped with SIGINT after SIDEBYSIDE_S seconds (default 420): the bench then writes what it measured.
+# The wheels, fetched here before the session (the lent machine has no package registry; it has
+# the peers' other dependencies), with .whl/ in .git/info/exclude and carried:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform any -d .whl torch-checkpointing==0.1.1 torchsnapshot==0.1.0 lazy_importer \
+#     importlib-metadata nest-asyncio
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-out}"; mkdir -p "$out"
