@@ -260,3 +260,14 @@ def test_the_coordinators_plans_share_one_packed_mapping_and_each_comes_back():
             assert back.items == plan.items and torch.equal(back.planner_data["t"], plan.planner_data["t"])
         else:
             assert_same(back, plan)
+
+
+def test_packed_plans_keep_no_index_of_their_names(tmp_path):
+    """The coordinator holds every rank's packed plan until DCP scatters it: each keeps its
+    compressed names, not the dict that numbered them (a dict of every name, per plan)."""
+    sd = state_dict()
+    saves = wire_save_plans([local_plan(DefaultSavePlanner, sd), local_plan(DefaultSavePlanner, sd)])
+    loads = [wire_load_plan(load_plan(DataStatesLoadPlanner, tmp_path, {"w": torch.ones(2), "v": torch.ones(3)}))]
+    for plan in [*saves, wire_save_plan(local_plan(DefaultSavePlanner, sd)), *loads]:
+        names = plan.items.__reduce__()[1][0]
+        assert names.blob and not names.index

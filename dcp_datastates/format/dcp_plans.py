@@ -65,7 +65,9 @@ class _Missing(Exception):
 def wire_save_plan(plan: SavePlan) -> SavePlan:
     """``plan`` whose items and flatten mapping travel packed when pickled (each left as it is
     where it does not fit); the same plan when there is nothing to pack."""
-    return _wire_save(plan, None)[0]
+    plan, shared = _wire_save(plan, None)
+    _release(shared)
+    return plan
 
 
 def wire_save_plans(plans: list[SavePlan]) -> list[SavePlan]:
@@ -76,6 +78,7 @@ def wire_save_plans(plans: list[SavePlan]) -> list[SavePlan]:
     for plan in plans:
         plan, shared = _wire_save(plan, shared)
         out.append(plan)
+    _release(shared)
     return out
 
 
@@ -93,10 +96,12 @@ def _wire_save(plan: SavePlan, shared: _Shared | None) -> tuple[SavePlan, _Share
     if not plan.items and type(mapping) is not dict:
         return plan, shared
     if not _same_mapping(mapping, shared):
+        _release(shared)
         shared = _share(mapping, plan.items)
     try:
         rows = _item_rows(plan.items, shared.names)
     except _Missing:  # a name the last plan did not have
+        _release(shared)
         shared = _share(mapping, plan.items)
         rows = _item_rows(plan.items, shared.names)
     except _Unfit:
@@ -117,6 +122,12 @@ def _same_mapping(mapping, shared: _Shared | None) -> bool:
         return bool(mapping == shared.mapping)
     except Exception:  # noqa: BLE001 - values whose comparison fails (a tensor): not the same
         return False
+
+
+def _release(shared: _Shared | None) -> None:
+    """No later plan numbers against ``shared``'s names: their index goes."""
+    if shared is not None:
+        shared.names.release()
 
 
 def _share(mapping, items: list) -> _Shared:
@@ -147,6 +158,7 @@ def wire_load_plan(plan: LoadPlan) -> LoadPlan:
     except _Unfit:
         return plan
     names.freeze()
+    names.release()
     return dataclasses.replace(plan, items=_WireList(plan.items, _reads_from, (names, _ints(rows))))
 
 
@@ -200,6 +212,11 @@ class _Names:
 
     def freeze(self) -> None:
         self.blob = zlib.compress(json.dumps(list(self.index)).encode("ascii"), _LEVEL)
+
+    def release(self) -> None:
+        """The numbering is over: only the blob travels, and a plan the coordinator scatters
+        would otherwise keep its table's index (a dict of every name) until DCP drops it."""
+        self.index = {}
 
     def __reduce__(self):
         return _names_from, (self.blob,)
@@ -399,9 +416,9 @@ def _reads_from(names: tuple[str, ...], blob: bytes) -> list[ReadItem]:
 
 # ----------------------------------------------------------------------------- the mapping
 def _mapping_rows(mapping: dict, names: _Names) -> array:
-    """Per entry: the name's number less the last entry's, the path's length, then per key of the path its length in
-    the name's text, negative for an int key. Only a path whose keys joined by '.' give the name
-    fits (DCP's flattening names them so); any other mapping is sent as it is."""
+    """Per entry: the name's number less the last entry's, the path's length, then per key of the
+    path its length in the name's text, negative for an int key. Only a path whose keys joined by
+    '.' give the name fits (DCP's flattening names them so); any other mapping is sent as it is."""
     rows = array("q")
     last = 0
     for name, path in mapping.items():
