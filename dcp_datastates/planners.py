@@ -59,6 +59,8 @@ class DataStatesSavePlanner(SavePlannerSteps):
       and dtypes are unchanged: a steady-state checkpoint sends an empty, unusable plan instead of
       its items. DCP's own cache comparison ignores dtypes, so a dtype change here drops the
       cached local plan (the rank re-sends it) and re-sends that rank's global plan.
+    - A save planned from the cache keeps its own ``storage_data`` (the storage writer's word
+      for this save; DCP's cache would hand back the first save's).
 
     Args:
         enable_plan_caching: default True.
@@ -112,6 +114,11 @@ class DataStatesSavePlanner(SavePlannerSteps):
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)
+        if plan is not new_plan and new_plan.storage_data is not None:
+            # DCP's cache hands back the first save's plan, its storage_data included. The storage
+            # writer's word for this save (a local tier's: the save's id, its file names' tag)
+            # rides on the delta: keep it.
+            plan = self.plan = dataclasses.replace(plan, storage_data=new_plan.storage_data)
         if self._enable_plan_caching:
             _LOCAL_DTYPES[self._cached_plans_key] = self._pending_dtypes
         return plan

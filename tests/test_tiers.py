@@ -119,6 +119,33 @@ def test_second_save_into_committed_durable_keeps_both_ids_tied(tmp_path):
     assert_state_equal(state, load(durable, nv, state))
 
 
+def test_one_process_saves_from_a_plan_cache_keep_each_saves_word(tmp_path):
+    """One process with a local tier (the coordinator's word: the durable folder and its file
+    names' tag). DataStatesSavePlanner's cached saves each drain to their own folder; DCP's
+    planner with plan caching hands the second save the first's word, and it fails, committing
+    nothing and leaving the first checkpoint as it was."""
+    from dcp_datastates import DataStatesSavePlanner
+
+    nv = tmp_path / "nvme"
+    for i in (1, 2, 3):
+        durable, state = str(tmp_path / "ours" / f"step-{i}"), make_state(i)
+        dcp.async_save(clone_state(state), storage_writer=DataStatesWriter(durable, local_tier=str(nv)),
+                       planner=DataStatesSavePlanner(cache_key="solo-word")).upload_completion.result()
+        out = zeros_like_state(state)
+        dcp.load(out, storage_reader=DataStatesReader(durable))  # the durable copy alone
+        assert_state_equal(state, out)
+    first, second = str(tmp_path / "stock" / "step-1"), str(tmp_path / "stock" / "step-2")
+    dcp.async_save(clone_state(make_state(1)), storage_writer=DataStatesWriter(first, local_tier=str(nv)),
+                   planner=DefaultSavePlanner(enable_plan_caching=True)).upload_completion.result()
+    before = data_bytes(first)
+    with raises_through_dcp(r"checkpoint \S*step-2: this rank was handed an earlier save's plan"):
+        dcp.async_save(clone_state(make_state(2)), storage_writer=DataStatesWriter(second, local_tier=str(nv)),
+                       planner=DefaultSavePlanner(enable_plan_caching=True)).upload_completion.result()
+    assert not commit.is_committed(second)
+    assert data_bytes(first) == before
+    assert_state_equal(make_state(1), load(first, nv, make_state(1)))
+
+
 def test_failing_drain_raises_names_durable_and_keeps_local(tmp_path):
     durable, nv = str(tmp_path / "ro" / "step-3"), tmp_path / "nvme"
     os.makedirs(tmp_path / "ro")

@@ -223,6 +223,42 @@ def test_keep_local_with_several_ranks(tmp_path):
     run_ranks(2, _keep_local, str(tmp_path))
 
 
+def _plan_cache_and_the_coordinators_word(rank, world, root):
+    """Saves planned from a plan cache with a local tier. DataStatesSavePlanner carries each
+    save's word from the coordinator, so every rank records its files under that save's id (what
+    a restart's check of the node's copies looks them up by) and each checkpoint loads. DCP's
+    own planner with plan caching hands a rank the first save's word again: that save fails on
+    every rank and commits nothing."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    from dcp_datastates import DataStatesSavePlanner
+
+    nv = node_tier(root, rank, world)
+    for i in (1, 2, 3):
+        durable, state = os.path.join(root, "ours", f"step-{i}"), rank_state(rank, i)
+        dcp.async_save(clone_state(state), storage_writer=DataStatesWriter(durable, local_tier=nv),
+                       planner=DataStatesSavePlanner(cache_key="tier-word")).upload_completion.result(timeout=120)
+        held = tiers.local_files(tiers.local_copy(nv, durable), commit.checkpoint_id(durable))
+        assert any(name.startswith(f"__{rank}_") for name in held), (i, held)
+        out, _ = load(durable, nv, state)
+        assert_state_equal(state, out)
+    first, second = (os.path.join(root, "stock", f"step-{i}") for i in (1, 2))
+    dcp.async_save(clone_state(rank_state(rank, 1)), storage_writer=DataStatesWriter(first, local_tier=nv),
+                   planner=DefaultSavePlanner(enable_plan_caching=True)).upload_completion.result(timeout=120)
+    with raises_through_dcp(r"checkpoint \S*step-2: this rank was handed an earlier save's plan .*enable_plan_caching=True.*"
+                            r"save with DataStatesSavePlanner"):
+        dcp.async_save(clone_state(rank_state(rank, 2)), storage_writer=DataStatesWriter(second, local_tier=nv),
+                       planner=DefaultSavePlanner(enable_plan_caching=True)).upload_completion.result(timeout=120)
+    dist.barrier()
+    assert not commit.is_committed(second)
+    out, _ = load(first, nv, rank_state(rank, 1))
+    assert_state_equal(rank_state(rank, 1), out)
+
+
+def test_saves_from_a_plan_cache_keep_each_saves_word_from_the_coordinator(tmp_path):
+    run_ranks(2, _plan_cache_and_the_coordinators_word, str(tmp_path))
+
+
 def _killed_before_its_drain(rank, world, root):
     """The last rank's process dies after its local flush, before draining (its drain never runs,
     never reports): the save fails on every rank within drain_timeout, the checkpoint is restorable

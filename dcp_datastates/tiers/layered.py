@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 import weakref
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from ..commit import prepare_folder, write_commit
+from ..errors import CheckpointWriteError
 from ..forking import ThreadPool
 from ..format.layout import new_tag
 from ..format.locations import moved, split_reference
@@ -43,6 +46,10 @@ _drainers = ThreadPool(max_workers=2, thread_name_prefix="dcp-datastates-drain")
 _early = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-drain-early")
 # A failed save's discard waits this long for its drain to end before removing its copies.
 _DRAIN_END_WAIT_S = 30.0
+# The coordinator's words (RankDrain, SoloDrain) this process acted on, with their saves (weak):
+# each save gets its word afresh, so one met again in another save is a replay (_refuse_replayed).
+_words_taken: deque = deque(maxlen=64)
+_words_lock = threading.Lock()
 # One rank: the local copies evicted (keep_local) while the save's own drain runs.
 _evictors = ThreadPool(max_workers=1, thread_name_prefix="dcp-datastates-evict")
 
@@ -118,6 +125,7 @@ class LocalTier(NoTier):
         if event.plan is BEFORE_PLAN:
             self._start_early(event)
             return
+        self._refuse_replayed(event.plan, event.key)
         record = self._of(event.key)
         record.plan = event.plan
         if not record.reconciled:
@@ -132,6 +140,28 @@ class LocalTier(NoTier):
                     # DCP named another folder (reset), or planned without the request's plan.
                     _cancel(followed, "the save's durable files are named otherwise")
         self._follow(record, event)
+
+    def _refuse_replayed(self, word, key: object) -> None:
+        """A plan cache (DCP's ``SavePlanner`` with ``enable_plan_caching=True``) hands a rank
+        the plan of the save that filled it, its ``storage_data`` included, instead of this
+        save's: the word of an earlier save (its id and its file names' tag). Acting on it would
+        record this save's files under the other's id and name them by its tag, so the save
+        fails here, on every rank through DCP, before a file is copied."""
+        if key is None or not isinstance(word, (RankDrain, SoloDrain)):
+            return
+        with _words_lock:
+            for taken, save in _words_taken:
+                if taken is word:
+                    if save() is key:
+                        return
+                    raise CheckpointWriteError(
+                        f"checkpoint {self.durable_path}: this rank was handed an earlier save's plan (a save "
+                        "planner's plan cache, enable_plan_caching=True), without this save's word from the "
+                        "coordinator (its id and file names); with local_tier, save with DataStatesSavePlanner "
+                        "(it carries each save's word) or a planner without plan caching. Nothing of this save "
+                        "is committed."
+                    )
+            _words_taken.append((word, weakref.ref(key)))
 
     def _start_early(self, event: FilesNamed) -> None:
         """One process saving alone: its files are copied to the durable tier before DCP plans,
