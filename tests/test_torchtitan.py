@@ -91,11 +91,11 @@ class TrainState:
         self.step = sd["step"]
 
 
-def build(tt, folder, seed=0, **options):
+def build(tt, folder, seed=0, hidden=64, **options):
     from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
     torch.manual_seed(seed)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+    model = torch.nn.Sequential(torch.nn.Linear(32, hidden), torch.nn.GELU(), torch.nn.Linear(hidden, 8))
     optimizers = default_adamw(lr=1e-2, implementation="for-loop").build(model_parts=[model])
     lr_schedulers = LRSchedulersContainer(optimizers, lambda step: 1.0 / (1 + step))
     train_state = TrainState()
@@ -307,6 +307,43 @@ def test_sync_mode_and_pinned_mode(tt, tmp_path):
     *_, pinned = build(tt, tmp_path / "pinned", async_mode="async_with_pinned_mem", keep_latest_k=0)
     assert pinned.async_mode == AsyncMode.ASYNC  # lazy staging into the pinned DataStates cache
     pinned.close()
+
+
+def test_steady_saves_send_cached_plans_and_a_mismatched_resume_names_the_item(tt, tmp_path, monkeypatch):
+    """The manager plans with the library's planners. Saves after the first send every rank's
+    cached plan (DCP's default planner would re-plan every save: minutes on the coordinator at
+    a thousand ranks), and resuming into a model of other shapes fails naming the checkpoint and
+    the item, before a byte is read."""
+    from dcp_datastates import DataStatesSavePlanner
+
+    gathered = []
+    real = DataStatesSavePlanner.create_global_plan
+
+    def spy(self, all_plans):
+        gathered.append([p.usable for p in all_plans])
+        return real(self, all_plans)
+
+    monkeypatch.setattr(DataStatesSavePlanner, "create_global_plan", spy)
+    model, optimizers, lrs, ts, manager = build(tt, tmp_path, keep_latest_k=0)
+    snaps = {}
+    train(model, optimizers, lrs, ts, manager, steps=6, snapshots=snaps)
+    manager.maybe_wait_for_saving()
+    manager.close()
+    # Saves at steps 2, 4, 6: the first sends its plan (unless an earlier test of this process
+    # saved the same state dict: the cache is process-wide), the next two their cached ones.
+    assert len(gathered) == 3 and gathered[1:] == [[False], [False]], gathered
+    model2, opt2, lrs2, ts2, manager2 = build(tt, tmp_path, seed=7, keep_latest_k=0)
+    assert manager2.load() and ts2.step == 6
+    assert_matches(snaps[6], model2, opt2)
+    manager2.close()
+
+    model3, opt3, lrs3, ts3, manager3 = build(tt, tmp_path, seed=5, hidden=48, keep_latest_k=0)
+    before = snapshot(model3, opt3)
+    with raises_through_dcp(r"checkpoint \S*step-6: item '0\.(weight|bias)' has shape \[64(, 32)?\] in the checkpoint, "
+                            r"the state dict expects \[48(, 32)?\]"):
+        manager3.load()
+    assert_matches(before, model3, opt3)
+    manager3.close()
 
 
 def test_resumes_from_a_stock_torchtitan_checkpoint(tt, tmp_path):

@@ -48,6 +48,7 @@ from ..commit import referenced_by
 from ..config import DataStatesConfig
 from ..format.layout import METADATA_NAME, STEP_NUMBER
 from ..format.safe_unpickle import restricted_pickle_loads
+from ..planners import DataStatesLoadPlanner, DataStatesSavePlanner
 from ..reader import DataStatesReader
 from ..runtime.inflight import wait_staged
 from ..runtime.process_group import checkpoint_process_group
@@ -93,9 +94,10 @@ if TORCHTITAN_AVAILABLE:
     class DataStatesCheckpointManager(CheckpointManager):
         """TorchTitan ``CheckpointManager`` that checkpoints through DataStates.
 
-        Overrides the storage hooks, ``dcp_save`` (DataStatesWriter, lazy staging with
-        ``async_mode="async"``), ``dcp_load`` (DataStatesReader; stock DCP and Hugging Face
-        checkpoints still load through TorchTitan's code) and ``_maybe_wait_for_staging``, and
+        Overrides the storage hooks, ``dcp_save`` (DataStatesWriter and DataStatesSavePlanner,
+        lazy staging with ``async_mode="async"``), ``dcp_load`` (DataStatesReader and
+        DataStatesLoadPlanner; stock DCP and Hugging Face checkpoints still load through
+        TorchTitan's code) and ``_maybe_wait_for_staging``, and
         besides them ``_find_load_step`` and ``close``.
         """
 
@@ -262,16 +264,19 @@ if TORCHTITAN_AVAILABLE:
             # The checkpoint's own group: write results are consolidated rank -> node leader ->
             # coordinator on it, never on the training group.
             writer = DataStatesWriter(checkpoint_id, config=self.datastates_config, process_group=self.pg)
+            # Our planner: steady-state saves reuse the cached plans (DCP's default planner makes
+            # every save a first save, minutes on the coordinator at a thousand ranks).
+            planner = DataStatesSavePlanner()
             ret = None
             if async_mode in (AsyncMode.ASYNC, AsyncMode.ASYNC_WITH_PINNED_MEM):
                 resp = dcp.async_save(
-                    state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, process_group=self.pg
+                    state_dict, storage_writer=writer, planner=planner, checkpoint_id=checkpoint_id, process_group=self.pg
                 )
                 staging = getattr(resp, "staging_completion", None)
                 self.staging_completion = staging
                 ret = getattr(resp, "upload_completion", resp)
             else:
-                dcp.save(state_dict, storage_writer=writer, checkpoint_id=checkpoint_id, process_group=self.pg)
+                dcp.save(state_dict, storage_writer=writer, planner=planner, checkpoint_id=checkpoint_id, process_group=self.pg)
             if enable_garbage_collection:
                 GarbageCollection.collect("GC collection invoked by checkpointer.")
             return ret
@@ -301,7 +306,9 @@ if TORCHTITAN_AVAILABLE:
             if not trusted and hasattr(state_dict.get(DATALOADER), "load_state_dict"):
                 state_dict = dict(state_dict)
                 state_dict[DATALOADER] = _RestrictedStateful(state_dict[DATALOADER], str(checkpoint_id))
-            dcp.load(state_dict, storage_reader=reader, checkpoint_id=checkpoint_id)
+            # Our planner: each rank's load plan compares its chunks with the saved ones near them,
+            # not all of them, and a mismatch is named before any byte is read.
+            dcp.load(state_dict, storage_reader=reader, planner=DataStatesLoadPlanner(), checkpoint_id=checkpoint_id)
             # The model's state is flattened into state_dict: hand it back to the model.
             if MODEL in self.states:
                 self.states[MODEL].load_state_dict(state_dict)
