@@ -44,6 +44,7 @@ from .config import DataStatesConfig
 from .errors import CheckpointWriteError
 from .format.dcp_plans import wire_save_plan, wire_save_plans
 from .format.results import CommitLocations, pack_write_results
+from .save.global_plan import warn_if_planning_is_slow
 from .save.tier_events import FilesNamed, RankEnded
 from .storage import is_supported_url, normalize, open_storage
 from .tiers import tier_for
@@ -97,6 +98,8 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         self._retargeted = False
         # Staged saves waiting for their write_data (in order).
         self._pending: list = []
+        # When this rank's last local plan was handed to DCP (the coordinator times its planning).
+        self._local_planned_at: float | None = None
         # The save DCP is planning/writing now.
         self._current = None
         # Written, waiting for finish() (coordinator).
@@ -254,7 +257,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
         if self.use_collectives:
             plan = save.skip_replicas(staged, plan)
         # DCP gathers it at the coordinator, pickled: packed (format/dcp_plans.py).
-        return wire_save_plan(dataclasses.replace(plan, storage_data=report))
+        plan = wire_save_plan(dataclasses.replace(plan, storage_data=report))
+        self._local_planned_at = time.monotonic()
+        return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """Coordinator: every rank must be saving the same checkpoint."""
@@ -268,6 +273,9 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 f"the ranks of one save name different checkpoint paths ({listing}); every rank must pass "
                 f"the same path (or checkpoint_id). Nothing was committed."
             )
+        if self._local_planned_at is not None:
+            warn_if_planning_is_slow(self.path, time.monotonic() - self._local_planned_at, plans,
+                                     self.config.stall_timeout)
         current = self._current
         plans = self.tier.global_plan(plans, self.save_id, current, current is not None and current.moved_from is not None)
         # DCP scatters them to the ranks, pickled: packed (format/dcp_plans.py).

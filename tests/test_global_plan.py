@@ -202,3 +202,32 @@ def test_a_subclass_hook_still_runs():
     plans, _ = Mine(enable_plan_caching=False).create_global_plan(_sharded_plans(2))
     assert seen == [2] and sum(len(p.items) for p in plans) == 4
     assert dataclasses.is_dataclass(plans[0])
+
+
+def test_a_coordinators_planning_near_stall_timeout_is_logged(tmp_path, caplog):
+    """The other ranks wait for the coordinator's global plan in DCP's scatter, on a group that
+    gives up after stall_timeout (checkpoint_process_group): planning past half of it is
+    logged, naming the checkpoint, its size and the knob; planning well within it is not."""
+    import logging
+    import time
+
+    import torch.distributed.checkpoint as dcp
+
+    from dcp_datastates import DataStatesWriter
+
+    class SlowPlanner(DataStatesSavePlanner):
+        def create_global_plan(self, all_plans):
+            time.sleep(0.3)
+            return super().create_global_plan(all_plans)
+
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5)}
+    with caplog.at_level(logging.WARNING, logger="dcp_datastates"):
+        dcp.save(state, storage_writer=DataStatesWriter(str(tmp_path / "quick"), stall_timeout=60),
+                 planner=SlowPlanner(enable_plan_caching=False))
+        assert "global plan took" not in caplog.text
+        dcp.save(state, storage_writer=DataStatesWriter(str(tmp_path / "slow"), stall_timeout=0.4),
+                 planner=SlowPlanner(enable_plan_caching=False))
+    slow = [r.getMessage() for r in caplog.records if "global plan took" in r.getMessage()]
+    assert len(slow) == 1, caplog.text
+    assert str(tmp_path / "slow") in slow[0] and "(the plans of 1 ranks, 2 items, gathered and planned)" in slow[0]
+    assert "gives up after stall_timeout (0.4 s)" in slow[0]

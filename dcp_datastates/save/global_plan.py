@@ -10,11 +10,15 @@ here give DCP's answers at a cost per item of a few C-level operations:
   only the items whose hash repeats are looked at in Python.
 - ``suspect_tensors``: the tensors whose chunks may not tile them (the engine's
   ``find_bad_tilings``); the caller runs DCP's own validation on those alone, for its wording.
+
+Its cost still grows with every rank's chunks, and the other ranks wait for it in DCP's scatter:
+``warn_if_planning_is_slow`` says when it comes near the checkpoint group's timeout.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from array import array
 from itertools import chain
 from operator import attrgetter
@@ -24,9 +28,12 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from ..native import engine_module
 
-__all__ = ["dedup_plans", "suspect_tensors"]
+__all__ = ["dedup_plans", "suspect_tensors", "warn_if_planning_is_slow"]
 
+log = logging.getLogger("dcp_datastates")
 _engine = engine_module()
+# Past this share of ``stall_timeout``, the coordinator's planning is logged as a warning.
+SLOW_PLANNING_SHARE = 0.5
 # What a MetadataIndex compares by.
 _index_key = attrgetter("index.fqn", "index.offset")
 _offsets = attrgetter("offsets")
@@ -147,3 +154,20 @@ def suspect_tensors(metadata: Metadata, several_plans: bool) -> list[str]:
         chosen = set(suspects)
         suspects = [fqn for fqn in metadata.state_dict_metadata if fqn in chosen]
     return suspects
+
+
+def warn_if_planning_is_slow(path, seconds: float, plans: list, stall_timeout: float) -> None:
+    """The coordinator's part of DCP's planning took ``seconds`` (from its own local plan to the
+    global plans of every rank): warn past half of ``stall_timeout``. The other ranks waited as
+    long in DCP's scatter, on a group that gives up after ``stall_timeout`` when
+    ``checkpoint_process_group`` made it (the TorchTitan manager's); a first save's planning
+    grows with every rank's chunks, so a larger job may cross it."""
+    if seconds <= SLOW_PLANNING_SHARE * stall_timeout:
+        return
+    items = sum(len(p.items) for p in plans)
+    log.warning(
+        "dcp_datastates: checkpoint %s: the global plan took %.1f s after the coordinator's local plan (the plans of %d "
+        "ranks, %d items, gathered and planned), and every other rank waited as long in DCP's collective; a group "
+        "made by checkpoint_process_group() (the TorchTitan manager's) gives up after stall_timeout (%g s): keep "
+        "stall_timeout above the planning of the largest first save (docs/configuration.md, \"When a node stops\")",
+        path, seconds, len(plans), items, stall_timeout)
