@@ -47,6 +47,10 @@ of a step, measured through gc.callbacks):
   load_plan_bytes       the chosen rank's load plan (its method's own planner) pickled as its reader
                         sends it to the coordinator at every load (DCP gathers every rank's and
                         scatters them back: about 2 x N x this through rank 0)
+  load_coordinator_s    rank 0 at every load, after the chosen rank's: N copies of that rank's
+                        load plan unpickled as DCP's gather does, the method's global load plan
+                        (its planner's and its reader's), each plan pickled for DCP's scatter (GC
+                        off); every other rank waits for it
   gather_*/scatter_*/broadcast_metadata
                         pickled bytes through rank 0: local plans, scattered plans, write results,
                         and one copy of the metadata DCP broadcasts after finish
@@ -346,6 +350,7 @@ class Method:
     read_metadata: Callable  # folder -> (Metadata, end of the load)
     load_planners: dict
     prepare_load_plan: Callable  # (folder, load plan) -> what the rank sends the coordinator
+    load_global_plan: Callable  # (folder, gathered load plans) -> what the coordinator scatters
 
 
 METHODS = {
@@ -358,7 +363,9 @@ METHODS = {
         write=lambda data, folder: open_storage(folder).put(ds_layout.METADATA_NAME, data, sync=True),
         broadcast=_ds_broadcast, read_metadata=_ds_read,
         load_planners={"default": DefaultLoadPlanner, "ours": DataStatesLoadPlanner},
-        prepare_load_plan=lambda folder, plan: DataStatesReader(folder).prepare_local_plan(plan)),
+        prepare_load_plan=lambda folder, plan: DataStatesReader(folder).prepare_local_plan(plan),
+        load_global_plan=lambda folder, plans: DataStatesReader(folder).prepare_global_plan(
+            DataStatesLoadPlanner().create_global_plan(plans))),
     "dcp": Method(
         save_planner=lambda key: DefaultSavePlanner(), caching=False,
         prepare_local_plan=lambda plan, rank, flat, folder: plan,  # FileSystemWriter's, with collectives
@@ -368,7 +375,9 @@ METHODS = {
         commit=_dcp_commit, write=None, broadcast=lambda md: md,
         read_metadata=lambda folder: (FileSystemReader(folder).read_metadata(), lambda: None),
         load_planners={"default": DefaultLoadPlanner},
-        prepare_load_plan=lambda folder, plan: FileSystemReader(folder).prepare_local_plan(plan)),
+        prepare_load_plan=lambda folder, plan: FileSystemReader(folder).prepare_local_plan(plan),
+        load_global_plan=lambda folder, plans: FileSystemReader(folder).prepare_global_plan(
+            DefaultLoadPlanner().create_global_plan(plans))),
 }
 
 
@@ -577,7 +586,7 @@ def step_read_load(method: Method, folder: str, state: dict, repeat: int, prof=N
         plan = planner.create_local_plan()
         t2 = time.perf_counter()
         end_load()
-        sent[cls] = len(pickle.dumps(method.prepare_load_plan(folder, plan)))
+        sent[cls] = pickle.dumps(method.prepare_load_plan(folder, plan))
         return t1, t2, len(plan.items)
     for _ in range(repeat):
         for name, cls in method.load_planners.items():
@@ -592,6 +601,19 @@ def step_read_load(method: Method, folder: str, state: dict, repeat: int, prof=N
         prof.runcall(load, list(method.load_planners.values())[-1])
     own = sent.get(list(method.load_planners.values())[-1])
     return round(statistics.median(reads), 4), {k: round(statistics.median(v), 4) for k, v in plans.items()}, items, gc_s, own
+
+
+def step_load_coordinator(method: Method, folder: str, sent: bytes, n: int) -> float:
+    """Rank 0 at a load: every rank's load plan unpickled as DCP's gather does (N copies of the
+    chosen rank's), the method's global load plan (its planner's, then its reader's), each plan
+    pickled as DCP's scatter does; GC off, as the gathers here."""
+    with gc_paused():
+        t0 = time.perf_counter()
+        plans = [pickle.loads(sent) for _ in range(n)]
+        out = [pickle.dumps(p) for p in method.load_global_plan(folder, plans)]
+        seconds = time.perf_counter() - t0
+    del plans, out
+    return round(seconds, 4)
 
 
 # ------------------------------------------------------------------------------ one case
@@ -673,8 +695,10 @@ def run_load(case: dict) -> dict:
     peak = Peak()
     peak.reset()
     (out["md_read_s"], load_s, out["load_read_items"], out["load_gc_s"],
-     out["load_plan_bytes"]) = step_read_load(method, case["folder"], dstate, case["repeat"], prof)
+     sent) = step_read_load(method, case["folder"], dstate, case["repeat"], prof)
+    out["load_plan_bytes"] = len(sent)
     out["load_peak_extra_mib"] = peak.extra_mib()
+    out["load_coordinator_s"] = step_load_coordinator(method, case["folder"], sent, case["n"])
     out["load_plan_default_s"], out["load_plan_ours_s"] = load_s["default"], load_s.get("ours")
     out["load_total_s"] = round(out["md_read_s"] + load_s.get("ours", load_s["default"]), 4)
     if prof is not None:
@@ -840,7 +864,8 @@ COLUMNS = [("local_plan_s", "lplan_s", 1), ("gather_plans_s", "unpk1_s", 1), ("g
            ("metadata_bytes", "md_MB", 1e-6), ("md_read_s", "mdread_s", 1), ("load_plan_default_s", "ldplanD_s", 1),
            ("load_plan_ours_s", "ldplanO_s", 1), ("load_total_s", "load_s", 1), ("gather_bytes_first", "gath1_MB", 1e-6),
            ("gather_bytes_steady", "gathN_MB", 1e-6), ("peak_extra_mib", "peak_MiB", 1),
-           ("load_peak_extra_mib", "ldpeak_MiB", 1), ("load_plan_bytes", "ldplan_KB", 1e-3)]
+           ("load_peak_extra_mib", "ldpeak_MiB", 1), ("load_plan_bytes", "ldplan_KB", 1e-3),
+           ("load_coordinator_s", "ldcoord_s", 1)]
 
 
 def print_table(rows: list[dict]) -> None:

@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from dcp_datastates import DataStatesLoadPlanner, DataStatesSavePlanner
-from dcp_datastates.format.dcp_plans import wire_load_plan, wire_save_plan, wire_save_plans
+from dcp_datastates import DataStatesLoadPlanner, DataStatesReader, DataStatesSavePlanner
+from dcp_datastates.format.dcp_plans import PackedLoadPlan, wire_load_plan, wire_save_plan, wire_save_plans
 
 
 def state_dict(layers: int = 3) -> dict:
@@ -199,10 +199,14 @@ def test_a_load_plan_comes_back_as_it_was_sent(tmp_path, planner_cls):
     plan = load_plan(planner_cls, tmp_path, sd)
     assert any(i.type is LoadItemType.BYTE_IO for i in plan.items) and any(i.storage_index.index is not None for i in plan.items)
     wired = wire_load_plan(plan)
-    assert type(wired.items) is not list and wired == plan
-    assert_same_reads(pickle.loads(pickle.dumps(wired)), plan)
-    assert copy.copy(wired.items) == plan.items
+    assert isinstance(wired, PackedLoadPlan) and wired.unread and wired == plan and plan == wired
+    back = pickle.loads(pickle.dumps(wired))
+    assert back.unread
+    assert_same_reads(back, plan)
+    assert type(back.items) is list and not back.unread
+    assert_same_reads(copy.copy(wired), plan)
     assert_same_reads(copy.deepcopy(wired), plan)
+    assert_same_reads(copy.deepcopy(pickle.loads(pickle.dumps(wired))), plan)
 
 
 def test_read_items_dcp_does_not_make_round_trip_or_travel_as_they_are():
@@ -224,7 +228,7 @@ def test_read_items_dcp_does_not_make_round_trip_or_travel_as_they_are():
                          size([1]))):
         plan = LoadPlan([*items, odd])
         wired = wire_load_plan(plan)
-        assert type(wired.items) is list
+        assert wired is plan  # sent as DCP would
         back = pickle.loads(pickle.dumps(wired))
         assert back == plan and back.items[-1].dest_index.index == odd.dest_index.index
     assert wire_load_plan(LoadPlan([])).items == []
@@ -268,6 +272,40 @@ def test_packed_plans_keep_no_index_of_their_names(tmp_path):
     sd = state_dict()
     saves = wire_save_plans([local_plan(DefaultSavePlanner, sd), local_plan(DefaultSavePlanner, sd)])
     loads = [wire_load_plan(load_plan(DataStatesLoadPlanner, tmp_path, {"w": torch.ones(2), "v": torch.ones(3)}))]
-    for plan in [*saves, wire_save_plan(local_plan(DefaultSavePlanner, sd)), *loads]:
+    for plan in [*saves, wire_save_plan(local_plan(DefaultSavePlanner, sd))]:
         names = plan.items.__reduce__()[1][0]
         assert names.blob and not names.index
+    for plan in loads:  # a load plan keeps its columns alone: the names compressed
+        assert all(type(column) is bytes for column in plan.__reduce__()[1][0])
+
+
+def test_the_coordinator_hands_on_load_plans_unread(tmp_path, monkeypatch):
+    """At a load the coordinator gathers every rank's plan and scatters it back; DCP's default
+    planners never read the items there. A gathered plan is not decoded unless its items are
+    read, is handed on as it came (the same columns, no ReadItem made), and a plan whose items
+    a hook read, or replaced, is packed anew from what they are then."""
+    import dcp_datastates.format.dcp_plans as wire
+
+    plan = load_plan(DataStatesLoadPlanner, tmp_path, state_dict())
+    sent = pickle.dumps(wire_load_plan(plan))
+    decoded = []
+    real = wire._reads_from
+    monkeypatch.setattr(wire, "_reads_from", lambda *a: decoded.append(1) or real(*a))
+    gathered = [pickle.loads(sent) for _ in range(3)]
+    scattered = DataStatesReader(str(tmp_path)).prepare_global_plan(
+        DataStatesLoadPlanner().create_global_plan(gathered))
+    assert all(a is b for a, b in zip(scattered, gathered)) and decoded == []
+    assert [pickle.dumps(p) for p in scattered] == [sent] * 3 and decoded == []
+    # A rank reads its own: equal to what its planner made.
+    assert_same_reads(pickle.loads(pickle.dumps(scattered[0])), plan) and decoded == [1]
+    # A hook read the items and changed one: what travels is what they are now.
+    hooked = pickle.loads(sent)
+    hooked.items.pop()
+    again = pickle.loads(pickle.dumps(wire_load_plan(hooked)))
+    assert again.items == plan.items[:-1]
+    replaced = dataclasses.replace(pickle.loads(sent), planner_data={"k": 1})
+    assert isinstance(replaced, PackedLoadPlan) and not replaced.unread
+    back = pickle.loads(pickle.dumps(replaced))
+    assert back.items == plan.items and back.planner_data == {"k": 1}
+    plain = LoadPlan(list(plan.items), storage_data=3)
+    assert pickle.loads(sent) == plain.__class__(plan.items) and pickle.loads(sent) != plain

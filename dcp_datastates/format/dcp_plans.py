@@ -9,8 +9,10 @@ name again. ``wire_save_plan`` and ``wire_load_plan`` return the same plan whose
 save plan's ``planner_data``) pickle as compressed columns: the names once (shared by both), each
 item as a row of integers. Unpickled, they are a plain ``list`` of DCP's items and a plain ``dict``
 equal to what was sent, so every planner hook on the other side sees what DCP's pickle would have
-given it. Items or a mapping that do not fit the columns (a type other than DCP's own, a value out
-of range) are sent as they are, pickled by DCP as before.
+given it. A load plan (``PackedLoadPlan``) decodes its items when they are first read: the
+coordinator, whose default load planner never reads them, hands each rank's plan on as it came.
+Items or a mapping that do not fit the columns (a type other than DCP's own, a value out of
+range) are sent as they are, pickled by DCP as before.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-__all__ = ["wire_save_plan", "wire_save_plans", "wire_load_plan"]
+__all__ = ["wire_save_plan", "wire_save_plans", "wire_load_plan", "PackedLoadPlan"]
 
 # zlib's level: the rows of one layer repeat those of the next one, which any level finds.
 _LEVEL = 6
@@ -148,18 +150,86 @@ def _share(mapping, items: list) -> _Shared:
 
 
 def wire_load_plan(plan: LoadPlan) -> LoadPlan:
-    """``plan`` whose items travel packed when pickled; the same plan when there are none or
-    they do not fit."""
-    if not plan.items:
+    """``plan`` as a ``PackedLoadPlan``: its items travel packed when pickled, and unpickled
+    they are decoded when first asked for. A plan that came packed and whose items nobody
+    asked for is returned as it is (it pickles as the same columns); the same plan when there
+    are no items or they do not fit."""
+    if isinstance(plan, PackedLoadPlan) and plan.unread:
         return plan
+    wire = _pack_reads(plan.items)
+    if wire is None:
+        return plan
+    return PackedLoadPlan._made(wire, None, plan.storage_data, plan.planner_data, sent=plan.items)
+
+
+def _pack_reads(items: list) -> tuple[bytes, bytes] | None:
+    """The columns of ``items`` (names, rows; compressed, and kept so by the coordinator that
+    hands them on); None when there are none or they do not fit."""
+    if not items:
+        return None
     names = _Names()
     try:
-        rows = _read_rows(plan.items, names)
+        rows = _read_rows(items, names)
     except _Unfit:
-        return plan
+        return None
     names.freeze()
-    names.release()
-    return dataclasses.replace(plan, items=_WireList(plan.items, _reads_from, (names, _ints(rows))))
+    return names.blob, _ints(rows)
+
+
+class PackedLoadPlan(LoadPlan):
+    """A ``LoadPlan`` whose items pickle as columns and, unpickled, are decoded when first read.
+
+    At every load DCP gathers each rank's plan at the coordinator and scatters it back, and
+    DCP's default load planners do not look at the items there: the coordinator then holds and
+    sends each plan's columns as they came, and makes no ``ReadItem`` of any rank (millions at
+    a thousand ranks). A planner hook that reads ``items`` gets the plain ``list`` of DCP's
+    items, equal to what was sent; once read they may have changed, and a pickle packs them
+    anew. Equal to a ``LoadPlan`` of the same fields."""
+
+    # Not a dataclass of its own: LoadPlan's fields, __init__ and repr, through this property.
+    @property
+    def items(self) -> list:
+        state = self.__dict__
+        if state["_items"] is None:
+            names, rows = state["_wire"]
+            state["_items"] = _reads_from(_names_from(names), rows)
+        state["_wire"] = None  # read: they may change
+        return state["_items"]
+
+    @items.setter
+    def items(self, value: list) -> None:
+        self.__dict__.update(_items=value, _wire=None)
+
+    @property
+    def unread(self) -> bool:
+        """Its items were never read here (it holds their columns only, or the columns of the
+        items it was made from, untouched since)."""
+        return self.__dict__["_wire"] is not None
+
+    @classmethod
+    def _made(cls, wire: tuple, items, storage_data, planner_data, sent=None) -> "PackedLoadPlan":
+        plan = cls.__new__(cls)
+        plan.__dict__.update(_items=sent if sent is not None else items, _wire=wire, storage_data=storage_data,
+                             planner_data=planner_data)
+        return plan
+
+    def __reduce__(self):
+        wire = self.__dict__["_wire"] or _pack_reads(self.items)
+        if wire is None:
+            return LoadPlan, (self.items, self.storage_data, self.planner_data)
+        return _load_plan_from, (wire, self.storage_data, self.planner_data)
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, LoadPlan):
+            return NotImplemented
+        return (self.items, self.storage_data, self.planner_data) == (other.items, other.storage_data,
+                                                                       other.planner_data)
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _load_plan_from(wire: tuple, storage_data, planner_data) -> PackedLoadPlan:
+    return PackedLoadPlan._made(wire, None, storage_data, planner_data)
 
 
 # ------------------------------------------------------------------------- what travels
