@@ -44,7 +44,6 @@ from .config import DataStatesConfig
 from .errors import CheckpointWriteError
 from .format.dcp_plans import wire_save_plan, wire_save_plans
 from .format.results import CommitLocations, pack_write_results
-from .save.global_plan import warn_if_planning_is_slow
 from .save.tier_events import FilesNamed, RankEnded
 from .storage import is_supported_url, normalize, open_storage
 from .tiers import tier_for
@@ -274,7 +273,7 @@ class DataStatesWriter(StorageWriter, AsyncStager):
                 f"the same path (or checkpoint_id). Nothing was committed."
             )
         if self._local_planned_at is not None:
-            warn_if_planning_is_slow(self.path, time.monotonic() - self._local_planned_at, plans,
+            save.warn_if_planning_is_slow(self.path, time.monotonic() - self._local_planned_at, plans,
                                      self.config.stall_timeout)
         current = self._current
         plans = self.tier.global_plan(plans, self.save_id, current, current is not None and current.moved_from is not None)

@@ -12,7 +12,7 @@
    at the request into ``side_buffers``);
 2. ``request.name_folder`` / ``request.sync_save``: DCP names the folder; on the coordinator,
    DCP's global plan (``global_plan``: its dedup and validation at a C-level cost per item, for
-   ``planners.DataStatesSavePlanner``);
+   ``planners.DataStatesSavePlanner``; a warning when the planning nears ``stall_timeout``);
 3. ``write``: on DCP's thread, ``write_data``: every file durable, late items, the planner's
    data hooks (``planner_hooks``), the items' locations; ``consolidate``: results rank -> node
    leader -> coordinator;
@@ -28,10 +28,11 @@ from ..runtime.inflight import names_in_use
 from .consolidate import consolidate_results
 from .discard import CommitNotice, discard, unwatch, wait_settled, watch
 from .finish import close_save
+from .global_plan import warn_if_planning_is_slow
 from .in_flight import StagedSave
 from .request import global_rank_world, name_folder, request_save, sync_save
 from .write import check_rank_local, skip_replicas, write_rank
 
 __all__ = ["request_save", "name_folder", "sync_save", "write_rank", "check_rank_local", "skip_replicas",
            "consolidate_results", "close_save", "global_rank_world", "StagedSave", "names_in_use",
-           "discard", "watch", "unwatch", "wait_settled", "CommitNotice"]
+           "discard", "watch", "unwatch", "wait_settled", "CommitNotice", "warn_if_planning_is_slow"]
