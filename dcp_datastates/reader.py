@@ -45,9 +45,11 @@ log = logging.getLogger("dcp_datastates")
 
 # A load's pause of the cyclic GC ends after read_data, or after this long: a load DCP gave up on
 # between read_metadata and read_data, or a caller that reads the metadata alone (Megatron's
-# integration does) must not keep the collector paused. Planning between the two takes
-# seconds at most; a longer one merely loses the pause.
-LOAD_GC_PAUSE_MAX_S = 10.0
+# integration does) must not keep the collector paused (young collections still run meanwhile,
+# runtime/gc_pause.py). Planning between the two takes DCP's default load planner tens of
+# seconds at thousands of ranks (it makes an object per saved chunk of every tensor, and full
+# collections walking them would add to that); a longer one merely loses the pause.
+LOAD_GC_PAUSE_MAX_S = 120.0
 
 __all__ = ["DataStatesReader"]
 
