@@ -159,7 +159,7 @@ def wire_load_plan(plan: LoadPlan) -> LoadPlan:
     wire = _pack_reads(plan.items)
     if wire is None:
         return plan
-    return PackedLoadPlan._made(wire, None, plan.storage_data, plan.planner_data, sent=plan.items)
+    return PackedLoadPlan._made(wire, plan.items, plan.storage_data, plan.planner_data)
 
 
 def _pack_reads(items: list) -> tuple[bytes, bytes] | None:
@@ -207,10 +207,10 @@ class PackedLoadPlan(LoadPlan):
         return self.__dict__["_wire"] is not None
 
     @classmethod
-    def _made(cls, wire: tuple, items, storage_data, planner_data, sent=None) -> "PackedLoadPlan":
+    def _made(cls, wire: tuple, items: list | None, storage_data, planner_data) -> "PackedLoadPlan":
+        """A plan of columns ``wire``: of ``items`` (as sent), or to decode when read (None)."""
         plan = cls.__new__(cls)
-        plan.__dict__.update(_items=sent if sent is not None else items, _wire=wire, storage_data=storage_data,
-                             planner_data=planner_data)
+        plan.__dict__.update(_items=items, _wire=wire, storage_data=storage_data, planner_data=planner_data)
         return plan
 
     def __reduce__(self):
